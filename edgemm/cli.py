@@ -1,0 +1,108 @@
+"""The `edgemm` command line.
+
+Exit codes (every command): 0 ok · 2 bad input, usage, config or model folder
+(one-line message, no traceback) · 1 internal error. EDGEMM_DEBUG=1 adds tracebacks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import sys
+import traceback
+
+import click
+
+from edgemm.errors import EdgemmError, InputError
+
+DEFAULT_PROMPT = "describe the image"
+
+
+def fail(message: str, code: int) -> None:
+    click.echo(f"edgemm: error: {message}", err=True)
+    sys.exit(code)
+
+
+def reports_errors(fn):
+    """Turn edgemm's errors into one line on stderr and the documented exit code."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except EdgemmError as e:
+            if os.environ.get("EDGEMM_DEBUG"):
+                traceback.print_exc()
+            fail(str(e), e.exit_code)
+        except KeyboardInterrupt:
+            fail("interrupted", 130)
+        except (click.exceptions.Exit, click.ClickException, SystemExit):
+            raise
+        except Exception as e:  # anything else is our bug: say so, exit 1
+            if os.environ.get("EDGEMM_DEBUG"):
+                traceback.print_exc()
+            fail(f"internal error: {type(e).__name__}: {e} (set EDGEMM_DEBUG=1 for a traceback)", 1)
+    return wrapper
+
+
+def build_config(config_path, model_dir=None, precision=None, threads=None):
+    from edgemm.config import load_config
+    cfg = load_config(config_path)
+    if model_dir is not None:
+        cfg.model = dataclasses.replace(cfg.model, path=model_dir)
+    if precision is not None:
+        cfg.model = dataclasses.replace(cfg.model, precision=precision)
+    if threads is not None:
+        cfg.backend = dataclasses.replace(cfg.backend, intra_op_threads=threads)
+    return cfg
+
+
+def read_image_arg(image: str, max_bytes: int):
+    """`-` reads stdin (bounded); anything else is a path."""
+    if image != "-":
+        return image
+    data = sys.stdin.buffer.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise InputError(f"image on stdin is larger than {max_bytes} bytes (limits.max_image_bytes)")
+    return data
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="edgemm")
+def main() -> None:
+    """edgemm: vision-language inference on NVIDIA Jetson (and anywhere ONNX Runtime runs)."""
+
+
+@main.command()
+@click.argument("image")
+@click.option("--prompt", "-p", default=DEFAULT_PROMPT, show_default=True, help="Question about the image.")
+@click.option("--tier", help="Resolution tier (default: the model's top tier).")
+@click.option("--precision", type=click.Choice(["fp32", "int8", "fp16"]), help="Graph variant to load.")
+@click.option("--model", "model_dir", type=click.Path(), help="Model folder (default: built-in tiny-vlm).")
+@click.option("--config", "config_path", type=click.Path(), envvar="EDGEMM_CONFIG",
+              help="YAML config file.")
+@click.option("--json", "as_json", is_flag=True, help="Print the answer with timings and metadata as JSON.")
+@click.option("--max-new-tokens", type=click.IntRange(1, 4096))
+@click.option("--temperature", type=click.FloatRange(0), help="0 = greedy.")
+@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True))
+@click.option("--seed", type=click.IntRange(0))
+@click.option("--threads", type=click.IntRange(0), help="Intra-op threads (0 = onnxruntime decides).")
+@reports_errors
+def infer(image, prompt, tier, precision, model_dir, config_path, as_json, max_new_tokens,
+          temperature, top_p, seed, threads) -> None:
+    """Answer PROMPT about IMAGE (a file, or - for stdin)."""
+    from edgemm.runtime import Runtime
+    cfg = build_config(config_path, model_dir, precision, threads)
+    source = read_image_arg(image, cfg.limits.max_image_bytes)
+    runtime = Runtime(cfg)
+    result = runtime.infer(source, prompt, tier=tier, max_new_tokens=max_new_tokens,
+                           temperature=temperature, top_p=top_p, seed=seed)
+    if as_json:
+        click.echo(json.dumps({"answer": result.text, "prompt": prompt,
+                               "image": image if image != "-" else "<stdin>", **result.to_dict()}))
+    else:
+        click.echo(result.text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""The errors edgemm reports to people, each with its exit code and HTTP status.
+
+Anything else that escapes is an internal error: exit code 1, HTTP 500.
+"""
+from __future__ import annotations
+
+
+class EdgemmError(Exception):
+    """Base for errors with a clear one-line message meant for the user."""
+    exit_code = 1
+    http_status = 500
+    kind = "internal_error"
+
+
+class InputError(EdgemmError, ValueError):
+    """The request is wrong: bad image, prompt too long, unknown tier, bad option."""
+    exit_code = 2
+    http_status = 400
+    kind = "invalid_request_error"
+
+
+class ModelError(EdgemmError):
+    """The model folder (or engine) is missing, incomplete or breaks the model contract."""
+    exit_code = 2
+    http_status = 500
+    kind = "model_error"
+
+
+class BackendError(EdgemmError):
+    """The backend could not load or run a graph (provider missing, engine mismatch)."""
+    exit_code = 1
+    http_status = 500
+    kind = "backend_error"

@@ -1,0 +1,149 @@
+"""Encoder → decoder generation with a KV cache.
+
+    features = encoder(pixel_values)                       once per image
+    embeds   = embed_tokens(input_ids); image slots ← features
+    prefill:   decoder(embeds, mask, positions, past = empty)  → logits, present
+    decode:    decoder(embed(token), mask + [1], next position, past = present) …
+
+The attention mask keeps the whole history and position ids are cumsum(mask) - 1,
+as the model contract says. Greedy when temperature is 0, else temperature +
+top-p sampling from a seeded generator, so a seed reproduces an answer.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from edgemm.backends.base import Component
+from edgemm.errors import InputError, ModelError
+from edgemm.model.contract import decoder_layers
+
+TokenCallback = Callable[[int, str], None]  # (token id, text so far) after each new token
+
+
+@dataclass
+class GenerationOptions:
+    max_new_tokens: int = 32
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    use_cache: bool = True  # False recomputes the whole prefix each step (for comparison only)
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise InputError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise InputError(f"temperature must be ≥ 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise InputError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class Generation:
+    tokens: list[int]
+    finish_reason: str  # "stop" (a stop token) or "length" (max_new_tokens or context)
+    timings_ms: dict[str, float] = field(default_factory=dict)
+
+
+def sample_token(logits: np.ndarray, options: GenerationOptions, rng: np.random.Generator) -> int:
+    if options.temperature == 0:
+        return int(np.argmax(logits))
+    z = logits.astype(np.float64) / options.temperature
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    if options.top_p < 1:
+        order = np.argsort(-p)
+        keep = np.cumsum(p[order]) - p[order] < options.top_p  # always keeps the top token
+        mask = np.zeros_like(p, dtype=bool)
+        mask[order[keep]] = True
+        p = np.where(mask, p, 0)
+        p /= p.sum()
+    return int(rng.choice(len(p), p=p))
+
+
+class Generator:
+    """Runs the three graphs of one model for one request at a time."""
+
+    def __init__(self, encoder: Component, embed: Component, decoder: Component,
+                 max_context: int, stop_ids: set[int]):
+        self.encoder, self.embed, self.decoder = encoder, embed, decoder
+        self.max_context = max_context
+        self.stop_ids = stop_ids
+        self.layers = decoder_layers(decoder)
+        spec = decoder.inputs["past_key_values.0.key"]
+        heads, head_dim = spec.shape[1], spec.shape[3]
+        if not isinstance(heads, int) or not isinstance(head_dim, int):
+            raise ModelError("decoder past_key_values must declare fixed heads and head_dim axes")
+        self.kv_shape = (heads, head_dim)
+        self.kv_dtype = spec.dtype
+        self.embed_dtype = decoder.inputs["inputs_embeds"].dtype
+
+    def encode(self, pixel_values: np.ndarray) -> np.ndarray:
+        return self.encoder.run({"pixel_values": pixel_values})["image_features"]
+
+    def empty_past(self, batch: int) -> dict[str, np.ndarray]:
+        empty = np.zeros((batch, self.kv_shape[0], 0, self.kv_shape[1]), self.kv_dtype)
+        return {f"past_key_values.{i}.{kind}": empty
+                for i in range(self.layers) for kind in ("key", "value")}
+
+    def embed_prompt(self, input_ids: np.ndarray, features: np.ndarray, image_start: int) -> np.ndarray:
+        embeds = self.embed.run({"input_ids": input_ids})["inputs_embeds"]
+        n = features.shape[1]
+        if image_start + n > embeds.shape[1]:
+            raise ModelError(f"encoder gave {n} image tokens but the prompt has fewer placeholders")
+        embeds[:, image_start:image_start + n] = features.astype(embeds.dtype)
+        return embeds.astype(self.embed_dtype, copy=False)
+
+    def step(self, embeds: np.ndarray, mask: np.ndarray, past: dict[str, np.ndarray]) -> tuple[np.ndarray, dict]:
+        """One decoder call: logits of the last position and the new cache."""
+        s = embeds.shape[1]
+        positions = (np.cumsum(mask, axis=1) - 1)[:, -s:]
+        feeds = {"inputs_embeds": embeds, "attention_mask": mask, "position_ids": positions, **past}
+        if "use_cache_branch" in self.decoder.inputs:
+            feeds["use_cache_branch"] = np.array([past["past_key_values.0.key"].shape[2] > 0])
+        if "num_logits_to_keep" in self.decoder.inputs:
+            feeds["num_logits_to_keep"] = np.array(1, np.int64)
+        out = self.decoder.run(feeds)
+        present = {f"past_key_values.{i}.{kind}": out[f"present.{i}.{kind}"]
+                   for i in range(self.layers) for kind in ("key", "value")}
+        return out["logits"][:, -1], present
+
+    def generate(self, features: np.ndarray, input_ids: np.ndarray, image_start: int,
+                 options: GenerationOptions, on_token: Callable[[int], None] | None = None) -> Generation:
+        prompt_len = input_ids.shape[1]
+        if prompt_len >= self.max_context:
+            raise InputError(f"prompt is {prompt_len} tokens (image included); the model's "
+                             f"context is {self.max_context}")
+        budget = min(options.max_new_tokens, self.max_context - prompt_len)
+        rng = np.random.default_rng(options.seed)
+        t0 = time.perf_counter()
+        embeds = self.embed_prompt(input_ids, features, image_start)
+        mask = np.ones((1, prompt_len), np.int64)
+        logits, past = self.step(embeds, mask, self.empty_past(1))
+        t_prefill = time.perf_counter()
+
+        tokens: list[int] = []
+        finish = "length"
+        while True:
+            token = sample_token(logits[0], options, rng)
+            if token in self.stop_ids:
+                finish = "stop"
+                break
+            tokens.append(token)
+            if on_token is not None:
+                on_token(token)
+            if len(tokens) >= budget:
+                break
+            new = self.embed.run({"input_ids": np.array([[token]], np.int64)})["inputs_embeds"]
+            mask = np.concatenate([mask, np.ones((1, 1), np.int64)], axis=1)
+            if options.use_cache:
+                logits, past = self.step(new.astype(self.embed_dtype, copy=False), mask, past)
+            else:
+                embeds = np.concatenate([embeds, new.astype(self.embed_dtype, copy=False)], axis=1)
+                logits, _ = self.step(embeds, mask, self.empty_past(1))
+        t_end = time.perf_counter()
+        return Generation(tokens, finish, {"prefill": (t_prefill - t0) * 1e3,
+                                           "decode": (t_end - t_prefill) * 1e3})

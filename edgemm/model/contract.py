@@ -1,0 +1,55 @@
+"""The model contract, checked against what a loaded graph actually declares.
+
+A graph exported with other tensor names fails here, at load time, with the
+missing name spelled out, instead of deep inside the first request.
+"""
+from __future__ import annotations
+
+import re
+
+from edgemm.backends.base import Component
+from edgemm.errors import ModelError
+
+REQUIRED = {
+    "vision_encoder": (("pixel_values",), ("image_features",)),
+    "embed_tokens": (("input_ids",), ("inputs_embeds",)),
+    "decoder": (("inputs_embeds", "attention_mask", "position_ids"), ("logits",)),
+}
+OPTIONAL_DECODER_INPUTS = ("use_cache_branch", "num_logits_to_keep")
+_PAST = re.compile(r"past_key_values\.(\d+)\.(key|value)$")
+
+
+def decoder_layers(component: Component) -> int:
+    """Number of decoder layers, counted from the declared past_key_values inputs."""
+    layers = {int(m.group(1)) for m in map(_PAST.match, component.inputs) if m}
+    return len(layers)
+
+
+def check_component(kind: str, component: Component, path: str) -> None:
+    want_in, want_out = REQUIRED[kind]
+    for name in want_in:
+        if name not in component.inputs:
+            raise ModelError(f"{path}: {kind} graph lacks input '{name}' required by the model "
+                             f"contract (it declares: {', '.join(component.inputs)})")
+    for name in want_out:
+        if name not in component.outputs:
+            raise ModelError(f"{path}: {kind} graph lacks output '{name}' required by the model "
+                             f"contract (it declares: {', '.join(component.outputs)})")
+    if kind != "decoder":
+        return
+    layers = decoder_layers(component)
+    if layers == 0:
+        raise ModelError(f"{path}: decoder graph declares no past_key_values.N.key/value inputs "
+                         "(the runtime needs the merged decoder with a KV cache)")
+    for i in range(layers):
+        for kind_kv in ("key", "value"):
+            for name, table in ((f"past_key_values.{i}.{kind_kv}", component.inputs),
+                                (f"present.{i}.{kind_kv}", component.outputs)):
+                if name not in table:
+                    raise ModelError(f"{path}: decoder graph lacks '{name}' "
+                                     f"(it has {layers} layers of past_key_values)")
+    known = set(want_in) | set(OPTIONAL_DECODER_INPUTS)
+    extra = [n for n in component.inputs if n not in known and not _PAST.match(n)]
+    if extra:
+        raise ModelError(f"{path}: decoder graph has inputs the runtime does not know how to feed: "
+                         f"{', '.join(extra)}")

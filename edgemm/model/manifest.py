@@ -1,0 +1,147 @@
+"""model.yaml → ModelManifest: what a model folder holds and how to feed it.
+
+The manifest is the model's side of the model contract (../shared/DESIGN.md):
+file names, resolution tiers, preprocessing, special tokens and prompt format.
+Every problem is reported with the folder and the key, so a user fixing a
+model folder by hand knows where to look.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from edgemm.errors import InputError, ModelError
+
+COMPONENTS = ("vision_encoder", "embed_tokens", "decoder")
+PRECISIONS = ("fp32", "fp16", "int8")
+
+
+@dataclass(frozen=True)
+class ResolutionTier:
+    name: str
+    height: int
+    width: int
+    image_tokens: int  # placeholders the prompt gets for this tier
+
+    @property
+    def pixels(self) -> int:
+        return self.height * self.width
+
+
+@dataclass(frozen=True)
+class Preprocessing:
+    mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    color: str = "rgb"
+    resize: str = "stretch"
+
+
+@dataclass
+class ModelManifest:
+    path: Path
+    name: str
+    family: str
+    files: dict[str, str]
+    tiers: dict[str, ResolutionTier]  # ordered from cheapest to richest
+    default_tier: str
+    preprocessing: Preprocessing
+    special_tokens: dict[str, str]
+    image_token: str
+    prompt_format: str
+    stop_tokens: list[str]
+    max_context: int
+    precisions: list[str] = field(default_factory=lambda: ["fp32"])
+    decoder: dict = field(default_factory=dict)
+
+    def tier(self, name: str | None) -> ResolutionTier:
+        name = name or self.default_tier
+        if name not in self.tiers:
+            raise InputError(f"unknown tier {name!r} for model {self.name} "
+                             f"(tiers: {', '.join(self.tiers)})")
+        return self.tiers[name]
+
+    def graph_path(self, component: str, precision: str) -> Path:
+        """The ONNX file of `component` in `precision`, by the Optimum suffix convention."""
+        base = self.path / self.files[component]
+        if precision == "fp32":
+            path = base
+        else:
+            path = base.with_name(f"{base.stem}_{precision}{base.suffix}")
+        if not path.is_file():
+            hint = (f"; make it with: python tools/quantize.py {self.path}"
+                    if precision == "int8" else "")
+            raise ModelError(f"model {self.name}: {component} has no {precision} graph "
+                             f"({path} not found){hint}")
+        return path
+
+
+def _require(data: dict, key: str, kind: type, where: str):
+    if key not in data:
+        raise ModelError(f"{where}: missing key '{key}'")
+    value = data[key]
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+        raise ModelError(f"{where}: '{key}' must be {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+def _tiers(raw: dict, where: str) -> dict[str, ResolutionTier]:
+    tiers = {}
+    for name, spec in raw.items():
+        if not isinstance(spec, dict):
+            raise ModelError(f"{where}: tiers.{name} must be a mapping with height, width, image_tokens")
+        dims = [_require(spec, k, int, f"{where}: tiers.{name}") for k in ("height", "width", "image_tokens")]
+        if min(dims) <= 0:
+            raise ModelError(f"{where}: tiers.{name} values must be positive")
+        tiers[str(name)] = ResolutionTier(str(name), *dims)
+    if not tiers:
+        raise ModelError(f"{where}: 'tiers' is empty")
+    return dict(sorted(tiers.items(), key=lambda kv: kv[1].pixels))
+
+
+def load_manifest(model_dir: str | Path) -> ModelManifest:
+    path = Path(model_dir)
+    yaml_path = path / "model.yaml"
+    if not path.is_dir():
+        raise ModelError(f"model folder not found: {path}")
+    if not yaml_path.is_file():
+        raise ModelError(f"{path} is not a model folder: model.yaml not found")
+    where = str(yaml_path)
+    try:
+        data = yaml.safe_load(yaml_path.read_text())
+    except yaml.YAMLError as e:
+        raise ModelError(f"{where}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise ModelError(f"{where}: top level must be a mapping")
+
+    files = _require(data, "files", dict, where)
+    for component in (*COMPONENTS, "tokenizer"):
+        _require(files, component, str, f"{where}: files")
+    tiers = _tiers(_require(data, "tiers", dict, where), where)
+    default_tier = data.get("default_tier", list(tiers)[-1])
+    if default_tier not in tiers:
+        raise ModelError(f"{where}: default_tier {default_tier!r} is not one of {', '.join(tiers)}")
+    pre = data.get("preprocessing", {}) or {}
+    mean, std = tuple(pre.get("mean", (0.5,) * 3)), tuple(pre.get("std", (0.5,) * 3))
+    if len(mean) != 3 or len(std) != 3 or min(std) <= 0:
+        raise ModelError(f"{where}: preprocessing.mean/std need 3 values each, std > 0")
+    special = _require(data, "special_tokens", dict, where)
+    for key in ("bos", "eos"):
+        _require(special, key, str, f"{where}: special_tokens")
+    prompt_format = _require(data, "prompt_format", str, where)
+    image_token = _require(data, "image_token", str, where)
+    if "{prompt}" not in prompt_format or image_token not in prompt_format:
+        raise ModelError(f"{where}: prompt_format must contain {{prompt}} and the image token {image_token}")
+    precisions = list(data.get("precisions", ["fp32"]))
+    unknown = [p for p in precisions if p not in PRECISIONS]
+    if unknown:
+        raise ModelError(f"{where}: unknown precision(s) {unknown} (known: {', '.join(PRECISIONS)})")
+    return ModelManifest(
+        path=path, name=str(data.get("name", path.name)), family=_require(data, "family", str, where),
+        files=files, tiers=tiers, default_tier=default_tier,
+        preprocessing=Preprocessing(mean, std, pre.get("color", "rgb"), pre.get("resize", "stretch")),
+        special_tokens=special, image_token=image_token, prompt_format=prompt_format,
+        stop_tokens=list(data.get("stop_tokens", [special["eos"]])),
+        max_context=_require(data, "max_context", int, where),
+        precisions=precisions, decoder=dict(data.get("decoder", {}) or {}))

@@ -1,0 +1,162 @@
+"""Runtime: the public entry point. Load a model once, answer (image, prompt) requests.
+
+    from edgemm import Runtime
+    rt = Runtime.from_config("edgemm.yaml")        # or Runtime() for the built-in model
+    result = rt.infer("photo.jpg", "how many shapes are there ?")
+    print(result.text, result.timings_ms)
+
+The CLI, the stream pipeline and the daemon all go through this class.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from edgemm.backends.base import Component, LoadedComponents
+from edgemm.backends.onnxruntime import OnnxRuntimeBackend
+from edgemm.config import Config, load_config
+from edgemm.errors import BackendError, InputError
+from edgemm.generate import GenerationOptions, Generator
+from edgemm.model.contract import check_component
+from edgemm.model.family import adapter_for
+from edgemm.model.image import load_image
+from edgemm.model.manifest import COMPONENTS, ModelManifest, load_manifest
+from edgemm.model.preprocess import to_pixel_values
+
+BUILTIN_MODEL = Path(__file__).resolve().parent.parent / "models" / "tiny-vlm"
+
+
+def default_model_dir() -> Path:
+    """$EDGEMM_MODEL, else the built-in tiny VLM next to the package."""
+    return Path(os.environ.get("EDGEMM_MODEL", BUILTIN_MODEL))
+
+
+@dataclass
+class InferenceResult:
+    text: str
+    tokens: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    tier: str
+    image_tokens: int
+    precision: str
+    devices: dict[str, str]  # stage → device that ran it
+    timings_ms: dict[str, float] = field(default_factory=dict)
+    model: str = ""
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["timings_ms"] = {k: round(v, 3) for k, v in self.timings_ms.items()}
+        return d
+
+
+class Runtime:
+    def __init__(self, config: Config | None = None):
+        self.config = config or load_config(None)
+        model_dir = Path(self.config.model.path) if self.config.model.path else default_model_dir()
+        self.manifest: ModelManifest = load_manifest(model_dir)
+        self.precision = self.config.model.precision
+        self.adapter = adapter_for(self.manifest)
+        self.components = self._load_components()
+        self.generator = Generator(self.components.vision_encoder, self.components.embed_tokens,
+                                   self.components.decoder, self.manifest.max_context,
+                                   self.adapter.stop_ids)
+        if self.config.backend.warmup:
+            self.warmup()
+
+    @classmethod
+    def from_config(cls, source=None) -> "Runtime":
+        """`source`: a Config, a YAML path, a dict, or None for all defaults."""
+        return cls(source if isinstance(source, Config) else load_config(source))
+
+    def _load_components(self) -> LoadedComponents:
+        cfg = self.config.backend
+        if cfg.name != "onnxruntime":
+            raise BackendError(f"backend {cfg.name!r} is not available in this build "
+                               "(TensorRT engines need the device extra: pip install 'edgemm[tensorrt]')")
+        backend = OnnxRuntimeBackend(cfg.providers, cfg.intra_op_threads)
+        loaded: dict[str, Component] = {}
+        for kind in COMPONENTS:
+            path = self.manifest.graph_path(kind, self.precision)
+            loaded[kind] = backend.load(kind, path, self.precision)
+            check_component(kind, loaded[kind], str(path))
+        return LoadedComponents(loaded["vision_encoder"], loaded["embed_tokens"], loaded["decoder"],
+                                extra={"missing_providers": backend.missing})
+
+    def warmup(self) -> None:
+        """One tiny request per tier, so the first real request doesn't pay for allocation."""
+        for tier in self.manifest.tiers.values():
+            blank = np.zeros((tier.height, tier.width, 3), np.uint8)
+            self.infer(blank, "warm up", tier=tier.name, max_new_tokens=1)
+
+    @property
+    def devices(self) -> dict[str, str]:
+        return {c.name: c.device for c in self.components.all()}
+
+    def backend_seconds(self) -> float:
+        """Total time spent inside raw backend run calls so far (for overhead accounting)."""
+        return sum(c.stats.seconds for c in self.components.all())
+
+    def check_size(self, image) -> None:
+        """Refuse oversized encoded images before reading or decoding them."""
+        limit = self.config.limits.max_image_bytes
+        if isinstance(image, (bytes, bytearray, memoryview)):
+            size = len(image)
+        elif isinstance(image, (str, os.PathLike)) and os.path.isfile(image):
+            size = os.path.getsize(image)
+        else:
+            return
+        if size > limit:
+            raise InputError(f"image is {size} bytes, above the {limit} byte limit (limits.max_image_bytes)")
+
+    def preprocess(self, image, tier: str | None = None) -> tuple[np.ndarray, str]:
+        self.check_size(image)
+        rgb = load_image(image, max_pixels=self.config.limits.max_pixels)
+        chosen = self.manifest.tier(tier or self.config.generation.tier)
+        pre = self.manifest.preprocessing
+        return to_pixel_values(rgb, chosen.height, chosen.width, pre.mean, pre.std), chosen.name
+
+    def infer(self, image, prompt: str, *, tier: str | None = None, max_new_tokens: int | None = None,
+              temperature: float | None = None, top_p: float | None = None, seed: int | None = None,
+              on_token=None) -> InferenceResult:
+        """Answer `prompt` about `image` (a path, encoded bytes or an RGB array)."""
+        gen = self.config.generation
+        if len(prompt) > self.config.limits.max_prompt_chars:
+            raise InputError(f"prompt is {len(prompt)} characters, above the "
+                             f"{self.config.limits.max_prompt_chars} limit (limits.max_prompt_chars)")
+        options = GenerationOptions(
+            max_new_tokens=max_new_tokens if max_new_tokens is not None else gen.max_new_tokens,
+            temperature=temperature if temperature is not None else gen.temperature,
+            top_p=top_p if top_p is not None else gen.top_p,
+            seed=seed if seed is not None else gen.seed)
+        t0 = time.perf_counter()
+        pixel_values, tier_name = self.preprocess(image, tier)
+        chosen = self.manifest.tiers[tier_name]
+        prompt_ids = self.adapter.build_prompt(prompt, chosen)
+        t1 = time.perf_counter()
+        features = self.generator.encode(pixel_values)
+        t2 = time.perf_counter()
+        callback = None
+        if on_token is not None:
+            so_far: list[int] = []
+
+            def callback(token: int) -> None:
+                so_far.append(token)
+                on_token(token, self.adapter.decode(so_far))
+        generation = self.generator.generate(features, prompt_ids.input_ids, prompt_ids.image_start,
+                                             options, callback)
+        text = self.adapter.decode(generation.tokens)
+        t3 = time.perf_counter()
+        timings = {"preprocess": (t1 - t0) * 1e3, "encode": (t2 - t1) * 1e3, **generation.timings_ms,
+                   "total": (t3 - t0) * 1e3}
+        return InferenceResult(
+            text=text, tokens=generation.tokens, finish_reason=generation.finish_reason,
+            prompt_tokens=int(prompt_ids.input_ids.shape[1]), tier=tier_name,
+            image_tokens=prompt_ids.image_tokens, precision=self.precision,
+            devices={"encode": self.components.vision_encoder.device,
+                     "decode": self.components.decoder.device},
+            timings_ms=timings, model=self.manifest.name)

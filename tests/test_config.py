@@ -1,0 +1,350 @@
+"""edgemm.config: defaults, YAML loading, round trip, and one-line errors naming the key path."""
+from __future__ import annotations
+
+import dataclasses
+import re
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from edgemm.config import (
+    BackendConfig, Config, ConfigError, GenerationConfig, LimitsConfig, ModelConfig,
+    config_from_dict, config_to_dict, load_config,
+)
+
+FULL_YAML = """\
+model:
+  path: /opt/models/my-vlm
+  precision: int8
+backend:
+  name: tensorrt
+  providers: [tensorrt, cuda, cpu]
+  intra_op_threads: 2
+  warmup: false
+limits:
+  max_pixels: 12_000_000
+  max_image_bytes: 1048576
+  max_prompt_chars: 500
+generation:
+  max_new_tokens: 64
+  temperature: 0.7
+  top_p: 0.9
+  seed: 1234
+  tier: low
+"""
+
+
+def write(tmp_path: Path, text: str, name: str = "edgemm.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text), encoding="utf-8")
+    return path
+
+
+def error(data) -> str:
+    """The message of the ConfigError that config_from_dict raises for `data` (asserted one line)."""
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(data)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith("config: ")
+    return message
+
+
+# ---- defaults ------------------------------------------------------------------------
+
+def test_defaults_match_the_documented_schema():
+    cfg = Config()
+    assert cfg.model == ModelConfig(path=None, precision="fp32")
+    assert cfg.backend == BackendConfig(name="onnxruntime", providers=["cpu"], intra_op_threads=0, warmup=True)
+    assert cfg.limits == LimitsConfig(max_pixels=40_000_000, max_image_bytes=50 * 1024 * 1024, max_prompt_chars=4000)
+    assert cfg.generation == GenerationConfig(max_new_tokens=32, temperature=0.0, top_p=1.0, seed=None, tier=None)
+
+
+def test_default_list_is_not_shared_between_instances():
+    a, b = Config(), Config()
+    a.backend.providers.append("cuda")
+    assert b.backend.providers == ["cpu"]
+
+
+@pytest.mark.parametrize("text", ["", "\n", "# only a comment\n", "---\n"])
+def test_empty_file_gives_defaults(tmp_path, text):
+    assert load_config(write(tmp_path, text)) == Config()
+
+
+@pytest.mark.parametrize("source", [None, {}])
+def test_none_and_empty_mapping_give_defaults(source):
+    assert load_config(source) == Config()
+    assert config_from_dict({}) == Config()
+
+
+def test_empty_section_gives_that_sections_defaults(tmp_path):
+    cfg = load_config(write(tmp_path, "model:\ngeneration:\n  max_new_tokens: 8\n"))
+    assert cfg.model == ModelConfig()
+    assert cfg.generation == GenerationConfig(max_new_tokens=8)
+
+
+def test_partial_section_keeps_other_defaults():
+    cfg = config_from_dict({"backend": {"providers": ["cuda", "cpu"]}})
+    assert cfg.backend == BackendConfig(providers=["cuda", "cpu"])
+    assert cfg.model == ModelConfig() and cfg.generation == GenerationConfig()
+
+
+# ---- full file and round trip ---------------------------------------------------------
+
+def test_full_yaml_file_loads_every_field(tmp_path):
+    cfg = load_config(write(tmp_path, FULL_YAML))
+    assert cfg == Config(
+        model=ModelConfig(path="/opt/models/my-vlm", precision="int8"),
+        backend=BackendConfig(name="tensorrt", providers=["tensorrt", "cuda", "cpu"],
+                              intra_op_threads=2, warmup=False),
+        limits=LimitsConfig(max_pixels=12_000_000, max_image_bytes=1048576, max_prompt_chars=500),
+        generation=GenerationConfig(max_new_tokens=64, temperature=0.7, top_p=0.9, seed=1234, tier="low"),
+    )
+
+
+def test_full_yaml_round_trips_through_dict_and_yaml(tmp_path):
+    cfg = load_config(write(tmp_path, FULL_YAML))
+    as_dict = config_to_dict(cfg)
+    assert as_dict == yaml.safe_load(FULL_YAML)
+    assert config_from_dict(as_dict) == cfg
+    again = write(tmp_path, yaml.safe_dump(as_dict, sort_keys=False), "again.yaml")
+    assert load_config(again) == cfg
+
+
+def test_to_dict_is_plain_and_detached():
+    cfg = Config()
+    as_dict = config_to_dict(cfg)
+    assert type(as_dict) is dict and all(type(v) is dict for v in as_dict.values())
+    assert set(as_dict) == {f.name for f in dataclasses.fields(Config)}
+    as_dict["backend"]["providers"].append("cuda")
+    assert cfg.backend.providers == ["cpu"]
+    assert config_from_dict(config_to_dict(cfg)) == cfg
+
+
+def test_path_like_and_str_sources(tmp_path):
+    path = write(tmp_path, "generation: {seed: 7}\n")
+    assert load_config(path).generation.seed == 7
+    assert load_config(str(path)).generation.seed == 7
+
+
+def test_dict_source_is_used_as_is():
+    assert load_config({"model": {"precision": "fp16"}}).model.precision == "fp16"
+
+
+def test_non_path_source_is_a_type_error():
+    with pytest.raises(TypeError):
+        load_config(42)
+
+
+# ---- unknown keys ---------------------------------------------------------------------
+
+def test_unknown_top_level_key_names_it_and_the_known_sections():
+    message = error({"modle": {}})
+    assert message == "config: unknown key 'modle' (known: backend, generation, limits, model)"
+
+
+def test_unknown_nested_key_names_full_path_and_known_keys():
+    message = error({"backend": {"thread": 4}})
+    assert message == ("config: unknown key 'backend.thread' "
+                       "(known: intra_op_threads, name, providers, warmup)")
+
+
+def test_non_string_key_is_unknown():
+    assert "unknown key 'generation.1'" in error({"generation": {1: 2}})
+
+
+# ---- wrong types ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("data, expected", [
+    ({"generation": {"max_new_tokens": "ten"}},
+     "config: 'generation.max_new_tokens' must be an integer, got 'ten' (str)"),
+    ({"generation": {"max_new_tokens": True}},  # bool for int
+     "config: 'generation.max_new_tokens' must be an integer, got True (bool)"),
+    ({"generation": {"max_new_tokens": 10.0}},  # float for int
+     "config: 'generation.max_new_tokens' must be an integer, got 10.0 (float)"),
+    ({"backend": {"warmup": 1}},  # int for bool
+     "config: 'backend.warmup' must be a boolean (true/false), got 1 (int)"),
+    ({"backend": {"warmup": "yes"}},
+     "config: 'backend.warmup' must be a boolean (true/false), got 'yes' (str)"),
+    ({"model": {"precision": ["fp16"]}},  # list for str
+     "config: 'model.precision' must be a string, got ['fp16'] (list)"),
+    ({"model": {"path": 5}},  # optional str
+     "config: 'model.path' must be a string or null, got 5 (int)"),
+    ({"generation": {"seed": "abc"}},  # optional int
+     "config: 'generation.seed' must be an integer or null, got 'abc' (str)"),
+    ({"generation": {"seed": False}},
+     "config: 'generation.seed' must be an integer or null, got False (bool)"),
+    ({"backend": {"providers": {"cpu": 1}}},  # mapping for list
+     "config: 'backend.providers' must be a list of strings, got {'cpu': 1} (dict)"),
+    ({"backend": {"providers": "cpu"}},  # a bare string is not a list
+     "config: 'backend.providers' must be a list of strings, got 'cpu' (str)"),
+    ({"backend": {"providers": ["cpu", 3]}},  # bad list item
+     "config: 'backend.providers[1]' must be a string, got 3 (int)"),
+    ({"generation": {"temperature": "hot"}},
+     "config: 'generation.temperature' must be a finite number, got 'hot' (str)"),
+    ({"generation": {"temperature": True}},  # bool for float
+     "config: 'generation.temperature' must be a finite number, got True (bool)"),
+    ({"generation": {"temperature": float("nan")}},
+     "config: 'generation.temperature' must be a finite number, got nan (float)"),
+    ({"model": "fp16"},  # non-mapping section
+     "config: 'model' must be a mapping, got 'fp16' (str)"),
+    ({"limits": [1, 2]},
+     "config: 'limits' must be a mapping, got [1, 2] (list)"),
+])
+def test_wrong_types_name_the_path_expected_type_and_value(data, expected):
+    assert error(data) == expected
+
+
+def test_long_values_are_shortened_in_messages():
+    message = error({"model": {"precision": ["x" * 200]}})
+    assert len(message) < 160 and "..." in message and "(list)" in message
+
+
+def test_yaml_true_is_not_an_int_and_1_is_not_a_bool(tmp_path):
+    with pytest.raises(ConfigError, match=r"'limits\.max_prompt_chars' must be an integer, got True \(bool\)"):
+        load_config(write(tmp_path, "limits:\n  max_prompt_chars: true\n"))
+    with pytest.raises(ConfigError, match=r"'backend\.warmup' must be a boolean \(true/false\), got 1 \(int\)"):
+        load_config(write(tmp_path, "backend:\n  warmup: 1\n"))
+
+
+@pytest.mark.parametrize("text, value", [("0", 0.0), ("1", 1.0), ("0.25", 0.25)])
+def test_int_is_accepted_where_float_is_expected(tmp_path, text, value):
+    cfg = load_config(write(tmp_path, f"generation:\n  temperature: {text}\n  top_p: 1\n"))
+    assert cfg.generation.temperature == value and type(cfg.generation.temperature) is float
+    assert cfg.generation.top_p == 1.0 and type(cfg.generation.top_p) is float
+
+
+def test_null_allowed_only_for_optional_fields():
+    cfg = config_from_dict({"model": {"path": None}, "generation": {"seed": None, "tier": None}})
+    assert cfg.model.path is None and cfg.generation.seed is None and cfg.generation.tier is None
+    assert error({"model": {"precision": None}}) == "config: 'model.precision' must be a string, got None (NoneType)"
+
+
+# ---- ranges and choices ---------------------------------------------------------------
+
+@pytest.mark.parametrize("data, expected", [
+    ({"model": {"precision": "int4"}}, "config: 'model.precision' must be one of fp32, int8, fp16, got 'int4'"),
+    ({"model": {"path": ""}}, "config: 'model.path' must be a folder or null, got ''"),
+    ({"backend": {"name": "tflite"}}, "config: 'backend.name' must be one of onnxruntime, tensorrt, got 'tflite'"),
+    ({"backend": {"providers": []}}, "config: 'backend.providers' must list at least one provider, got []"),
+    ({"backend": {"providers": ["cpu", "rocm"]}},
+     "config: 'backend.providers[1]' must be one of cpu, cuda, tensorrt, got 'rocm'"),
+    ({"backend": {"providers": ["cuda", "cuda"]}},
+     "config: 'backend.providers[1]' must not repeat an earlier provider, got 'cuda'"),
+    ({"backend": {"intra_op_threads": -1}}, "config: 'backend.intra_op_threads' must be >= 0, got -1"),
+    ({"limits": {"max_pixels": 0}}, "config: 'limits.max_pixels' must be > 0, got 0"),
+    ({"limits": {"max_image_bytes": -5}}, "config: 'limits.max_image_bytes' must be > 0, got -5"),
+    ({"limits": {"max_prompt_chars": 0}}, "config: 'limits.max_prompt_chars' must be > 0, got 0"),
+    ({"generation": {"max_new_tokens": 0}}, "config: 'generation.max_new_tokens' must be in 1..4096, got 0"),
+    ({"generation": {"max_new_tokens": 4097}}, "config: 'generation.max_new_tokens' must be in 1..4096, got 4097"),
+    ({"generation": {"temperature": -0.1}}, "config: 'generation.temperature' must be >= 0, got -0.1"),
+    ({"generation": {"top_p": 0}}, "config: 'generation.top_p' must be in (0, 1], got 0.0"),
+    ({"generation": {"top_p": 1.5}}, "config: 'generation.top_p' must be in (0, 1], got 1.5"),
+    ({"generation": {"seed": -1}}, "config: 'generation.seed' must be >= 0 or null, got -1"),
+    ({"generation": {"tier": " "}}, "config: 'generation.tier' must be a tier name or null, got ' '"),
+])
+def test_range_and_choice_errors_name_the_path(data, expected):
+    assert error(data) == expected
+
+
+@pytest.mark.parametrize("data", [
+    {"generation": {"max_new_tokens": 1}}, {"generation": {"max_new_tokens": 4096}},
+    {"generation": {"top_p": 1}}, {"generation": {"temperature": 0}},
+    {"backend": {"intra_op_threads": 0}}, {"generation": {"seed": 0}},
+    {"model": {"precision": "fp16"}}, {"backend": {"providers": ["tensorrt", "cuda", "cpu"]}},
+])
+def test_boundary_values_are_accepted(data):
+    config_from_dict(data)
+
+
+# ---- file problems ----------------------------------------------------------------------
+
+def test_missing_file_names_the_path(tmp_path):
+    path = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value) == f"config: {path}: file not found"
+    assert info.value.file == str(path)
+
+
+def test_directory_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match=re.escape(f"config: {tmp_path}: cannot read")):
+        load_config(tmp_path)
+
+
+def test_non_utf8_file_is_refused(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes(b"model:\n  path: /caf\xe9\n")
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("text, line", [
+    ("model:\n  precision: fp16\n   path: x\n", 3),  # bad indentation
+    ("backend:\n  providers: [cpu, cuda\n", 3),  # unclosed flow sequence
+    ("generation:\n  tier: 'low\n", 3),  # unclosed quote
+    ("model: !!python/object:os.system {}\n", 1),  # unsafe tag
+])
+def test_malformed_yaml_names_file_and_line(tmp_path, text, line):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(f"config: {path}:{line}:") and "invalid YAML: " in message
+
+
+@pytest.mark.parametrize("text, shown", [
+    ("- model\n- backend\n", "['model', 'backend'] (list)"),
+    ("just a string\n", "'just a string' (str)"),
+    ("42\n", "42 (int)"),
+])
+def test_top_level_must_be_a_mapping(tmp_path, text, shown):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value) == f"config: {path}: top level must be a mapping of sections, got {shown}"
+
+
+def test_schema_errors_from_a_file_name_the_file(tmp_path):
+    path = write(tmp_path, "generation:\n  max_new_tokens: ten\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value) == f"config: {path}: 'generation.max_new_tokens' must be an integer, got 'ten' (str)"
+    assert info.value.detail == "'generation.max_new_tokens' must be an integer, got 'ten' (str)"
+
+
+def test_config_error_is_a_value_error():
+    assert issubclass(ConfigError, ValueError)
+
+
+# ---- extensibility: a new section is just a new dataclass field ------------------------
+
+@dataclasses.dataclass
+class PowerConfig:  # a stand-in for a future section
+    mode: str = "maxn"
+    fan: bool | None = None
+    budgets_w: list[float] = dataclasses.field(default_factory=lambda: [10.0])
+
+    def validate(self, path):
+        if self.mode not in ("maxn", "15w"):
+            raise ConfigError(f"{path + '.mode'!r} must be one of maxn, 15w, got {self.mode!r}")
+
+
+@dataclasses.dataclass
+class BiggerConfig(Config):
+    power: PowerConfig = dataclasses.field(default_factory=PowerConfig)
+
+
+def test_new_section_needs_only_a_dataclass_field():
+    from edgemm import config as mod
+    cfg = mod._build(BiggerConfig, {"power": {"budgets_w": [7, 12.5], "fan": True}}, "")
+    assert cfg.power == PowerConfig(mode="maxn", fan=True, budgets_w=[7.0, 12.5])
+    assert cfg.model == ModelConfig()
+    with pytest.raises(ConfigError, match=r"^config: 'power\.budgets_w\[0\]' must be a finite number, got 'x' \(str\)$"):
+        mod._build(BiggerConfig, {"power": {"budgets_w": ["x"]}}, "")
+    with pytest.raises(ConfigError, match=r"^config: 'power\.mode' must be one of maxn, 15w, got 'eco'$"):
+        mod._build(BiggerConfig, {"power": {"mode": "eco"}}, "")
+    with pytest.raises(ConfigError, match=r"unknown key 'power\.fans' \(known: budgets_w, fan, mode\)"):
+        mod._build(BiggerConfig, {"power": {"fans": 1}}, "")
