@@ -5,9 +5,9 @@ Exit codes (every command): 0 ok · 2 bad input, usage, config or model folder
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
+import logging
 import os
 import sys
 import traceback
@@ -46,15 +46,14 @@ def reports_errors(fn):
 
 
 def build_config(config_path, model_dir=None, precision=None, threads=None):
-    from edgemm.config import load_config
-    cfg = load_config(config_path)
-    if model_dir is not None:
-        cfg.model = dataclasses.replace(cfg.model, path=model_dir)
-    if precision is not None:
-        cfg.model = dataclasses.replace(cfg.model, precision=precision)
-    if threads is not None:
-        cfg.backend = dataclasses.replace(cfg.backend, intra_op_threads=threads)
-    return cfg
+    """The config file (or defaults) with command-line options on top, validated as one."""
+    from edgemm.config import config_from_dict, config_to_dict, load_config
+    data = config_to_dict(load_config(config_path))
+    for section, key, value in (("model", "path", model_dir), ("model", "precision", precision),
+                                ("backend", "intra_op_threads", threads)):
+        if value is not None:
+            data[section][key] = value
+    return config_from_dict(data)
 
 
 def read_image_arg(image: str, max_bytes: int):
@@ -67,10 +66,39 @@ def read_image_arg(image: str, max_bytes: int):
     return data
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class EdgemmGroup(click.Group):
+    """Usage errors as one line (`edgemm: error: …`, exit 2), like every other error."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.UsageError as e:
+            where = f" (see '{e.ctx.command_path} --help')" if e.ctx else ""
+            fail(e.format_message() + where, 2)
+        except click.Abort:
+            fail("aborted", 130)
+        except click.ClickException as e:
+            fail(e.format_message(), e.exit_code)
+        if standalone_mode:
+            sys.exit(rv if isinstance(rv, int) else 0)
+        return rv
+
+
+class StderrHandler(logging.Handler):
+    """Log lines to whatever stderr is now (click's test runner swaps it)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        click.echo(f"edgemm: {record.levelname.lower()}: {record.getMessage()}", err=True)
+
+
+@click.group(cls=EdgemmGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="edgemm")
 def main() -> None:
     """edgemm: vision-language inference on NVIDIA Jetson (and anywhere ONNX Runtime runs)."""
+    log = logging.getLogger("edgemm")
+    if not any(isinstance(h, StderrHandler) for h in log.handlers):
+        log.addHandler(StderrHandler(logging.WARNING))
+        log.propagate = False
 
 
 @main.command()

@@ -35,7 +35,7 @@ class GenerationOptions:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise InputError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
+        if not self.temperature >= 0:  # also refuses NaN
             raise InputError(f"temperature must be ≥ 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise InputError(f"top_p must be in (0, 1], got {self.top_p}")
@@ -46,6 +46,14 @@ class Generation:
     tokens: list[int]
     finish_reason: str  # "stop" (a stop token) or "length" (max_new_tokens or context)
     timings_ms: dict[str, float] = field(default_factory=dict)
+
+
+def _run_length(ids: np.ndarray, start: int) -> int:
+    """How many times ids[start] repeats from `start` on (the image placeholder block)."""
+    if start >= len(ids):
+        return 0
+    different = np.flatnonzero(ids[start:] != ids[start])
+    return int(different[0]) if len(different) else len(ids) - start
 
 
 def sample_token(logits: np.ndarray, options: GenerationOptions, rng: np.random.Generator) -> int:
@@ -80,6 +88,9 @@ class Generator:
         self.kv_shape = (heads, head_dim)
         self.kv_dtype = spec.dtype
         self.embed_dtype = decoder.inputs["inputs_embeds"].dtype
+        # integer inputs in whatever width the graph declares (int64 by convention, int32 seen too)
+        self.mask_dtype = decoder.inputs["attention_mask"].dtype
+        self.position_dtype = decoder.inputs["position_ids"].dtype
 
     def encode(self, pixel_values: np.ndarray) -> np.ndarray:
         return self.encoder.run({"pixel_values": pixel_values})["image_features"]
@@ -90,10 +101,12 @@ class Generator:
                 for i in range(self.layers) for kind in ("key", "value")}
 
     def embed_prompt(self, input_ids: np.ndarray, features: np.ndarray, image_start: int) -> np.ndarray:
-        embeds = self.embed.run({"input_ids": input_ids})["inputs_embeds"]
         n = features.shape[1]
-        if image_start + n > embeds.shape[1]:
-            raise ModelError(f"encoder gave {n} image tokens but the prompt has fewer placeholders")
+        placeholders = _run_length(input_ids[0], image_start)
+        if placeholders != n:
+            raise ModelError(f"the encoder gave {n} image tokens but the prompt has {placeholders} "
+                             "image placeholders: model.yaml's image_tokens for this tier is wrong")
+        embeds = self.embed.run({"input_ids": input_ids})["inputs_embeds"]
         embeds[:, image_start:image_start + n] = features.astype(embeds.dtype)
         return embeds.astype(self.embed_dtype, copy=False)
 
@@ -101,7 +114,8 @@ class Generator:
         """One decoder call: logits of the last position and the new cache."""
         s = embeds.shape[1]
         positions = (np.cumsum(mask, axis=1) - 1)[:, -s:]
-        feeds = {"inputs_embeds": embeds, "attention_mask": mask, "position_ids": positions, **past}
+        feeds = {"inputs_embeds": embeds, "attention_mask": mask.astype(self.mask_dtype, copy=False),
+                 "position_ids": positions.astype(self.position_dtype, copy=False), **past}
         if "use_cache_branch" in self.decoder.inputs:
             feeds["use_cache_branch"] = np.array([past["past_key_values.0.key"].shape[2] > 0])
         if "num_logits_to_keep" in self.decoder.inputs:

@@ -9,6 +9,7 @@ The CLI, the stream pipeline and the daemon all go through this class.
 """
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import asdict, dataclass, field
@@ -26,6 +27,8 @@ from edgemm.model.family import adapter_for
 from edgemm.model.image import load_image
 from edgemm.model.manifest import COMPONENTS, ModelManifest, load_manifest
 from edgemm.model.preprocess import to_pixel_values
+
+log = logging.getLogger("edgemm")
 
 BUILTIN_MODEL = Path(__file__).resolve().parent.parent / "models" / "tiny-vlm"
 
@@ -79,6 +82,9 @@ class Runtime:
             raise BackendError(f"backend {cfg.name!r} is not available in this build "
                                "(TensorRT engines need the device extra: pip install 'edgemm[tensorrt]')")
         backend = OnnxRuntimeBackend(cfg.providers, cfg.intra_op_threads)
+        if backend.missing:
+            log.warning("onnxruntime here lacks %s; running on %s", ", ".join(backend.missing),
+                        ", ".join(backend.providers))
         loaded: dict[str, Component] = {}
         for kind in COMPONENTS:
             path = self.manifest.graph_path(kind, self.precision)

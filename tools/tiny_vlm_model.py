@@ -140,7 +140,8 @@ class TinyVLM(nn.Module):
         self.encoder = VisionEncoder(cfg)
         self.decoder = Decoder(cfg, self.embed)
 
-    def forward(self, pixel_values: torch.Tensor, input_ids: torch.Tensor, image_start: int = 1):
+    def forward(self, pixel_values: torch.Tensor, input_ids: torch.Tensor, image_start: int = 1,
+                return_features: bool = False):
         """Training forward: the image block sits at [image_start, image_start + N)."""
         feats = self.encoder(pixel_values)
         n = feats.shape[1]
@@ -150,7 +151,24 @@ class TinyVLM(nn.Module):
         mask = torch.ones(b, s, dtype=torch.long, device=x.device)
         pos = torch.arange(s, device=x.device)[None].expand(b, -1)
         logits, _ = self.decoder(x, mask, pos)
-        return logits
+        return (logits, feats) if return_features else logits
+
+
+class AuxHeads(nn.Module):
+    """Training-only heads on the image tokens: what is centred in each cell
+    (colour, shape kind, the three digits of a label). Not exported."""
+
+    def __init__(self, dim: int, colours: int, kinds: int, digits: int = 11, text_length: int = 3):
+        super().__init__()
+        self.colour = nn.Linear(dim, colours)
+        self.kind = nn.Linear(dim, kinds)
+        self.digits = nn.ModuleList(nn.Linear(dim, digits) for _ in range(text_length))
+
+    def loss(self, feats: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        heads = [self.colour, self.kind, *self.digits]
+        losses = [F.cross_entropy(h(feats).flatten(0, 1), targets[..., i].flatten())
+                  for i, h in enumerate(heads)]
+        return sum(losses) / len(losses)
 
 
 # ---- export wrappers: exactly the contract's tensor names ------------------------------

@@ -28,8 +28,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
 from edgemm.model.preprocess import to_pixel_values  # noqa: E402
-from edgemm.scenes import TASKS, make_scene, sample_question, vocabulary  # noqa: E402
-from tiny_vlm_model import TinyVLM, TinyVLMConfig, count_parameters  # noqa: E402
+from edgemm.scenes import COLOURS, SHAPES, TASKS, make_scene, sample_question, vocabulary  # noqa: E402
+from tiny_vlm_model import AuxHeads, TinyVLM, TinyVLMConfig, count_parameters  # noqa: E402
 
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>", "<image>", "<answer>"]
 TIERS = {"low": 128, "mid": 192, "high": 256}
@@ -55,12 +55,28 @@ def prompt_ids(tok: Tokenizer, prompt: str) -> list[int]:
     return tok.encode(prompt.replace("colour", "color"), add_special_tokens=False).ids
 
 
+def aux_targets(scene, grid: int) -> np.ndarray:
+    """Per image token: [colour+1, kind+1, digit1+1, digit2+1, digit3+1] of what is centred
+    in its cell (0 = nothing). Dense supervision that teaches the encoder to see."""
+    t = np.zeros((grid, grid, 5), np.int64)
+    cell = scene.image.shape[0] / grid
+    for shape in scene.shapes:
+        r, c = int(shape.cy // cell), int(shape.cx // cell)
+        t[r, c, 0] = list(COLOURS).index(shape.colour) + 1
+        t[r, c, 1] = SHAPES.index(shape.kind) + 1
+    if scene.text:
+        x, y, w, h = scene.text_box
+        r, c = int((y + h / 2) // cell), int((x + w / 2) // cell)
+        t[r, c, 2:] = [int(d) + 1 for d in scene.text]
+    return t.reshape(grid * grid, 5)
+
+
 def make_batch(tok: Tokenizer, rng: np.random.Generator, batch: int, side: int,
                cfg: TinyVLMConfig, task: str | None = None):
-    """pixel_values, input ids, target ids (-100 outside the answer), tasks."""
+    """pixel_values, input ids, target ids (-100 outside the answer), aux targets, tasks."""
     n_image = (side // cfg.patch) ** 2
     bos, eos, image, answer = (tok.token_to_id(t) for t in ("<bos>", "<eos>", "<image>", "<answer>"))
-    pixels, seqs, starts, tasks = [], [], [], []
+    pixels, seqs, starts, tasks, aux = [], [], [], [], []
     for _ in range(batch):
         scene = make_scene(int(rng.integers(TRAIN_SEED_BASE, 2**31)))
         t = task or str(rng.choice(list(TASK_WEIGHTS), p=list(TASK_WEIGHTS.values())))
@@ -70,6 +86,7 @@ def make_batch(tok: Tokenizer, rng: np.random.Generator, batch: int, side: int,
         starts.append(len(ids))
         seqs.append(ids + prompt_ids(tok, q.answer) + [eos])
         tasks.append(q.task)
+        aux.append(aux_targets(scene, side // cfg.patch))
     length = max(map(len, seqs))
     inp = torch.zeros(batch, length - 1, dtype=torch.long)
     tgt = torch.full((batch, length - 1), -100, dtype=torch.long)
@@ -77,7 +94,7 @@ def make_batch(tok: Tokenizer, rng: np.random.Generator, batch: int, side: int,
         ids_t = torch.tensor(ids)
         inp[i, : len(ids) - 1] = ids_t[:-1]
         tgt[i, start - 1: len(ids) - 1] = ids_t[start:]
-    return torch.from_numpy(np.stack(pixels)), inp, tgt, tasks
+    return torch.from_numpy(np.stack(pixels)), inp, tgt, torch.from_numpy(np.stack(aux)), tasks
 
 
 @torch.no_grad()
@@ -88,7 +105,7 @@ def exact_match(model: TinyVLM, tok, cfg, side: int, n: int, seed: int) -> dict[
     out = {}
     for task in TASKS:
         rng = np.random.default_rng(seed)
-        px, inp, tgt, _ = make_batch(tok, rng, n, side, cfg, task)
+        px, inp, tgt, _, _ = make_batch(tok, rng, n, side, cfg, task)
         pred = model(px, inp).argmax(-1)
         ok = ((pred == tgt) | (tgt == -100)).all(dim=1)
         out[task] = round(ok.float().mean().item(), 3)
@@ -105,6 +122,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=ROOT / "build" / "tiny-vlm")
     ap.add_argument("--eval-every", type=int, default=300)
+    ap.add_argument("--aux-weight", type=float, default=0.5, help="weight of the encoder's dense auxiliary loss")
     args = ap.parse_args()
 
     torch.manual_seed(args.seed)
@@ -114,10 +132,12 @@ def main() -> None:
     tok.save(str(args.out / "tokenizer.json"))
     cfg = TinyVLMConfig(vocab_size=tok.get_vocab_size())
     model = TinyVLM(cfg)
+    aux_heads = AuxHeads(cfg.dim, len(COLOURS) + 1, len(SHAPES) + 1)  # training only, not exported
     print(f"parameters: {count_parameters(model):,}", file=sys.stderr)
 
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "pos" not in n]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2 or "pos" in n]
+    named = list(model.named_parameters()) + list(aux_heads.named_parameters())
+    decay = [p for n, p in named if p.ndim >= 2 and "pos" not in n]
+    no_decay = [p for n, p in named if p.ndim < 2 or "pos" in n]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05},
                              {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.98))
     warmup = min(200, args.steps // 10 + 1)
@@ -137,14 +157,15 @@ def main() -> None:
     for step in bar:
         rng = np.random.default_rng([args.seed, step])
         side = TIERS[str(rng.choice(tier_names, p=tier_p))]
-        px, inp, tgt, _ = make_batch(tok, rng, args.batch, side, cfg)
+        px, inp, tgt, aux, _ = make_batch(tok, rng, args.batch, side, cfg)
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
-        logits = model(px, inp)
+        logits, feats = model(px, inp, return_features=True)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), ignore_index=-100)
+        loss = loss + args.aux_weight * aux_heads.loss(feats, aux)
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_([p for _, p in named], 1.0)
         opt.step()
         ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
         bar.set_postfix(loss=f"{ema:.3f}", side=side)

@@ -109,7 +109,9 @@ def load_manifest(model_dir: str | Path) -> ModelManifest:
         raise ModelError(f"{path} is not a model folder: model.yaml not found")
     where = str(yaml_path)
     try:
-        data = yaml.safe_load(yaml_path.read_text())
+        data = yaml.safe_load(yaml_path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise ModelError(f"{where}: not UTF-8 text") from None
     except yaml.YAMLError as e:
         raise ModelError(f"{where}: not valid YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(data, dict):
@@ -123,9 +125,11 @@ def load_manifest(model_dir: str | Path) -> ModelManifest:
     if default_tier not in tiers:
         raise ModelError(f"{where}: default_tier {default_tier!r} is not one of {', '.join(tiers)}")
     pre = data.get("preprocessing", {}) or {}
-    mean, std = tuple(pre.get("mean", (0.5,) * 3)), tuple(pre.get("std", (0.5,) * 3))
-    if len(mean) != 3 or len(std) != 3 or min(std) <= 0:
-        raise ModelError(f"{where}: preprocessing.mean/std need 3 values each, std > 0")
+    mean, std = pre.get("mean", [0.5] * 3), pre.get("std", [0.5] * 3)
+    if not all(isinstance(v, list) and len(v) == 3 and all(isinstance(x, (int, float)) for x in v)
+               for v in (mean, std)) or min(std) <= 0:
+        raise ModelError(f"{where}: preprocessing.mean and .std must be lists of 3 numbers, std > 0")
+    mean, std = tuple(mean), tuple(std)
     special = _require(data, "special_tokens", dict, where)
     for key in ("bos", "eos"):
         _require(special, key, str, f"{where}: special_tokens")

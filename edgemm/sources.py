@@ -1,0 +1,711 @@
+"""Video and image sources named by URI, in the style of jetson-inference's videoSource.
+
+    csi://0                       MIPI CSI camera (nvarguscamerasrc; needs GStreamer)
+    v4l2:///dev/video0            USB camera (also plain /dev/video0, or v4l2://0)
+    rtsp://host/path?latency=200  network camera (GStreamer, else OpenCV's FFMPEG)
+    clip.mp4  file:///data/clip   video file (.mp4 .mkv .avi .mov .webm .m4v, or any file://)
+    photo.jpg                     one image
+    frames/   'frames/*.png'      a folder of images, or a glob, in name order
+    synthetic://?fps=10&seed=0    generated scenes with ground truth (demos, tests)
+
+    with open_source("csi://0") as source:
+        for frame in source:          # Frame: index, RGB image, capture_time, ...
+            ...
+
+Every source yields RGB uint8 frames (OpenCV's BGR is converted here, once).
+Live sources (cameras, paced synthetic) keep producing frames whether or not anyone
+is keeping up; downstream takes the latest frame. Files are read losslessly, frame by
+frame, and `read()` returns None at their end. Cameras that fail to open or stop
+delivering are reopened with exponential backoff.
+
+Checks that need a device or the file system (missing file, missing /dev/video node,
+OpenCV without GStreamer) happen in `open()`, which `read()`, `with` and iteration
+call for you; `parse_uri` only rejects URIs that are wrong as written.
+"""
+from __future__ import annotations
+
+import functools
+import glob
+import logging
+import math
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any
+
+import cv2
+import numpy as np
+
+from edgemm.errors import InputError
+from edgemm.model.image import DEFAULT_MAX_PIXELS, load_image
+
+__all__ = [
+    "SourceError", "Frame", "SourceSpec", "SourceStats", "Source", "CaptureSource",
+    "CsiSource", "V4l2Source", "RtspSource", "VideoFileSource", "ImageFilesSource",
+    "SyntheticSource", "open_source", "parse_uri", "gstreamer_available",
+    "csi_pipeline", "rtsp_pipeline", "rtsp_capture_args",
+]
+
+log = logging.getLogger(__name__)
+
+KINDS = ("csi", "v4l2", "rtsp", "video", "image", "folder", "glob", "synthetic")
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff", ".gif")
+VIDEO_EXTENSIONS = (".mp4", ".mkv", ".avi", ".mov", ".webm", ".m4v")
+SUPPORTED = ("csi://N, v4l2:///dev/videoN, rtsp://host/path, file://PATH, synthetic://, "
+             "or a video file, image file, folder or glob")
+
+CSI_DEFAULTS = {"width": 1280, "height": 720, "fps": 30.0}
+FIRST_BACKOFF_S = 0.5
+# Bounded waits so a dead network camera is noticed and reconnected, not waited on forever.
+FFMPEG_OPEN_TIMEOUT_MS = 10_000
+FFMPEG_READ_TIMEOUT_MS = 5_000
+
+
+class SourceError(InputError):
+    """A source that cannot be opened or read; str(e) is one line for the user."""
+
+
+@dataclass
+class Frame:
+    index: int               # 0-based number of this frame from its source
+    image: np.ndarray        # RGB uint8 (H, W, 3)
+    capture_time: float      # time.time() when it was captured (wall clock)
+    source: str              # the source URI (credentials masked)
+    truth: object | None = None  # the edgemm.scenes.Scene for synthetic frames
+    name: str | None = None      # file name, for image files, folders and globs
+
+
+@dataclass
+class SourceSpec:
+    """A parsed source URI.
+
+    `location` is what the kind opens: sensor number, device node, the RTSP URL
+    without edgemm's own options, a path or a glob pattern. `options` are edgemm's
+    options from the query string, typed (`fps=10` → {"fps": 10.0}).
+    """
+    kind: str                # one of KINDS
+    location: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class SourceStats:
+    frames: int = 0       # frames delivered
+    reconnects: int = 0   # reopen attempts after a failure, over the source's life
+
+
+# ---- opening a source by URI ----------------------------------------------------------
+
+def open_source(uri: str, *, fps: float | None = None, width: int | None = None,
+                height: int | None = None, latency_ms: int = 200, reconnect: bool = True,
+                max_backoff_s: float = 8.0, max_reconnects: int | None = None,
+                max_pixels: int = DEFAULT_MAX_PIXELS,
+                sleep: Callable[[float], Any] | None = None,
+                clock: Callable[[], float] = time.monotonic) -> Source:
+    """The source for `uri`, not yet opened (`open()`, `with`, `read()` or iteration do).
+
+    Options written in the URI (`csi://0?width=1920`, `rtsp://…?latency=50`) win over
+    the keyword arguments, which are defaults for the whole command line or config.
+    """
+    spec = parse_uri(uri)
+    opts = spec.options
+    retry = dict(reconnect=reconnect, max_backoff_s=max_backoff_s,
+                 max_reconnects=max_reconnects, sleep=sleep)
+    if spec.kind == "csi":
+        size = {k: _pick(opts, k, given, CSI_DEFAULTS[k])
+                for k, given in (("width", width), ("height", height), ("fps", fps))}
+        return CsiSource(uri, int(spec.location), **size, **retry)
+    if spec.kind == "v4l2":
+        return V4l2Source(uri, spec.location, width=_pick(opts, "width", width),
+                          height=_pick(opts, "height", height), fps=_pick(opts, "fps", fps),
+                          **retry)
+    if spec.kind == "rtsp":
+        return RtspSource(uri, spec.location, latency_ms=_pick(opts, "latency", latency_ms),
+                          backend=opts.get("backend", "auto"), **retry)
+    if spec.kind == "video":
+        return VideoFileSource(uri, spec.location)
+    if spec.kind == "synthetic":
+        return SyntheticSource(uri, fps=_pick(opts, "fps", fps, 0.0), seed=opts.get("seed", 0),
+                               count=opts.get("count"), size=opts.get("size", 256),
+                               text_probability=opts.get("text", 0.5), sleep=sleep, clock=clock)
+    return ImageFilesSource(uri, spec.kind, spec.location, max_pixels=max_pixels)
+
+
+def _pick(options: dict[str, Any], name: str, given: Any, default: Any = None) -> Any:
+    """URI option, else the keyword argument, else the default."""
+    if name in options:
+        return options[name]
+    return default if given is None else given
+
+
+# ---- parsing URIs ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Option:
+    type: type                       # int, float or str
+    minimum: float | None = None
+    maximum: float | None = None
+    choices: tuple[str, ...] = ()
+
+
+_OPTIONS = {
+    "fps": _Option(float, minimum=0),
+    "width": _Option(int, minimum=1),
+    "height": _Option(int, minimum=1),
+    "latency": _Option(int, minimum=0),
+    "backend": _Option(str, choices=("auto", "gstreamer", "ffmpeg")),
+    "seed": _Option(int, minimum=0),
+    "count": _Option(int, minimum=0),
+    "size": _Option(int, minimum=32),   # smaller scenes have no room for their shapes
+    "text": _Option(float, minimum=0, maximum=1),
+}
+# The options each URI kind takes. For rtsp these are edgemm's own and are removed from
+# the URL handed to the camera; the camera's own query parameters pass through untouched.
+_KIND_OPTIONS = {
+    "csi": ("width", "height", "fps"),
+    "v4l2": ("width", "height", "fps"),
+    "rtsp": ("latency", "backend"),
+    "synthetic": ("fps", "seed", "count", "size", "text"),
+}
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$", re.DOTALL)
+_GLOB_CHARS = re.compile(r"[*?\[]")
+
+
+def parse_uri(uri: str) -> SourceSpec:
+    """Split a source URI into kind, location and typed options; SourceError if malformed.
+
+    Plain paths are classified by extension (or as a folder if one exists there);
+    whether a file exists is checked when the source is opened.
+    """
+    if not isinstance(uri, str) or not uri.strip():
+        raise SourceError(f"source URI is empty (expected {SUPPORTED})")
+    match = _SCHEME.match(uri)
+    if match is None:
+        if uri.startswith("/dev/video"):
+            return SourceSpec("v4l2", uri)
+        return _path_spec(uri, from_file_uri=False)
+    scheme, rest = match.group(1).lower(), match.group(2)
+    if scheme == "csi":
+        return _csi_spec(uri, rest)
+    if scheme == "v4l2":
+        return _v4l2_spec(uri, rest)
+    if scheme in ("rtsp", "rtsps"):
+        return _rtsp_spec(uri, rest)
+    if scheme == "file":
+        return _path_spec(rest, from_file_uri=True)
+    if scheme == "synthetic":
+        return _synthetic_spec(uri, rest)
+    raise SourceError(f"unknown source scheme {scheme}:// in {_redact(uri)} "
+                      f"(supported: {SUPPORTED})")
+
+
+def _csi_spec(uri: str, rest: str) -> SourceSpec:
+    sensor, query = _split_query(rest)
+    if not sensor.isdigit():
+        raise SourceError(f"{uri}: csi:// needs a sensor number, e.g. csi://0")
+    return SourceSpec("csi", str(int(sensor)), _parse_options(uri, "csi", query))
+
+
+def _v4l2_spec(uri: str, rest: str) -> SourceSpec:
+    device, query = _split_query(rest)
+    if device.isdigit():  # v4l2://0, as OpenCV numbers cameras
+        device = f"/dev/video{int(device)}"
+    if not device.startswith("/"):
+        raise SourceError(f"{uri}: v4l2:// needs a device node, e.g. v4l2:///dev/video0")
+    return SourceSpec("v4l2", device, _parse_options(uri, "v4l2", query))
+
+
+def _rtsp_spec(uri: str, rest: str) -> SourceSpec:
+    address, query = _split_query(rest)
+    host = address.split("/", 1)[0].rpartition("@")[2]
+    if not host:
+        raise SourceError(f"{_redact(uri)}: rtsp:// needs a host, e.g. rtsp://192.168.1.10/stream")
+    ours = [p for p in query.split("&") if p.split("=", 1)[0] in _KIND_OPTIONS["rtsp"]]
+    theirs = [p for p in query.split("&") if p and p not in ours]
+    location = uri[:len(uri) - len(rest)] + address + ("?" + "&".join(theirs) if theirs else "")
+    return SourceSpec("rtsp", location, _parse_options(_redact(uri), "rtsp", "&".join(ours)))
+
+
+def _synthetic_spec(uri: str, rest: str) -> SourceSpec:
+    path, query = _split_query(rest)
+    if path.strip("/"):
+        raise SourceError(f"{uri}: synthetic:// takes only options, "
+                          "e.g. synthetic://?fps=10&seed=0")
+    return SourceSpec("synthetic", "", _parse_options(uri, "synthetic", query))
+
+
+def _path_spec(path: str, from_file_uri: bool) -> SourceSpec:
+    if not path:
+        raise SourceError(f"file:// needs a path (expected {SUPPORTED})")
+    if os.path.isdir(path):
+        return SourceSpec("folder", path)
+    if _GLOB_CHARS.search(path) and not os.path.exists(path):
+        return SourceSpec("glob", path)
+    extension = os.path.splitext(path)[1].lower()
+    if extension in VIDEO_EXTENSIONS:
+        return SourceSpec("video", path)
+    if extension in IMAGE_EXTENSIONS:
+        return SourceSpec("image", path)
+    if from_file_uri:  # file:// says "a file": let OpenCV try it as a video
+        return SourceSpec("video", path)
+    if not os.path.exists(path):
+        raise SourceError(f"no such file or folder: {path}")
+    raise SourceError(f"don't know how to read {path}: expected an image "
+                      f"({' '.join(IMAGE_EXTENSIONS)}), a video ({' '.join(VIDEO_EXTENSIONS)}), "
+                      "a folder or a glob")
+
+
+def _split_query(rest: str) -> tuple[str, str]:
+    before, _, query = rest.partition("?")
+    return before, query
+
+
+def _parse_options(uri: str, kind: str, query: str) -> dict[str, Any]:
+    """`fps=10&seed=0` → {"fps": 10.0, "seed": 0}, refusing unknown, repeated or bad values."""
+    allowed = _KIND_OPTIONS[kind]
+    options: dict[str, Any] = {}
+    for pair in filter(None, query.split("&")):
+        name, _, text = pair.partition("=")
+        if name not in allowed:
+            raise SourceError(f"{uri}: unknown option {name!r} for {kind}:// "
+                              f"(known: {', '.join(sorted(allowed))})")
+        if name in options:
+            raise SourceError(f"{uri}: option {name!r} is given twice")
+        options[name] = _option_value(uri, name, text)
+    return options
+
+
+def _option_value(uri: str, name: str, text: str) -> Any:
+    option = _OPTIONS[name]
+    if option.choices:
+        if text not in option.choices:
+            raise SourceError(f"{uri}: option {name} must be one of "
+                              f"{', '.join(option.choices)}, got {text!r}")
+        return text
+    try:
+        value = option.type(text)
+    except ValueError:
+        kind = "an integer" if option.type is int else "a number"
+        raise SourceError(f"{uri}: option {name} must be {kind}, got {text!r}") from None
+    low = -math.inf if option.minimum is None else option.minimum
+    high = math.inf if option.maximum is None else option.maximum
+    if not (low <= value <= high) or not math.isfinite(value):
+        bounds = f"between {low:g} and {high:g}" if option.maximum is not None else f">= {low:g}"
+        raise SourceError(f"{uri}: option {name} must be {bounds}, got {text!r}")
+    return value
+
+
+def _redact(uri: str) -> str:
+    """rtsp://user:secret@cam/ → rtsp://***@cam/: URIs end up in logs and JSON output."""
+    return re.sub(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^/?#@]*@", r"\1***@", uri)
+
+
+# ---- GStreamer pipelines --------------------------------------------------------------
+
+@functools.lru_cache(maxsize=1)
+def gstreamer_available() -> bool:
+    """Whether this OpenCV was built with GStreamer (pip wheels are not; JetPack's is)."""
+    found = re.search(r"^\s*GStreamer:\s*(\S+)", cv2.getBuildInformation(), re.MULTILINE)
+    return found is not None and found.group(1).upper().startswith("YES")
+
+
+def csi_pipeline(sensor_id: int, width: int = 1280, height: int = 720,
+                 fps: float = 30.0) -> str:
+    """Argus camera → NVMM → nvvidconv (hardware) to BGRx → BGR for OpenCV.
+
+    The appsink keeps only the newest buffer, so a slow reader sees fresh frames.
+    """
+    return (f"nvarguscamerasrc sensor-id={sensor_id} ! "
+            f"video/x-raw(memory:NVMM), width={width}, height={height}, "
+            f"framerate={_framerate(fps)} ! "
+            "nvvidconv ! video/x-raw, format=BGRx ! "
+            "videoconvert ! video/x-raw, format=BGR ! "
+            "appsink drop=true max-buffers=1")
+
+
+def rtsp_pipeline(location: str, latency_ms: int = 200) -> str:
+    """rtspsrc with a bounded jitter buffer (`latency`), any codec, newest frame only."""
+    return (f'rtspsrc location="{location}" latency={latency_ms} ! decodebin ! '
+            "videoconvert ! video/x-raw,format=BGR ! appsink drop=true max-buffers=1")
+
+
+def rtsp_capture_args(location: str, latency_ms: int, backend: str,
+                      gstreamer: bool) -> tuple[str, int, list[int]]:
+    """(target, OpenCV backend, open params) for cv2.VideoCapture on an RTSP URL."""
+    if backend == "gstreamer" or (backend == "auto" and gstreamer):
+        if not gstreamer:
+            raise SourceError(_needs_gstreamer(_redact(location)))
+        return rtsp_pipeline(location, latency_ms), cv2.CAP_GSTREAMER, []
+    return location, cv2.CAP_FFMPEG, _ffmpeg_timeouts()
+
+
+def _framerate(fps: float) -> str:
+    """GStreamer wants a fraction: 30 → 30/1, 29.97 → 2997/100."""
+    rate = Fraction(fps).limit_denominator(1001)
+    return f"{rate.numerator}/{rate.denominator}"
+
+
+def _ffmpeg_timeouts() -> list[int]:
+    # The constants exist from OpenCV 4.6 (JetPack 5 ships 4.5); without them, OpenCV's
+    # defaults apply. FFMPEG refuses unknown open params, so pass only these.
+    names = ("CAP_PROP_OPEN_TIMEOUT_MSEC", "CAP_PROP_READ_TIMEOUT_MSEC")
+    if not all(hasattr(cv2, n) for n in names):
+        return []
+    return [cv2.CAP_PROP_OPEN_TIMEOUT_MSEC, FFMPEG_OPEN_TIMEOUT_MS,
+            cv2.CAP_PROP_READ_TIMEOUT_MSEC, FFMPEG_READ_TIMEOUT_MS]
+
+
+def _needs_gstreamer(uri: str) -> str:
+    return (f"{uri} needs OpenCV built with GStreamer (this OpenCV has none; "
+            "on a Jetson use JetPack's python3-opencv)")
+
+
+# ---- the source interface -------------------------------------------------------------
+
+class Source:
+    """A stream of RGB frames. Subclasses implement `_open`, `_next_frame`, `_close`.
+
+    `read()` may be called from one thread while another calls `close()`: close cuts
+    a backoff wait short, and later reads return None. A closed source stays closed.
+    """
+
+    def __init__(self, uri: str, *, live: bool, sleep: Callable[[float], Any] | None = None):
+        self.uri = uri
+        self.live = live
+        self.stats = SourceStats()
+        self._shown = _redact(uri)
+        self._closed = threading.Event()
+        # Default wait: an Event, so close() wakes a reader sleeping in a backoff.
+        self._sleep = sleep if sleep is not None else self._closed.wait
+        self._lock = threading.Lock()  # one cv2 call at a time: never release mid-read
+        self._opened = False
+        self._next_index = 0
+
+    def open(self) -> None:
+        with self._lock:
+            self._ensure_open()
+
+    def read(self) -> Frame | None:
+        """The next frame; None at the end of a file (or once closed)."""
+        with self._lock:
+            if self._closed.is_set():
+                return None
+            self._ensure_open()
+            return self._next_frame()
+
+    def close(self) -> None:
+        self._closed.set()
+        with self._lock:
+            self._close()
+
+    def __enter__(self) -> Source:
+        self.open()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __iter__(self) -> Iterator[Frame]:
+        while (frame := self.read()) is not None:
+            yield frame
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._shown!r}, live={self.live})"
+
+    def _ensure_open(self) -> None:
+        if not self._opened:
+            self._open()
+            self._opened = True
+
+    def _frame(self, image: np.ndarray, truth: object | None = None,
+               name: str | None = None) -> Frame:
+        """Stamp a captured image with its number, time and source."""
+        frame = Frame(self._next_index, image, time.time(), self._shown, truth, name)
+        self._next_index += 1
+        self.stats.frames += 1
+        return frame
+
+    def _open(self) -> None:
+        pass
+
+    def _next_frame(self) -> Frame | None:
+        raise NotImplementedError
+
+    def _close(self) -> None:
+        pass
+
+
+# ---- OpenCV captures: cameras and video files -----------------------------------------
+
+class CaptureSource(Source):
+    """Frames from a cv2.VideoCapture-like object.
+
+    Subclasses override `_open_capture()` (a capture, or None if it could not open
+    now) and, if needed, `_grab()` (a BGR image, or None) and `_preflight()` (raise
+    SourceError for what no retry can fix). A live source that fails to open or
+    to deliver a frame is reopened after 0.5, 1, 2, 4 … s (capped at max_backoff_s);
+    the backoff restarts after the next good frame. A non-live source ends instead.
+    """
+
+    def __init__(self, uri: str, *, live: bool, reconnect: bool = True,
+                 max_backoff_s: float = 8.0, max_reconnects: int | None = None,
+                 sleep: Callable[[float], Any] | None = None):
+        super().__init__(uri, live=live, sleep=sleep)
+        self.reconnect = reconnect
+        self.max_backoff_s = max_backoff_s
+        self.max_reconnects = max_reconnects
+        self._capture: Any = None
+        self._failures = 0  # consecutive failed reconnects since the last good frame
+
+    def _preflight(self) -> None:
+        pass
+
+    def _open_capture(self) -> Any | None:
+        raise NotImplementedError
+
+    def _grab(self) -> np.ndarray | None:
+        ok, image = self._capture.read()
+        return image if ok and image is not None and image.size else None
+
+    def _open(self) -> None:
+        self._preflight()
+        self._capture = self._open_capture()
+        if self._capture is None and not (self.live and self.reconnect):
+            raise SourceError(f"could not open camera {self._shown}")
+        # A live camera that is not up yet is retried by the first read().
+
+    def _next_frame(self) -> Frame | None:
+        while not self._closed.is_set():
+            image = self._grab() if self._capture is not None else None
+            if image is not None:
+                self._failures = 0
+                return self._frame(_to_rgb(image))
+            if not self.live:
+                return None  # end of a video file
+            self._reconnect()
+        return None
+
+    def _reconnect(self) -> None:
+        if not self.reconnect:
+            raise SourceError(f"camera {self._shown} disconnected")
+        if self.max_reconnects is not None and self._failures >= self.max_reconnects:
+            raise SourceError(f"camera {self._shown} disconnected; "
+                              f"gave up after {self._failures} reconnects")
+        delay = self._backoff()
+        log.warning("camera %s: no frame; reconnecting in %.1f s", self._shown, delay)
+        self._close()
+        self._sleep(delay)
+        self._failures += 1
+        self.stats.reconnects += 1
+        if not self._closed.is_set():
+            self._capture = self._open_capture()
+
+    def _backoff(self) -> float:
+        # The exponent is capped so that days of retrying never overflow a float.
+        return min(FIRST_BACKOFF_S * 2.0 ** min(self._failures, 30), self.max_backoff_s)
+
+    def _close(self) -> None:
+        if self._capture is not None and hasattr(self._capture, "release"):
+            self._capture.release()
+        self._capture = None
+
+
+class CsiSource(CaptureSource):
+    """A MIPI CSI camera through nvarguscamerasrc (Jetson only)."""
+
+    def __init__(self, uri: str, sensor_id: int, *, width: int = 1280, height: int = 720,
+                 fps: float = 30.0, **retry: Any):
+        super().__init__(uri, live=True, **retry)
+        self.pipeline = csi_pipeline(sensor_id, width, height, fps)
+
+    def _preflight(self) -> None:
+        if not gstreamer_available():
+            raise SourceError(_needs_gstreamer(self._shown))
+
+    def _open_capture(self) -> Any | None:
+        return _video_capture(self.pipeline, cv2.CAP_GSTREAMER)
+
+
+class V4l2Source(CaptureSource):
+    """A V4L2 camera (USB webcam, HDMI grabber) by device node."""
+
+    def __init__(self, uri: str, device: str, *, width: int | None = None,
+                 height: int | None = None, fps: float | None = None, **retry: Any):
+        super().__init__(uri, live=True, **retry)
+        self.device = device
+        self._settings = {cv2.CAP_PROP_FRAME_WIDTH: width, cv2.CAP_PROP_FRAME_HEIGHT: height,
+                          cv2.CAP_PROP_FPS: fps}
+
+    def _preflight(self) -> None:
+        # Missing at start is a mistake to report; missing later is an unplug to wait out.
+        if not os.path.exists(self.device):
+            raise SourceError(f"camera {self.device} not found (is it plugged in?)")
+
+    def _open_capture(self) -> Any | None:
+        if not os.path.exists(self.device):
+            return None
+        capture = _video_capture(self.device, cv2.CAP_V4L2)
+        if capture is not None:
+            for prop, value in self._settings.items():
+                if value is not None:
+                    capture.set(prop, value)
+            capture.set(cv2.CAP_PROP_BUFFERSIZE, 1)  # fewer queued, stale frames
+        return capture
+
+
+class RtspSource(CaptureSource):
+    """A network camera: GStreamer's rtspsrc when OpenCV has it, else FFMPEG."""
+
+    def __init__(self, uri: str, location: str, *, latency_ms: int = 200,
+                 backend: str = "auto", **retry: Any):
+        super().__init__(uri, live=True, **retry)
+        self.location = location
+        self.latency_ms = latency_ms
+        self.backend = backend
+        self._args: tuple[str, int, list[int]] | None = None
+
+    def _preflight(self) -> None:
+        self._args = rtsp_capture_args(self.location, self.latency_ms, self.backend,
+                                       gstreamer_available())
+
+    def _open_capture(self) -> Any | None:
+        assert self._args is not None
+        return _video_capture(*self._args)
+
+
+class VideoFileSource(CaptureSource):
+    """A video file, every frame in order; read() returns None at its end."""
+
+    def __init__(self, uri: str, path: str):
+        super().__init__(uri, live=False, reconnect=False)
+        self.path = path
+
+    def _preflight(self) -> None:
+        if not os.path.isfile(self.path):
+            raise SourceError(f"no such file or folder: {self.path}")
+
+    def _open_capture(self) -> Any | None:
+        capture = _video_capture(self.path, cv2.CAP_ANY)
+        if capture is None:
+            raise SourceError(f"could not open video {self.path} "
+                              "(unsupported format or codec, or a corrupt file)")
+        return capture
+
+
+def _video_capture(target: str, api: int, params: list[int] | None = None) -> Any | None:
+    """An opened cv2.VideoCapture, or None (OpenCV reports failure by not opening)."""
+    capture = cv2.VideoCapture(target, api, params or [])
+    if capture.isOpened():
+        return capture
+    capture.release()
+    return None
+
+
+def _to_rgb(image: np.ndarray) -> np.ndarray:
+    """OpenCV's BGR (or grey, or BGRA) → RGB uint8."""
+    if image.ndim == 2:
+        return cv2.cvtColor(image, cv2.COLOR_GRAY2RGB)
+    if image.shape[2] == 4:
+        return cv2.cvtColor(image, cv2.COLOR_BGRA2RGB)
+    return cv2.cvtColor(image, cv2.COLOR_BGR2RGB)
+
+
+# ---- image files, folders, globs ------------------------------------------------------
+
+class ImageFilesSource(Source):
+    """One image file, a folder's images or a glob's images, in name order.
+
+    A file that will not decode raises its ImageError (naming the file) from read();
+    the source has moved past it, so the caller may read on or stop.
+    """
+
+    def __init__(self, uri: str, kind: str, location: str, *,
+                 max_pixels: int = DEFAULT_MAX_PIXELS):
+        super().__init__(uri, live=False)
+        self.kind = kind            # "image", "folder" or "glob"
+        self.location = location
+        self.max_pixels = max_pixels
+        self.paths: list[str] = []
+        self._position = 0
+
+    def _open(self) -> None:
+        self.paths = _image_paths(self.kind, self.location)
+
+    def _next_frame(self) -> Frame | None:
+        if self._position >= len(self.paths):
+            return None
+        path = self.paths[self._position]
+        self._position += 1
+        image = load_image(path, max_pixels=self.max_pixels)
+        # A glob may span folders, so its frames keep the path as matched.
+        name = path if self.kind == "glob" else os.path.basename(path)
+        return self._frame(image, name=name)
+
+
+def _image_paths(kind: str, location: str) -> list[str]:
+    if kind == "glob":
+        paths = [p for p in sorted(glob.glob(location)) if _is_image_file(p)]
+        if not paths:
+            raise SourceError(f"no images match {location}")
+        return paths
+    if not os.path.exists(location):
+        raise SourceError(f"no such file or folder: {location}")
+    if kind == "image":
+        return [location]
+    # Hidden files are skipped, as glob does: macOS leaves "._photo.jpg" companions.
+    names = [n for n in sorted(os.listdir(location)) if not n.startswith(".")]
+    paths = [p for p in (os.path.join(location, n) for n in names) if _is_image_file(p)]
+    if not paths:
+        raise SourceError(f"no images in folder {location}")
+    return paths
+
+
+def _is_image_file(path: str) -> bool:
+    return path.lower().endswith(IMAGE_EXTENSIONS) and os.path.isfile(path)
+
+
+# ---- synthetic scenes -----------------------------------------------------------------
+
+class SyntheticSource(Source):
+    """Generated scenes (edgemm.scenes) with their ground truth, for demos and tests.
+
+    Frame i is make_scene(seed + i), so a run is reproducible. With fps > 0 frames are
+    released on a fixed schedule, like a camera: a fast reader waits, a slow one gets
+    the next frame at once but never a burst to catch up. fps 0 is as fast as possible.
+    """
+
+    def __init__(self, uri: str = "synthetic://", *, fps: float = 0.0, seed: int = 0,
+                 count: int | None = None, size: int = 256, text_probability: float = 0.5,
+                 sleep: Callable[[float], Any] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        super().__init__(uri, live=fps > 0, sleep=sleep)
+        self.fps, self.seed, self.count = fps, seed, count
+        self.size, self.text_probability = size, text_probability
+        self._clock = clock
+        self._due = 0.0
+
+    def _open(self) -> None:
+        self._due = self._clock()
+
+    def _next_frame(self) -> Frame | None:
+        if self.count is not None and self._next_index >= self.count:
+            return None
+        # Imported here: the inference path never loads the scene generator.
+        from edgemm.scenes import make_scene
+        scene = make_scene(self.seed + self._next_index, size=self.size,
+                           text_probability=self.text_probability)
+        self._wait_until_due()
+        return self._frame(scene.image, truth=scene)
+
+    def _wait_until_due(self) -> None:
+        if self.fps <= 0:
+            return
+        now = self._clock()
+        if self._due > now:
+            self._sleep(self._due - now)
+        # Late frames restart the schedule from now rather than bursting to catch up.
+        self._due = max(self._due, now) + 1.0 / self.fps

@@ -1,0 +1,167 @@
+"""edgemm.generate: greedy and seeded sampling, stop/length, context limit, callbacks, cache."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from edgemm.errors import InputError
+from edgemm.generate import GenerationOptions, Generator, sample_token
+
+PROMPT = "describe the image"
+
+
+@pytest.fixture(scope="module")
+def sample(model_dir):
+    return model_dir / "samples" / "scene_12.png"
+
+
+@pytest.fixture(scope="module")
+def request_inputs(runtime, sample):
+    """(features, input_ids, image_start) for PROMPT about the sample at the top tier."""
+    pixels, tier = runtime.preprocess(sample)
+    prompt = runtime.adapter.build_prompt(PROMPT, runtime.manifest.tiers[tier])
+    return runtime.generator.encode(pixels), prompt.input_ids, prompt.image_start
+
+
+def generator_with_stops(runtime, stop_ids: set[int]) -> Generator:
+    g = runtime.generator
+    return Generator(g.encoder, g.embed, g.decoder, g.max_context, stop_ids)
+
+
+def run(generator, request_inputs, **options):
+    return generator.generate(*request_inputs, GenerationOptions(**options))
+
+
+# ---- sample_token on handcrafted logits ------------------------------------------------
+
+def test_temperature_zero_is_argmax():
+    logits = np.array([0.1, 3.0, -1.0, 2.9, 3.0 - 1e-6], np.float32)
+    rng = np.random.default_rng(0)
+    assert all(sample_token(logits, GenerationOptions(temperature=0), rng) == 1 for _ in range(5))
+
+
+def test_tiny_top_p_keeps_only_the_top_token():
+    logits = np.array([1.0, 0.9, 0.8, 0.7, 0.6])  # the top token has only ~24% of the mass
+    rng = np.random.default_rng(0)
+    options = GenerationOptions(temperature=1.0, top_p=1e-6)
+    assert {sample_token(logits, options, rng) for _ in range(50)} == {0}
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    logits = np.log(np.array([0.40, 0.35, 0.25]))  # 0.40 < 0.5 ≤ 0.75: keep the top two
+    rng = np.random.default_rng(0)
+    options = GenerationOptions(temperature=1.0, top_p=0.5)
+    assert {sample_token(logits, options, rng) for _ in range(200)} == {0, 1}
+
+
+def test_sampling_follows_the_distribution_and_the_seed():
+    logits = np.log(np.array([0.7, 0.2, 0.1]))
+    options = GenerationOptions(temperature=1.0)
+    draws = [sample_token(logits, options, np.random.default_rng(0)) for _ in range(3)]
+    assert len(set(draws)) == 1  # same seed, same draw
+    rng = np.random.default_rng(1)
+    counts = np.bincount([sample_token(logits, options, rng) for _ in range(400)], minlength=3)
+    assert counts[0] > counts[1] > counts[2] > 0
+
+
+# ---- options -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad", [
+    {"max_new_tokens": 0}, {"max_new_tokens": -5}, {"temperature": -0.1},
+    {"temperature": math.nan}, {"top_p": 0.0}, {"top_p": -0.5}, {"top_p": 1.01},
+    {"top_p": math.nan}], ids=lambda bad: "{}={}".format(*next(iter(bad.items()))))
+def test_options_reject_bad_values(bad):
+    with pytest.raises(InputError, match=next(iter(bad))):
+        GenerationOptions(**bad)
+
+
+def test_options_accept_edge_values():
+    GenerationOptions(max_new_tokens=1, temperature=0, top_p=1.0)
+    GenerationOptions(temperature=2.0, top_p=1e-9, seed=0)
+
+
+# ---- generation with the real model ----------------------------------------------------------
+
+def test_greedy_is_deterministic(runtime, request_inputs):
+    a = run(runtime.generator, request_inputs)
+    b = run(runtime.generator, request_inputs)
+    assert (a.tokens, a.finish_reason) == (b.tokens, b.finish_reason)
+
+
+def test_seeded_sampling_is_reproducible_and_differs_from_greedy(runtime, sample):
+    greedy = runtime.infer(sample, PROMPT).tokens
+    sampled = []
+    for seed in range(5):
+        first = runtime.infer(sample, PROMPT, temperature=1.5, seed=seed).tokens
+        assert runtime.infer(sample, PROMPT, temperature=1.5, seed=seed).tokens == first
+        sampled.append(first)
+    assert any(tokens != greedy for tokens in sampled)
+
+
+def test_max_new_tokens_caps_with_length(runtime, request_inputs):
+    endless = generator_with_stops(runtime, set())  # nothing stops it but the cap
+    result = run(endless, request_inputs, max_new_tokens=5)
+    assert len(result.tokens) == 5 and result.finish_reason == "length"
+    capped = run(runtime.generator, request_inputs, max_new_tokens=2)
+    assert len(capped.tokens) <= 2
+    assert capped.finish_reason == ("length" if len(capped.tokens) == 2 else "stop")
+
+
+def test_stop_token_first(runtime, request_inputs):
+    first = run(generator_with_stops(runtime, set()), request_inputs, max_new_tokens=1).tokens[0]
+    result = run(generator_with_stops(runtime, {first}), request_inputs)
+    assert result.tokens == [] and result.finish_reason == "stop"
+
+
+def test_stop_token_later_ends_before_it(runtime, request_inputs):
+    full = run(generator_with_stops(runtime, set()), request_inputs, max_new_tokens=6).tokens
+    stop = full[-1]
+    result = run(generator_with_stops(runtime, {stop}), request_inputs, max_new_tokens=6)
+    assert result.tokens == full[:full.index(stop)] and result.finish_reason == "stop"
+
+
+def test_prompt_longer_than_context(runtime, request_inputs):
+    features, ids, start = request_inputs
+    context = runtime.generator.max_context
+    word = ids[:, -2:-1]  # a prompt word, repeated to pad
+    too_long = np.concatenate([ids, np.repeat(word, context + 1 - ids.shape[1], axis=1)], axis=1)
+    with pytest.raises(InputError, match=f"context is {context}"):
+        runtime.generator.generate(features, too_long, start, GenerationOptions())
+    with pytest.raises(InputError):
+        runtime.generator.generate(features, too_long[:, :context], start, GenerationOptions())
+
+
+def test_prompt_just_inside_context_gets_one_token(runtime, request_inputs):
+    features, ids, start = request_inputs
+    context = runtime.generator.max_context
+    fits = np.concatenate([ids, np.repeat(ids[:, -2:-1], context - 1 - ids.shape[1], axis=1)], axis=1)
+    endless = generator_with_stops(runtime, set())
+    result = endless.generate(features, fits, start, GenerationOptions(max_new_tokens=10))
+    assert len(result.tokens) == 1 and result.finish_reason == "length"
+
+
+def test_runtime_refuses_a_prompt_over_the_context(runtime, sample):
+    with pytest.raises(InputError, match="context"):
+        runtime.infer(sample, "a " * runtime.manifest.max_context)
+
+
+def test_callback_gets_every_token_and_growing_text(runtime, sample):
+    seen = []
+    result = runtime.infer(sample, PROMPT, temperature=1.5, seed=3,
+                           on_token=lambda token, text: seen.append((token, text)))
+    assert len(result.tokens) >= 2, "pick a seed that yields a few tokens"
+    assert [token for token, _ in seen] == result.tokens
+    decode = runtime.adapter.decode
+    assert [text for _, text in seen] == [decode(result.tokens[:i + 1]) for i in range(len(seen))]
+    assert seen[-1][1] == result.text
+
+
+def test_cache_and_no_cache_give_the_same_tokens(runtime, request_inputs):
+    endless = generator_with_stops(runtime, set())
+    cached = run(endless, request_inputs, max_new_tokens=8, use_cache=True)
+    uncached = run(endless, request_inputs, max_new_tokens=8, use_cache=False)
+    assert cached.tokens == uncached.tokens and len(cached.tokens) == 8
+    greedy = run(runtime.generator, request_inputs, use_cache=True)
+    assert run(runtime.generator, request_inputs, use_cache=False).tokens == greedy.tokens

@@ -1,0 +1,145 @@
+"""A broken model folder is refused with one clear line that says what and where."""
+from __future__ import annotations
+
+import onnx
+import pytest
+import yaml
+from onnx import TensorProto, helper
+
+from edgemm.config import load_config
+from edgemm.errors import InputError, ModelError
+from edgemm.model.family import adapter_for
+from edgemm.model.manifest import load_manifest
+from edgemm.runtime import Runtime
+
+
+def load_runtime(model_dir, precision: str = "fp32") -> Runtime:
+    return Runtime(load_config({"model": {"path": str(model_dir), "precision": precision},
+                                "backend": {"intra_op_threads": 1, "warmup": False}}))
+
+
+def refused(error_type, call, *args) -> str:
+    """The message `call(*args)` fails with; it must be one line."""
+    with pytest.raises(error_type) as info:
+        call(*args)
+    message = str(info.value)
+    assert "\n" not in message, message
+    return message
+
+
+def edit_yaml(model_dir, change) -> None:
+    path = model_dir / "model.yaml"
+    data = yaml.safe_load(path.read_text())
+    change(data)
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+def test_the_copy_loads(tmp_model):
+    assert load_runtime(tmp_model).manifest.path == tmp_model
+
+
+def test_missing_model_folder(tmp_path):
+    missing = tmp_path / "no-such-model"
+    message = refused(ModelError, load_manifest, missing)
+    assert "model folder not found" in message and str(missing) in message
+    assert "model folder not found" in refused(ModelError, load_runtime, missing)
+
+
+def test_folder_without_model_yaml(tmp_model):
+    (tmp_model / "model.yaml").unlink()
+    message = refused(ModelError, load_manifest, tmp_model)
+    assert "model.yaml not found" in message and str(tmp_model) in message
+
+
+def test_model_yaml_bad_yaml(tmp_model):
+    (tmp_model / "model.yaml").write_text("name: tiny-vlm\ntiers: [low, {unclosed\n")
+    message = refused(ModelError, load_manifest, tmp_model)
+    assert "model.yaml" in message and "not valid YAML" in message
+
+
+def test_model_yaml_not_a_mapping(tmp_model):
+    (tmp_model / "model.yaml").write_text("- just\n- a list\n")
+    assert "top level must be a mapping" in refused(ModelError, load_manifest, tmp_model)
+
+
+@pytest.mark.parametrize("section, key", [("files", "decoder"), (None, "max_context"),
+                                          ("special_tokens", "eos"), (None, "tiers")])
+def test_missing_key_is_named(tmp_model, section, key):
+    edit_yaml(tmp_model, lambda d: (d[section] if section else d).pop(key))
+    message = refused(ModelError, load_manifest, tmp_model)
+    assert f"missing key '{key}'" in message and "model.yaml" in message
+    if section:
+        assert section in message
+
+
+def test_unknown_family(tmp_model):
+    edit_yaml(tmp_model, lambda d: d.update(family="llava-next"))
+    manifest = load_manifest(tmp_model)
+    message = refused(ModelError, adapter_for, manifest)
+    assert "unknown family 'llava-next'" in message and "tiny-vlm" in message
+    assert "unknown family" in refused(ModelError, load_runtime, tmp_model)
+
+
+def test_unknown_tier_lists_tiers(model_dir):
+    message = refused(InputError, load_manifest(model_dir).tier, "huge")
+    assert "'huge'" in message and "low, mid, high" in message
+
+
+def test_default_tier_must_exist(tmp_model):
+    edit_yaml(tmp_model, lambda d: d.update(default_tier="ultra"))
+    assert "default_tier 'ultra'" in refused(ModelError, load_manifest, tmp_model)
+
+
+def test_missing_int8_variant_points_to_quantize(tmp_model):
+    (tmp_model / "decoder_model_merged_int8.onnx").unlink()
+    load_runtime(tmp_model, "fp32")  # fp32 does not need it
+    message = refused(ModelError, load_runtime, tmp_model, "int8")
+    assert "decoder" in message and "int8" in message and "tools/quantize.py" in message
+
+
+def fake_decoder(path, embeds_name: str) -> None:
+    """A decoder-shaped graph whose embeddings input is called `embeds_name`."""
+    def value(name, elem, shape):
+        return helper.make_tensor_value_info(name, elem, shape)
+    kv = ["batch", 4, "past", 48]
+    inputs = [value(embeds_name, TensorProto.FLOAT, ["batch", "seq", 192]),
+              value("attention_mask", TensorProto.INT64, ["batch", "total"]),
+              value("position_ids", TensorProto.INT64, ["batch", "seq"]),
+              value("past_key_values.0.key", TensorProto.FLOAT, kv),
+              value("past_key_values.0.value", TensorProto.FLOAT, kv)]
+    outputs = [value("logits", TensorProto.FLOAT, ["batch", "seq", 192]),
+               value("present.0.key", TensorProto.FLOAT, kv),
+               value("present.0.value", TensorProto.FLOAT, kv)]
+    nodes = [helper.make_node("Identity", [embeds_name], ["logits"]),
+             helper.make_node("Identity", ["past_key_values.0.key"], ["present.0.key"]),
+             helper.make_node("Identity", ["past_key_values.0.value"], ["present.0.value"])]
+    model = helper.make_model(helper.make_graph(nodes, "decoder", inputs, outputs),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    onnx.save(model, str(path))
+
+
+def test_fake_decoder_with_contract_names_loads(tmp_model):
+    """The control for the next test: the stand-in graph itself is acceptable."""
+    fake_decoder(tmp_model / "decoder_model_merged.onnx", "inputs_embeds")
+    assert load_runtime(tmp_model).generator.layers == 1
+
+
+def test_decoder_lacking_a_contract_input(tmp_model):
+    fake_decoder(tmp_model / "decoder_model_merged.onnx", "input_embeds")
+    message = refused(ModelError, load_runtime, tmp_model)
+    assert "'inputs_embeds'" in message and "decoder_model_merged.onnx" in message
+    assert "input_embeds" in message.replace("'inputs_embeds'", "")  # says what it has instead
+
+
+def test_corrupt_onnx_file(tmp_model):
+    (tmp_model / "vision_encoder.onnx").write_bytes(b"this is not a protobuf \x00\xff" * 10)
+    message = refused(ModelError, load_runtime, tmp_model)
+    assert "vision_encoder" in message and "vision_encoder.onnx" in message
+
+
+def test_truncated_onnx_file(tmp_model):
+    path = tmp_model / "decoder_model_merged.onnx"
+    path.write_bytes(path.read_bytes()[:50_000])
+    assert "decoder_model_merged.onnx" in refused(ModelError, load_runtime, tmp_model)

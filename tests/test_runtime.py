@@ -1,0 +1,133 @@
+"""edgemm.runtime.Runtime: results, tiers, precision, limits, and accuracy of the built-in model.
+
+The two accuracy tests need the trained model in models/tiny-vlm/; they fail on the
+untrained placeholder.
+"""
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edgemm.errors import InputError
+from edgemm.runtime import InferenceResult
+from edgemm.scenes import make_scene, normalise_answer, questions_for
+
+SAMPLES = Path(__file__).resolve().parent.parent / "models" / "tiny-vlm" / "samples"
+SAMPLE_NAMES = sorted(json.loads((SAMPLES / "ground_truth.json").read_text()))
+PROMPT = "how many shapes are there ?"
+SMOKE_SEEDS = range(400_000, 400_050)
+SMOKE_MIN_ACCURACY = {"count": 0.90, "colour": 0.90, "describe": 0.80, "read": 0.75}
+
+
+@pytest.fixture(scope="module")
+def sample(model_dir) -> Path:
+    return model_dir / "samples" / "scene_12.png"
+
+
+@pytest.fixture(scope="module")
+def top_tier(runtime) -> str:
+    return list(runtime.manifest.tiers)[-1]  # tiers are ordered cheapest to richest
+
+
+def test_infer_returns_a_complete_result(runtime, sample, top_tier):
+    result = runtime.infer(sample, PROMPT)
+    assert isinstance(result, InferenceResult)
+    assert result.tier == top_tier == runtime.manifest.default_tier
+    assert result.precision == "fp32" and result.model == "tiny-vlm"
+    assert result.devices == {"encode": "cpu", "decode": "cpu"}
+    assert {"preprocess", "encode", "prefill", "decode", "total"} <= set(result.timings_ms)
+    assert all(isinstance(v, float) for v in result.timings_ms.values())
+    assert result.image_tokens == runtime.manifest.tiers[top_tier].image_tokens
+    # "<bos> <image> {prompt} <answer>": the image expands to N, each word is one token
+    assert result.prompt_tokens == result.image_tokens + len(PROMPT.split()) + 2
+    assert result.finish_reason in ("stop", "length")
+    assert result.text == runtime.adapter.decode(result.tokens)
+    assert json.loads(json.dumps(result.to_dict()))["tier"] == top_tier
+
+
+def test_image_as_bytes_or_array_gives_the_same_answer(runtime, sample):
+    by_path = runtime.infer(sample, PROMPT).tokens
+    assert runtime.infer(sample.read_bytes(), PROMPT).tokens == by_path
+    assert runtime.infer(make_scene(12, text_probability=0.5).image, PROMPT).tokens == by_path
+
+
+def test_tier_selection_changes_image_tokens(runtime, sample):
+    results = {name: runtime.infer(sample, PROMPT, tier=name) for name in runtime.manifest.tiers}
+    for name, result in results.items():
+        assert result.tier == name
+        assert result.image_tokens == runtime.manifest.tiers[name].image_tokens
+        assert result.prompt_tokens - result.image_tokens == len(PROMPT.split()) + 2
+    assert [r.image_tokens for r in results.values()] == [16, 36, 64]
+
+
+def test_configured_tier_is_the_default(make_runtime, sample):
+    assert make_runtime(generation={"tier": "low"}).infer(sample, PROMPT).tier == "low"
+
+
+def test_int8_precision_loads(make_runtime, runtime, sample):
+    int8 = make_runtime(model={"precision": "int8"})
+    assert int8.precision == "int8"
+    assert {c.precision for c in int8.components.all()} == {"int8"}
+    result = int8.infer(sample, PROMPT)
+    assert result.precision == "int8" and result.tier == "high"
+    pixels, _ = runtime.preprocess(sample)
+    fp32, quantized = runtime.generator.encode(pixels), int8.generator.encode(pixels)
+    assert fp32.shape == quantized.shape
+    assert not np.array_equal(fp32, quantized)  # a different (quantized) graph really ran
+
+
+def test_image_byte_limit(make_runtime, sample):
+    size = sample.stat().st_size
+    limited = make_runtime(limits={"max_image_bytes": size - 1})
+    for image in (sample, str(sample), sample.read_bytes()):
+        with pytest.raises(InputError, match="max_image_bytes"):
+            limited.infer(image, PROMPT)
+    assert make_runtime(limits={"max_image_bytes": size}).infer(sample, PROMPT).tier == "high"
+
+
+def test_prompt_char_limit(make_runtime, sample):
+    limited = make_runtime(limits={"max_prompt_chars": 16})
+    with pytest.raises(InputError, match="max_prompt_chars"):
+        limited.infer(sample, "how many shapes ?")  # 17 characters
+    limited.infer(sample, "count the shapes")  # exactly 16
+
+
+def test_unknown_tier(runtime, sample):
+    with pytest.raises(InputError, match=r"unknown tier 'huge'.*low, mid, high"):
+        runtime.infer(sample, PROMPT, tier="huge")
+
+
+def test_bad_generation_option_is_an_input_error(runtime, sample):
+    with pytest.raises(InputError, match="top_p"):
+        runtime.infer(sample, PROMPT, top_p=0)
+
+
+# ---- accuracy (needs the trained model) ----------------------------------------------------
+
+@pytest.mark.parametrize("name", SAMPLE_NAMES)
+def test_sample_answers_match_ground_truth(runtime, ground_truth, model_dir, top_tier, name):
+    wrong = []
+    for q in ground_truth[name]["questions"]:
+        answer = runtime.infer(model_dir / "samples" / name, q["prompt"], tier=top_tier).text
+        if normalise_answer(answer) != normalise_answer(q["answer"]):
+            wrong.append(f"{q['prompt']!r}: got {answer!r}, want {q['answer']!r}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_smoke_accuracy_on_generated_scenes(runtime, top_tier):
+    right, total = defaultdict(int), defaultdict(int)
+    for seed in SMOKE_SEEDS:
+        scene = make_scene(seed)
+        for q in questions_for(scene):
+            answer = runtime.infer(scene.image, q.prompt, tier=top_tier).text
+            right[q.task] += normalise_answer(answer) == normalise_answer(q.answer)
+            total[q.task] += 1
+    accuracy = {task: right[task] / total[task] for task in total}
+    assert set(accuracy) == set(SMOKE_MIN_ACCURACY)
+    low = {task: f"{accuracy[task]:.0%} < {floor:.0%}"
+           for task, floor in SMOKE_MIN_ACCURACY.items() if accuracy[task] < floor}
+    assert not low, f"accuracy per task {accuracy}; below the floor: {low}"
