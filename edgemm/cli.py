@@ -132,5 +132,62 @@ def infer(image, prompt, tier, precision, model_dir, config_path, as_json, max_n
         click.echo(result.text)
 
 
+@main.command()
+@click.argument("source_uri", metavar="SOURCE")
+@click.option("--prompt", "-p", default=DEFAULT_PROMPT, show_default=True)
+@click.option("--fps", type=click.FloatRange(0, min_open=True), help="Process at most F frames per second.")
+@click.option("--every", type=click.IntRange(1), default=1, show_default=True, help="Process every Nth frame.")
+@click.option("--max-frames", type=click.IntRange(1), help="Stop after N processed frames.")
+@click.option("--out", type=click.Path(dir_okay=False, writable=True), help="Write JSON lines here (default stdout).")
+@click.option("--change-threshold", type=click.FloatRange(0),
+              help="Reuse the last answer when a frame differs by less than this (mean abs pixel change, 0-255).")
+@click.option("--tier", help="Resolution tier for every frame.")
+@click.option("--precision", type=click.Choice(["fp32", "int8", "fp16"]))
+@click.option("--model", "model_dir", type=click.Path())
+@click.option("--config", "config_path", type=click.Path(), envvar="EDGEMM_CONFIG")
+@click.option("--max-new-tokens", type=click.IntRange(1, 4096))
+@click.option("--latency", "latency_ms", type=click.IntRange(0), default=200, show_default=True,
+              help="RTSP jitter buffer in ms.")
+@reports_errors
+def stream(source_uri, prompt, fps, every, max_frames, out, change_threshold, tier, precision,
+           model_dir, config_path, max_new_tokens, latency_ms) -> None:
+    """Answer PROMPT about every frame of SOURCE, one JSON object per line.
+
+    SOURCE: csi://0, v4l2:///dev/video0, rtsp://host/path, a video file, an image,
+    a folder or glob of images, or synthetic://?fps=10. Ctrl-C / SIGTERM stop it
+    after the frames in flight are answered; a summary goes to stderr.
+    """
+    import signal
+    import threading
+
+    from edgemm.runtime import Runtime
+    from edgemm.sources import open_source
+    from edgemm.stream import StreamOptions, run_stream
+
+    cfg = build_config(config_path, model_dir, precision)
+    source = open_source(source_uri, latency_ms=latency_ms, max_pixels=cfg.limits.max_pixels)
+    source.open()  # a missing camera or file is reported before the model loads
+    runtime = Runtime(cfg)
+    generation = {k: v for k, v in (("tier", tier), ("max_new_tokens", max_new_tokens)) if v is not None}
+    options = StreamOptions(prompt=prompt, every=every, fps=fps, max_frames=max_frames,
+                            change_threshold=change_threshold, generation=generation)
+    stop = threading.Event()
+
+    def on_signal(signum, _frame) -> None:
+        stop.set()  # the reader stops taking frames; those in flight are still answered
+        click.echo(f"edgemm: {signal.Signals(signum).name}: finishing frames in flight …", err=True)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    sink = open(out, "w", buffering=1) if out else sys.stdout
+    try:
+        summary = run_stream(runtime, source, options,
+                             lambda record: print(json.dumps(record), file=sink, flush=True), stop)
+    finally:
+        if out:
+            sink.close()
+    click.echo("edgemm: summary: " + json.dumps(summary.to_dict()), err=True)
+
+
 if __name__ == "__main__":
     main()

@@ -23,9 +23,9 @@ from edgemm.config import Config, load_config
 from edgemm.errors import BackendError, InputError
 from edgemm.generate import GenerationOptions, Generator
 from edgemm.model.contract import check_component
-from edgemm.model.family import adapter_for
+from edgemm.model.family import Prompt, adapter_for
 from edgemm.model.image import load_image
-from edgemm.model.manifest import COMPONENTS, ModelManifest, load_manifest
+from edgemm.model.manifest import COMPONENTS, ModelManifest, ResolutionTier, load_manifest
 from edgemm.model.preprocess import to_pixel_values
 
 log = logging.getLogger("edgemm")
@@ -55,6 +55,16 @@ class InferenceResult:
         d = asdict(self)
         d["timings_ms"] = {k: round(v, 3) for k, v in self.timings_ms.items()}
         return d
+
+
+@dataclass
+class PreparedRequest:
+    """A request after stage 1, ready for the encoder."""
+    pixel_values: np.ndarray  # [1,3,H,W] float32
+    tier: ResolutionTier
+    prompt: Prompt
+    options: GenerationOptions
+    timings_ms: dict[str, float] = field(default_factory=dict)
 
 
 class Runtime:
@@ -126,10 +136,11 @@ class Runtime:
         pre = self.manifest.preprocessing
         return to_pixel_values(rgb, chosen.height, chosen.width, pre.mean, pre.std), chosen.name
 
-    def infer(self, image, prompt: str, *, tier: str | None = None, max_new_tokens: int | None = None,
-              temperature: float | None = None, top_p: float | None = None, seed: int | None = None,
-              on_token=None) -> InferenceResult:
-        """Answer `prompt` about `image` (a path, encoded bytes or an RGB array)."""
+    def prepare(self, image, prompt: str, *, tier: str | None = None, max_new_tokens: int | None = None,
+                temperature: float | None = None, top_p: float | None = None,
+                seed: int | None = None) -> PreparedRequest:
+        """Stage 1: check and decode the image, pick the tier, build the prompt ids."""
+        t0 = time.perf_counter()
         gen = self.config.generation
         if len(prompt) > self.config.limits.max_prompt_chars:
             raise InputError(f"prompt is {len(prompt)} characters, above the "
@@ -139,13 +150,18 @@ class Runtime:
             temperature=temperature if temperature is not None else gen.temperature,
             top_p=top_p if top_p is not None else gen.top_p,
             seed=seed if seed is not None else gen.seed)
-        t0 = time.perf_counter()
         pixel_values, tier_name = self.preprocess(image, tier)
         chosen = self.manifest.tiers[tier_name]
         prompt_ids = self.adapter.build_prompt(prompt, chosen)
-        t1 = time.perf_counter()
-        features = self.generator.encode(pixel_values)
-        t2 = time.perf_counter()
+        return PreparedRequest(pixel_values, chosen, prompt_ids, options,
+                               {"preprocess": (time.perf_counter() - t0) * 1e3})
+
+    def encode(self, pixel_values: np.ndarray) -> np.ndarray:
+        """Stage 2: image features for a batch of same-tier images [B,3,H,W] → [B,N,D]."""
+        return self.generator.encode(pixel_values)
+
+    def decode(self, request: PreparedRequest, features: np.ndarray, on_token=None) -> InferenceResult:
+        """Stage 3: prefill + token-by-token decode for one request; its features [1,N,D]."""
         callback = None
         if on_token is not None:
             so_far: list[int] = []
@@ -153,16 +169,27 @@ class Runtime:
             def callback(token: int) -> None:
                 so_far.append(token)
                 on_token(token, self.adapter.decode(so_far))
-        generation = self.generator.generate(features, prompt_ids.input_ids, prompt_ids.image_start,
-                                             options, callback)
-        text = self.adapter.decode(generation.tokens)
-        t3 = time.perf_counter()
-        timings = {"preprocess": (t1 - t0) * 1e3, "encode": (t2 - t1) * 1e3, **generation.timings_ms,
-                   "total": (t3 - t0) * 1e3}
+        prompt = request.prompt
+        generation = self.generator.generate(features, prompt.input_ids, prompt.image_start,
+                                             request.options, callback)
         return InferenceResult(
-            text=text, tokens=generation.tokens, finish_reason=generation.finish_reason,
-            prompt_tokens=int(prompt_ids.input_ids.shape[1]), tier=tier_name,
-            image_tokens=prompt_ids.image_tokens, precision=self.precision,
+            text=self.adapter.decode(generation.tokens), tokens=generation.tokens,
+            finish_reason=generation.finish_reason, prompt_tokens=int(prompt.input_ids.shape[1]),
+            tier=request.tier.name, image_tokens=prompt.image_tokens, precision=self.precision,
             devices={"encode": self.components.vision_encoder.device,
                      "decode": self.components.decoder.device},
-            timings_ms=timings, model=self.manifest.name)
+            timings_ms={**request.timings_ms, **generation.timings_ms}, model=self.manifest.name)
+
+    def infer(self, image, prompt: str, *, tier: str | None = None, max_new_tokens: int | None = None,
+              temperature: float | None = None, top_p: float | None = None, seed: int | None = None,
+              on_token=None) -> InferenceResult:
+        """Answer `prompt` about `image` (a path, encoded bytes or an RGB array)."""
+        t0 = time.perf_counter()
+        request = self.prepare(image, prompt, tier=tier, max_new_tokens=max_new_tokens,
+                               temperature=temperature, top_p=top_p, seed=seed)
+        t1 = time.perf_counter()
+        features = self.encode(request.pixel_values)
+        request.timings_ms["encode"] = (time.perf_counter() - t1) * 1e3
+        result = self.decode(request, features, on_token)
+        result.timings_ms["total"] = (time.perf_counter() - t0) * 1e3
+        return result

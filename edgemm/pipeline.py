@@ -1,0 +1,231 @@
+"""Staged pipeline: prepare → encode → decode, one thread each, bounded queues between.
+
+    requests ─► [prepare] ─q─► [encode] ─q─► [decode] ─► future.set_result
+                 decode image,   vision          prefill + KV-cache decode
+                 tier, prompt    encoder         (one request at a time)
+
+While the decoder works on request n, the encoder already runs request n+1, so on
+a Jetson the DLA (encoder) and the GPU (decoder) are busy at once; here two CPU
+cores are. Every queue is bounded: when the pipeline is full, `submit` waits
+(lossless sources) or refuses with `Overloaded` (the daemon answers 503).
+
+The encoder stage batches: it takes up to `max_batch` requests of the same tier
+that are already waiting (or arrive within `batch_timeout_ms`) into one call.
+Results come back in submission order, through `concurrent.futures.Future`s.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from edgemm.errors import EdgemmError
+from edgemm.runtime import InferenceResult, PreparedRequest, Runtime
+
+_STOP = object()  # end-of-work marker passed down the stages
+
+
+class Overloaded(EdgemmError):
+    """The pipeline's admission queue is full; try again shortly."""
+    exit_code = 1
+    http_status = 503
+    kind = "overloaded"
+
+
+@dataclass
+class Request:
+    image: Any  # path, encoded bytes or RGB array
+    prompt: str
+    options: dict = field(default_factory=dict)  # tier, max_new_tokens, temperature, top_p, seed
+    on_token: Callable[[int, str], None] | None = None
+    tag: Any = None  # caller's data, handed back untouched (e.g. the source Frame)
+    future: Future = field(default_factory=Future)
+    submitted: float = field(default_factory=time.perf_counter)
+    prepared: PreparedRequest | None = None
+    features: np.ndarray | None = None
+    reuse: bool = False  # set by a gate: answer with the previous result, skip the models
+    marks: dict[str, float] = field(default_factory=dict)  # stage → perf_counter when it ended
+
+
+@dataclass
+class StageStats:
+    """Busy time per stage and the latest queue depths, for metrics and benchmarks."""
+    busy_s: dict[str, float] = field(default_factory=lambda: {"prepare": 0.0, "encode": 0.0, "decode": 0.0})
+    items: dict[str, int] = field(default_factory=lambda: {"prepare": 0, "encode": 0, "decode": 0})
+    batches: list[int] = field(default_factory=list)  # encoder batch sizes (last 1000)
+    completed: int = 0
+    failed: int = 0
+    rejected: int = 0
+
+    def snapshot(self) -> dict:
+        return {"busy_s": dict(self.busy_s), "items": dict(self.items), "completed": self.completed,
+                "failed": self.failed, "rejected": self.rejected,
+                "mean_batch": float(np.mean(self.batches)) if self.batches else 0.0}
+
+
+class Pipeline:
+    def __init__(self, runtime: Runtime, queue_size: int = 4, max_batch: int = 1,
+                 batch_timeout_ms: float = 0.0, gate: Callable[[Request], bool] | None = None):
+        self.runtime = runtime
+        self.max_batch = max_batch
+        self.batch_timeout_s = batch_timeout_ms / 1e3
+        self.gate = gate  # optional: True → reuse the previous answer for this request
+        self.inbox: queue.Queue = queue.Queue(queue_size)
+        self.to_encode: queue.Queue = queue.Queue(queue_size)
+        self.to_decode: queue.Queue = queue.Queue(queue_size)
+        self.stats = StageStats()
+        self._held: deque = deque()  # taken from to_encode but not batchable with the current tier
+        self._last_result: InferenceResult | None = None
+        self._closed = False
+        self._threads = [threading.Thread(target=fn, name=f"edgemm-{name}", daemon=True)
+                         for name, fn in (("prepare", self._prepare_loop), ("encode", self._encode_loop),
+                                          ("decode", self._decode_loop))]
+        for t in self._threads:
+            t.start()
+
+    # ---- the public side --------------------------------------------------------------
+
+    def submit(self, request: Request, block: bool = True, timeout: float | None = None) -> Future:
+        """Queue a request. With block=False a full pipeline raises Overloaded at once."""
+        if self._closed:
+            raise Overloaded("the pipeline is shutting down")
+        try:
+            self.inbox.put(request, block=block, timeout=timeout)
+        except queue.Full:
+            self.stats.rejected += 1
+            raise Overloaded(f"pipeline full ({self.inbox.maxsize} requests waiting); retry shortly") from None
+        return request.future
+
+    def infer(self, image, prompt: str, **options) -> InferenceResult:
+        """Submit one request and wait for its answer."""
+        return self.submit(Request(image, prompt, options)).result()
+
+    def depths(self) -> dict[str, int]:
+        return {"prepare": self.inbox.qsize(), "encode": self.to_encode.qsize() + len(self._held),
+                "decode": self.to_decode.qsize()}
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stop accepting; everything already submitted is finished before this returns."""
+        if not self._closed:
+            self._closed = True
+            self.inbox.put(_STOP)
+        for t in self._threads:
+            t.join(timeout)
+
+    def __enter__(self) -> "Pipeline":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- the stages ------------------------------------------------------------------------
+
+    def _prepare_loop(self) -> None:
+        while (req := self.inbox.get()) is not _STOP:
+            started = time.perf_counter()
+            try:
+                if self.gate is not None and self.gate(req):
+                    req.reuse = True
+                else:
+                    req.prepared = self.runtime.prepare(req.image, req.prompt, **req.options)
+                req.image = None  # the decoded pixels are all we need from here on
+            except Exception as e:  # a bad request fails alone; the pipeline goes on
+                self._fail(req, e)
+                continue
+            finally:
+                self._account("prepare", started)
+            req.marks["prepare"] = time.perf_counter()
+            self.to_encode.put(req)
+        self.to_encode.put(_STOP)
+
+    def _encode_loop(self) -> None:
+        while True:
+            first = self._held.popleft() if self._held else self.to_encode.get()
+            if first is _STOP:
+                break
+            if first.reuse:
+                self.to_decode.put(first)
+                continue
+            batch, stop = self._gather(first)
+            started = time.perf_counter()
+            try:
+                pixels = np.concatenate([r.prepared.pixel_values for r in batch])
+                features = self.runtime.encode(pixels)
+                for i, r in enumerate(batch):
+                    r.features = features[i:i + 1]
+            except Exception as e:
+                for r in batch:
+                    self._fail(r, e)
+                batch = []
+            finally:
+                self._account("encode", started, len(batch) or 1)
+                self.stats.batches = self.stats.batches[-999:] + [len(batch) or 1]
+            now = time.perf_counter()
+            for r in batch:
+                r.prepared.timings_ms["encode"] = (now - started) * 1e3
+                r.marks["encode"] = now
+                self.to_decode.put(r)
+            if stop:
+                break
+        self.to_decode.put(_STOP)
+
+    def _gather(self, first: Request) -> tuple[list[Request], bool]:
+        """`first` plus waiting requests of the same tier, up to max_batch (order kept)."""
+        batch = [first]
+        deadline = time.perf_counter() + self.batch_timeout_s
+        while len(batch) < self.max_batch and not self._held:
+            wait = deadline - time.perf_counter()
+            try:
+                nxt = self.to_encode.get(timeout=wait) if wait > 0 else self.to_encode.get_nowait()
+            except queue.Empty:
+                break
+            if nxt is _STOP:
+                return batch, True
+            if nxt.reuse or nxt.prepared.tier.name != first.prepared.tier.name:
+                self._held.append(nxt)  # keeps its place: it goes next
+                break
+            batch.append(nxt)
+        return batch, False
+
+    def _decode_loop(self) -> None:
+        while (req := self.to_decode.get()) is not _STOP:
+            started = time.perf_counter()
+            try:
+                if req.reuse:
+                    if self._last_result is None:
+                        raise RuntimeError("nothing to reuse yet")
+                    result = self._reused(req)
+                else:
+                    result = self.runtime.decode(req.prepared, req.features, req.on_token)
+                    req.features = None
+                    self._last_result = result
+            except Exception as e:
+                self._fail(req, e)
+                continue
+            finally:
+                self._account("decode", started)
+            now = time.perf_counter()
+            result.timings_ms["total"] = (now - req.submitted) * 1e3
+            self.stats.completed += 1
+            req.future.set_result(result)
+
+    def _reused(self, req: Request) -> InferenceResult:
+        last = self._last_result
+        return InferenceResult(text=last.text, tokens=list(last.tokens), finish_reason="reused",
+                               prompt_tokens=0, tier=last.tier, image_tokens=0,
+                               precision=last.precision, devices={}, timings_ms={}, model=last.model)
+
+    def _fail(self, req: Request, error: BaseException) -> None:
+        self.stats.failed += 1
+        if not req.future.done():
+            req.future.set_exception(error)
+
+    def _account(self, stage: str, started: float, items: int = 1) -> None:
+        self.stats.busy_s[stage] += time.perf_counter() - started
+        self.stats.items[stage] += items
