@@ -37,6 +37,7 @@ class StreamOptions:
     max_frames: int | None = None  # stop after this many processed frames
     change_threshold: float | None = None  # mean abs pixel change (0-255) below which the last answer is reused
     queue_size: int = 2
+    live_inflight: int = 2  # live sources: frames in the pipeline at once (one encoding, one decoding)
     generation: dict = field(default_factory=dict)  # tier, max_new_tokens, … for every frame
 
 
@@ -49,6 +50,7 @@ class StreamSummary:
     reused: int = 0  # answered by change gating
     seconds: float = 0.0
     latencies_ms: list[float] = field(default_factory=list)  # capture → answer
+    stage_ms: dict[str, float] = field(default_factory=dict)  # mean busy time per item, per stage
 
     def to_dict(self) -> dict:
         lat = np.asarray(self.latencies_ms) if self.latencies_ms else np.zeros(1)
@@ -56,7 +58,8 @@ class StreamSummary:
                 "skipped": self.skipped, "reused": self.reused, "seconds": round(self.seconds, 3),
                 "fps": round(self.frames / self.seconds, 3) if self.seconds else 0.0,
                 "latency_ms_p50": round(float(np.percentile(lat, 50)), 2),
-                "latency_ms_p99": round(float(np.percentile(lat, 99)), 2)}
+                "latency_ms_p99": round(float(np.percentile(lat, 99)), 2),
+                "stage_ms": {k: round(v, 3) for k, v in self.stage_ms.items()}}
 
 
 class LatestSlot:
@@ -132,6 +135,9 @@ def run_stream(runtime: Runtime, source: Source, options: StreamOptions,
     frame_filter = FrameFilter(options.every, options.fps)
     taken = 0
     started = time.perf_counter()
+    # Live: a frame is taken from the slot only when the pipeline has room for it, so it
+    # never waits in a queue going stale while a newer frame sits in the slot.
+    inflight = threading.BoundedSemaphore(options.live_inflight)
 
     def submit(frame: Frame) -> bool:
         """Into the pipeline (waits while it is full); False once max_frames were taken."""
@@ -140,7 +146,10 @@ def run_stream(runtime: Runtime, source: Source, options: StreamOptions,
             stop.set()
             return False
         request = Request(frame.image, options.prompt, dict(options.generation), tag=frame)
-        pending.put((frame, pipeline.submit(request)))
+        future = pipeline.submit(request)
+        if slot is not None:
+            future.add_done_callback(lambda _: inflight.release())
+        pending.put((frame, future))
         taken += 1
         return True
 
@@ -168,9 +177,12 @@ def run_stream(runtime: Runtime, source: Source, options: StreamOptions,
             slot.put(_END) if slot is not None else pending.put(_END)
 
     def feed_latest() -> None:  # live only: the newest frame from the slot into the pipeline
-        while (item := slot.get()) is not _END:
-            if isinstance(item, Exception):
-                pending.put(item)
+        while True:
+            inflight.acquire()
+            item = slot.get()
+            if item is _END or isinstance(item, Exception):
+                if item is not _END:
+                    pending.put(item)
                 break
             if not submit(item):
                 break
@@ -195,6 +207,8 @@ def run_stream(runtime: Runtime, source: Source, options: StreamOptions,
         pipeline.close()
         summary.dropped = slot.dropped if slot is not None else 0
         summary.seconds = time.perf_counter() - started
+        stats = pipeline.stats
+        summary.stage_ms = {k: 1e3 * stats.busy_s[k] / max(1, stats.items[k]) for k in stats.busy_s}
     return summary
 
 
@@ -212,4 +226,5 @@ def _answer(frame: Frame, future, summary: StreamSummary) -> dict:
     stage = {k: round(v, 2) for k, v in result.timings_ms.items() if k != "total"}
     return {"frame": frame.index, "name": frame.name, "capture_time": round(frame.capture_time, 6),
             "tier": result.tier, "answer": result.text, "reused": reused, "stage_ms": stage,
-            "e2e_ms": round(age_ms, 2), "dropped": summary.dropped}
+            "e2e_ms": round(age_ms, 2), "latency_ms": round(result.timings_ms.get("total", 0.0), 2),
+            "dropped": summary.dropped}

@@ -2,6 +2,7 @@
 """edgemm benchmarks. Medians and ratios measured side by side in one run.
 
     python tools/bench.py runtime [--n 50] [--model DIR] [--threads 1]
+    python tools/bench.py pipeline [--frames 200] [--soak 10000]
 
 `runtime` (runtime core):
   overhead   end-to-end infer latency minus the time inside the backend's raw run
@@ -9,6 +10,12 @@
   kv-cache   tokens/s of a 20-token answer with the KV cache vs recomputing the
              prefix at every step
   cold start `edgemm infer` as a fresh process: wall time to the answer and peak RSS
+`pipeline` (stream engine):
+  throughput pipeline vs a sequential loop over the same folder of generated frames,
+             with the bound min(1 / slowest stage, cores / sum of stage times)
+  freshness  live synthetic source faster than the model: age of the frame behind
+             each answer (capture → answer) vs the pipeline latency (submit → answer)
+  soak       RSS growth over many frames through the pipeline
 Paste the printed Markdown into docs/BENCHMARKS.md together with the command.
 """
 from __future__ import annotations
@@ -20,6 +27,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -107,6 +115,113 @@ def runtime_section(args) -> dict:
             "cold_start": bench_cold_start(args.model)}
 
 
+def _scene_folder(n: int) -> Path:
+    import tempfile
+
+    import cv2
+    folder = Path(tempfile.mkdtemp(prefix="edgemm-bench-"))
+    for i in range(n):
+        scene = make_scene(BENCH_SEED_BASE + i)
+        cv2.imwrite(str(folder / f"frame_{i:05d}.png"), cv2.cvtColor(scene.image, cv2.COLOR_RGB2BGR))
+    return folder
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def bench_throughput(rt: Runtime, frames: int, prompt: str, repeats: int = 3) -> dict:
+    """Same folder, same model: a sequential loop vs the pipeline, interleaved `repeats` times."""
+    from edgemm.sources import open_source
+    from edgemm.stream import StreamOptions, run_stream
+    folder = _scene_folder(frames)
+    seq_fps, pipe_fps, bounds, stage_ms = [], [], [], {}
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        with open_source(str(folder)) as source:
+            for frame in source:
+                rt.infer(frame.image, prompt)
+        seq_fps.append(frames / (time.perf_counter() - t0))
+
+        summary = run_stream(rt, open_source(str(folder)), StreamOptions(prompt=prompt), lambda r: None)
+        assert summary.frames == frames and summary.errors == 0, summary.to_dict()
+        pipe_fps.append(frames / summary.seconds)
+        per = {k: v / 1e3 for k, v in summary.stage_ms.items()}
+        stage_ms = {k: round(v, 3) for k, v in summary.stage_ms.items()}
+        cores = os.cpu_count() or 1
+        bounds.append(min(1 / max(per.values()), cores / sum(per.values())))
+    shutil.rmtree(folder)
+    seq, pipe, bound = median(seq_fps), median(pipe_fps), median(bounds)
+    return {"frames": frames, "prompt": prompt, "repeats": repeats, "stage_ms_per_frame": stage_ms,
+            "sequential_fps": round(seq, 2), "pipeline_fps": round(pipe, 2), "bound_fps": round(bound, 2),
+            "pipeline_vs_sequential": round(pipe / seq, 2), "pipeline_vs_bound": round(pipe / bound, 3)}
+
+
+def bench_freshness(rt: Runtime, seconds: float = 20.0, prompt: str = "how many shapes are there ?") -> dict:
+    """A live source producing frames faster than the model answers them."""
+    from edgemm.sources import open_source
+    from edgemm.stream import StreamOptions, run_stream
+    records: list[dict] = []
+    source = open_source("synthetic://?fps=60")
+    stop = threading.Event()
+    timer = threading.Timer(seconds, stop.set)
+    timer.start()
+    summary = run_stream(rt, source, StreamOptions(prompt=prompt), records.append, stop)
+    ages = [r["e2e_ms"] for r in records if "answer" in r]
+    lat = [r["latency_ms"] for r in records if "answer" in r]
+    return {"source_fps": 60, "seconds": round(summary.seconds, 1), "answers": summary.frames,
+            "dropped": summary.dropped, "age_ms_median": round(median(ages), 2),
+            "latency_ms_median": round(median(lat), 2),
+            "age_over_latency": round(median(ages) / median(lat), 3)}
+
+
+def bench_soak(rt: Runtime, frames: int, prompt: str = "how many shapes are there ?") -> dict:
+    """RSS before/after `frames` frames through the pipeline (unpaced synthetic, low tier)."""
+    from edgemm.sources import open_source
+    from edgemm.stream import StreamOptions, run_stream
+    low = list(rt.manifest.tiers)[0]
+    warm = StreamOptions(prompt=prompt, max_frames=200, generation={"tier": low})
+    run_stream(rt, open_source("synthetic://?count=200"), warm, lambda r: None)
+    before = _rss_mb()
+    opts = StreamOptions(prompt=prompt, max_frames=frames, generation={"tier": low})
+    summary = run_stream(rt, open_source(f"synthetic://?count={frames}&seed=7"), opts, lambda r: None)
+    after = _rss_mb()
+    return {"frames": summary.frames, "tier": low, "rss_mb_before": round(before, 1),
+            "rss_mb_after": round(after, 1), "rss_growth_mb": round(after - before, 1),
+            "seconds": round(summary.seconds, 1)}
+
+
+def pipeline_section(args) -> dict:
+    rt = Runtime(load_config({"model": {"path": str(args.model)},
+                              "backend": {"intra_op_threads": args.threads}}))
+    return {"throughput": bench_throughput(rt, args.frames, args.prompt),
+            "freshness": bench_freshness(rt), "soak": bench_soak(rt, args.soak)}
+
+
+def pipeline_markdown(r: dict) -> str:
+    t, f, s = r["throughput"], r["freshness"], r["soak"]
+    stages = ", ".join(f"{k} {v} ms" for k, v in t["stage_ms_per_frame"].items())
+    return "\n".join([
+        "| measure | value |", "|---|---|",
+        f"| stage time per frame ({t['prompt']!r}) | {stages} |",
+        f"| sequential loop, {t['frames']} frames, median of {t['repeats']} | {t['sequential_fps']} frames/s |",
+        f"| pipeline, same frames | {t['pipeline_fps']} frames/s |",
+        f"| bound min(1/slowest, cores/sum) | {t['bound_fps']} frames/s |",
+        f"| pipeline / sequential | {t['pipeline_vs_sequential']}× |",
+        f"| pipeline / bound | {100 * t['pipeline_vs_bound']:.1f} % |",
+        f"| live 60 fps source: answers / dropped in {f['seconds']} s | {f['answers']} / {f['dropped']} |",
+        f"| frame age at answer, median | {f['age_ms_median']} ms |",
+        f"| pipeline latency (submit → answer), median | {f['latency_ms_median']} ms |",
+        f"| age / latency | {f['age_over_latency']} |",
+        f"| soak: RSS growth over {s['frames']} frames ({s['tier']} tier) | {s['rss_growth_mb']} MB "
+        f"({s['rss_mb_before']} → {s['rss_mb_after']} MB, {s['seconds']} s) |",
+    ])
+
+
 def markdown(results: dict) -> str:
     o, k, c = results["overhead"], results["kv_cache"], results["cold_start"]
     return "\n".join([
@@ -124,15 +239,21 @@ def markdown(results: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("section", choices=["runtime"])
+    ap.add_argument("section", choices=["runtime", "pipeline"])
+    ap.add_argument("--frames", type=int, default=200, help="pipeline: frames in the throughput folder")
+    ap.add_argument("--soak", type=int, default=10_000, help="pipeline: frames in the memory soak")
+    ap.add_argument("--prompt", default="describe the image", help="pipeline: prompt for throughput")
     ap.add_argument("--n", type=int, default=50)
     ap.add_argument("--model", type=Path, default=ROOT / "models" / "tiny-vlm")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
-    results = runtime_section(args)
+    if args.section == "runtime":
+        results, table = runtime_section(args), markdown
+    else:
+        results, table = pipeline_section(args), pipeline_markdown
     print(json.dumps(results, indent=1))
     print()
-    print(markdown(results))
+    print(table(results))
 
 
 if __name__ == "__main__":
