@@ -58,7 +58,7 @@ def _run_length(ids: np.ndarray, start: int) -> int:
 
 def sample_token(logits: np.ndarray, options: GenerationOptions, rng: np.random.Generator) -> int:
     if options.temperature == 0:
-        return int(np.argmax(logits))
+        return int(logits.argmax())
     z = logits.astype(np.float64) / options.temperature
     p = np.exp(z - z.max())
     p /= p.sum()
@@ -110,10 +110,12 @@ class Generator:
         embeds[:, image_start:image_start + n] = features.astype(embeds.dtype)
         return embeds.astype(self.embed_dtype, copy=False)
 
-    def step(self, embeds: np.ndarray, mask: np.ndarray, past: dict[str, np.ndarray]) -> tuple[np.ndarray, dict]:
-        """One decoder call: logits of the last position and the new cache."""
-        s = embeds.shape[1]
-        positions = (np.cumsum(mask, axis=1) - 1)[:, -s:]
+    def step(self, embeds: np.ndarray, mask: np.ndarray, past: dict[str, np.ndarray],
+             positions: np.ndarray | None = None) -> tuple[np.ndarray, dict]:
+        """One decoder call: logits of the last position and the new cache.
+        `positions` defaults to cumsum(mask) - 1 for the new tokens."""
+        if positions is None:
+            positions = (np.cumsum(mask, axis=1) - 1)[:, -embeds.shape[1]:]
         feeds = {"inputs_embeds": embeds, "attention_mask": mask.astype(self.mask_dtype, copy=False),
                  "position_ids": positions.astype(self.position_dtype, copy=False), **past}
         if "use_cache_branch" in self.decoder.inputs:
@@ -135,8 +137,9 @@ class Generator:
         rng = np.random.default_rng(options.seed)
         t0 = time.perf_counter()
         embeds = self.embed_prompt(input_ids, features, image_start)
-        mask = np.ones((1, prompt_len), np.int64)
-        logits, past = self.step(embeds, mask, self.empty_past(1))
+        # one mask for the whole answer; step n sees its first prompt_len + n columns
+        full_mask = np.ones((1, prompt_len + budget), np.int64)
+        logits, past = self.step(embeds, full_mask[:, :prompt_len], self.empty_past(1))
         t_prefill = time.perf_counter()
 
         tokens: list[int] = []
@@ -152,9 +155,12 @@ class Generator:
             if len(tokens) >= budget:
                 break
             new = self.embed.run({"input_ids": np.array([[token]], np.int64)})["inputs_embeds"]
-            mask = np.concatenate([mask, np.ones((1, 1), np.int64)], axis=1)
+            length = prompt_len + len(tokens)
+            mask = full_mask[:, :length]
             if options.use_cache:
-                logits, past = self.step(new.astype(self.embed_dtype, copy=False), mask, past)
+                # no padding in a single request, so the next position is simply length - 1
+                position = np.array([[length - 1]], np.int64)
+                logits, past = self.step(new.astype(self.embed_dtype, copy=False), mask, past, position)
             else:
                 embeds = np.concatenate([embeds, new.astype(self.embed_dtype, copy=False)], axis=1)
                 logits, _ = self.step(embeds, mask, self.empty_past(1))
