@@ -83,6 +83,7 @@ class Pipeline:
         self._held: deque = deque()  # taken from to_encode but not batchable with the current tier
         self._last_result: InferenceResult | None = None
         self._closed = False
+        self._admission = threading.Lock()  # no request may slip in behind the stop marker
         self._threads = [threading.Thread(target=fn, name=f"edgemm-{name}", daemon=True)
                          for name, fn in (("prepare", self._prepare_loop), ("encode", self._encode_loop),
                                           ("decode", self._decode_loop))]
@@ -93,13 +94,15 @@ class Pipeline:
 
     def submit(self, request: Request, block: bool = True, timeout: float | None = None) -> Future:
         """Queue a request. With block=False a full pipeline raises Overloaded at once."""
-        if self._closed:
-            raise Overloaded("the pipeline is shutting down")
-        try:
-            self.inbox.put(request, block=block, timeout=timeout)
-        except queue.Full:
-            self.stats.rejected += 1
-            raise Overloaded(f"pipeline full ({self.inbox.maxsize} requests waiting); retry shortly") from None
+        with self._admission:
+            if self._closed:
+                raise Overloaded("the pipeline is shutting down")
+            try:
+                self.inbox.put(request, block=block, timeout=timeout)
+            except queue.Full:
+                self.stats.rejected += 1
+                raise Overloaded(f"pipeline full ({self.inbox.maxsize} requests waiting); "
+                                 "retry shortly") from None
         return request.future
 
     def infer(self, image, prompt: str, **options) -> InferenceResult:
@@ -112,9 +115,10 @@ class Pipeline:
 
     def close(self, timeout: float | None = None) -> None:
         """Stop accepting; everything already submitted is finished before this returns."""
-        if not self._closed:
-            self._closed = True
-            self.inbox.put(_STOP)
+        with self._admission:
+            if not self._closed:
+                self._closed = True
+                self.inbox.put(_STOP)
         for t in self._threads:
             t.join(timeout)
 

@@ -72,9 +72,10 @@ class LatestSlot:
 
     def put(self, item) -> None:
         with self._cond:
-            if self._item is not None and self._item is not _END:
-                self.dropped += 1
-            if self._item is not _END:  # the end marker is never overwritten
+            final = self._item is _END or isinstance(self._item, Exception)
+            if not final:  # the end marker and a source's failure are never overwritten
+                if self._item is not None:
+                    self.dropped += 1  # a frame nobody took: newer one wins
                 self._item = item
             self._cond.notify()
 
@@ -116,7 +117,7 @@ class FrameFilter:
             now = self.clock()
             if now < self._next_due:
                 return False
-            self._next_due = max(self._next_due + self.interval, now)
+            self._next_due = max(self._next_due, now) + self.interval
         return True
 
 
@@ -188,7 +189,12 @@ def run_stream(runtime: Runtime, source: Source, options: StreamOptions,
                 break
         pending.put(_END)
 
-    threads = [threading.Thread(target=read_frames, name="edgemm-reader", daemon=True)]
+    def close_on_stop() -> None:  # a reader stuck on a camera (or reconnecting) wakes up
+        stop.wait()
+        source.close()
+
+    threads = [threading.Thread(target=read_frames, name="edgemm-reader", daemon=True),
+               threading.Thread(target=close_on_stop, name="edgemm-stopper", daemon=True)]
     if slot is not None:
         threads.append(threading.Thread(target=feed_latest, name="edgemm-feeder", daemon=True))
     for t in threads:

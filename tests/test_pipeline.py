@@ -1,0 +1,310 @@
+"""The staged pipeline: order, completeness, equality with Runtime.infer, failures that stay
+local, encoder batching (same tier only), backpressure (Overloaded), close() and the gate.
+
+Timing is controlled by wrapping the runtime's stage methods with threading.Events the test
+holds, never by sleeping. Nothing here depends on what the model answers, only on the
+tokens agreeing with the unpipelined path.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from edgemm.errors import EdgemmError, InputError
+from edgemm.pipeline import Overloaded, Pipeline, Request
+from edgemm.scenes import make_scene
+
+PROMPT = "how many shapes are there ?"
+MAX_NEW = 4  # small answers keep every test fast
+WAIT_S = 30  # upper bound for anything that should happen "now"; never a timing assumption
+TIER_SIDE = {"low": 128, "high": 256}
+
+
+@pytest.fixture(scope="module")
+def images() -> list[np.ndarray]:
+    """Twelve different generated scenes (small, RGB), so features differ per request."""
+    return [make_scene(100 + i, size=96).image for i in range(12)]
+
+
+def options(tier: str) -> dict:
+    return {"tier": tier, "max_new_tokens": MAX_NEW}
+
+
+class BlockedEncode:
+    """runtime.encode that records each batch's shape and holds the first call until released."""
+
+    def __init__(self, runtime, block_first: bool = True):
+        self.original = runtime.encode
+        self.release = threading.Event()
+        self.entered = threading.Event()
+        self.shapes: list[tuple[int, ...]] = []
+        if not block_first:
+            self.release.set()
+
+    def __call__(self, pixel_values: np.ndarray) -> np.ndarray:
+        self.shapes.append(tuple(pixel_values.shape))
+        self.entered.set()
+        assert self.release.wait(WAIT_S), "the test never released the encoder"
+        return self.original(pixel_values)
+
+
+class RecordingDecode:
+    """runtime.decode that keeps the features each request was decoded with."""
+
+    def __init__(self, runtime):
+        self.original = runtime.decode
+        self.features: list[np.ndarray] = []
+        self.calls = 0
+
+    def __call__(self, request, features, on_token=None):
+        self.calls += 1
+        self.features.append(np.array(features, copy=True))
+        return self.original(request, features, on_token)
+
+
+@pytest.fixture
+def blocked(runtime, monkeypatch):
+    encode = BlockedEncode(runtime)
+    monkeypatch.setattr(runtime, "encode", encode)
+    yield encode
+    encode.release.set()  # never leave a stage thread waiting, whatever the test did
+
+
+@pytest.fixture
+def recorded(runtime, monkeypatch):
+    decode = RecordingDecode(runtime)
+    monkeypatch.setattr(runtime, "decode", decode)
+    return decode
+
+
+def wait_until(condition, what: str) -> None:
+    """Poll a condition the pipeline must reach (a bound, not a timing assumption)."""
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.002)
+
+
+def track_completion(futures) -> list[int]:
+    """The order in which the futures complete, as their submission indices."""
+    order: list[int] = []
+    lock = threading.Lock()
+    for i, future in enumerate(futures):
+        def done(_f, i=i):
+            with lock:
+                order.append(i)
+        future.add_done_callback(done)
+    return order
+
+
+def expected(runtime, image, tier: str):
+    return runtime.infer(image, PROMPT, **options(tier))
+
+
+# ---- order, completeness, equality --------------------------------------------------------------
+
+TIERS_12 = ["low", "high", "high", "low", "low", "low", "high", "low", "high", "high", "low", "high"]
+
+
+def test_results_come_back_in_submission_order_and_complete(runtime, images):
+    with Pipeline(runtime, queue_size=4, max_batch=4, batch_timeout_ms=5) as pipeline:
+        futures = [pipeline.submit(Request(images[i], PROMPT, options(tier), tag=i))
+                   for i, tier in enumerate(TIERS_12)]
+        order = track_completion(futures)
+        results = [f.result(timeout=WAIT_S) for f in futures]
+    assert [r.tier for r in results] == TIERS_12
+    assert [r.image_tokens for r in results] == [16 if t == "low" else 64 for t in TIERS_12]
+    assert order == list(range(12))
+    assert pipeline.stats.completed == 12 and pipeline.stats.failed == 0
+    assert pipeline.stats.items == {"prepare": 12, "encode": 12, "decode": 12}
+    assert all({"preprocess", "encode", "prefill", "decode", "total"} <= set(r.timings_ms) for r in results)
+
+
+def test_answers_equal_runtime_infer(runtime, images):
+    tiers = ["high", "low", "low", "high", "low", "high"]
+    with Pipeline(runtime, queue_size=2) as pipeline:
+        futures = [pipeline.submit(Request(images[i], PROMPT, options(t))) for i, t in enumerate(tiers)]
+        got = [f.result(timeout=WAIT_S) for f in futures]
+    for i, (tier, result) in enumerate(zip(tiers, got)):
+        want = expected(runtime, images[i], tier)
+        assert (result.tokens, result.text, result.finish_reason, result.tier, result.prompt_tokens,
+                result.image_tokens) == (want.tokens, want.text, want.finish_reason, want.tier,
+                                         want.prompt_tokens, want.image_tokens), f"request {i}"
+
+
+def test_infer_convenience(runtime, images):
+    with Pipeline(runtime) as pipeline:
+        result = pipeline.infer(images[0], PROMPT, **options("low"))
+    assert result.tokens == expected(runtime, images[0], "low").tokens and result.tier == "low"
+
+
+def test_a_bad_request_fails_only_its_own_future(runtime, images):
+    with Pipeline(runtime, queue_size=2) as pipeline:
+        good = pipeline.submit(Request(images[0], PROMPT, options("low")))
+        bad = pipeline.submit(Request(b"not an image", PROMPT, options("low")))
+        bad_tier = pipeline.submit(Request(images[1], PROMPT, {"tier": "no-such-tier"}))
+        after = pipeline.submit(Request(images[2], PROMPT, options("low")))
+        with pytest.raises(InputError):
+            bad.result(timeout=WAIT_S)
+        with pytest.raises(InputError):
+            bad_tier.result(timeout=WAIT_S)
+        assert good.result(timeout=WAIT_S).tokens == expected(runtime, images[0], "low").tokens
+        assert after.result(timeout=WAIT_S).tokens == expected(runtime, images[2], "low").tokens
+    assert pipeline.stats.failed == 2 and pipeline.stats.completed == 2
+
+
+def test_an_encoder_failure_fails_its_batch_and_the_pipeline_goes_on(runtime, images, monkeypatch):
+    original = runtime.encode
+    calls = []
+
+    def flaky(pixel_values):
+        calls.append(pixel_values.shape[0])
+        if len(calls) == 1:
+            raise RuntimeError("encoder fell over")
+        return original(pixel_values)
+
+    monkeypatch.setattr(runtime, "encode", flaky)
+    with Pipeline(runtime, queue_size=2) as pipeline:
+        first = pipeline.submit(Request(images[0], PROMPT, options("low")))
+        second = pipeline.submit(Request(images[1], PROMPT, options("low")))
+        with pytest.raises(RuntimeError, match="encoder fell over"):
+            first.result(timeout=WAIT_S)
+        assert second.result(timeout=WAIT_S).tokens == expected(runtime, images[1], "low").tokens
+    assert pipeline.stats.failed == 1 and pipeline.stats.completed == 1
+
+
+# ---- encoder batching -----------------------------------------------------------------------------
+
+def test_same_tier_requests_are_batched_and_answer_as_unbatched(runtime, images, blocked, recorded):
+    n = 8
+    with Pipeline(runtime, queue_size=n, max_batch=4, batch_timeout_ms=50) as pipeline:
+        futures = [pipeline.submit(Request(images[i], PROMPT, options("low")), block=False)
+                   for i in range(n)]
+        order = track_completion(futures)
+        assert blocked.entered.wait(WAIT_S)
+        wait_until(lambda: pipeline.stats.items["prepare"] == n, "all requests prepared")
+        blocked.release.set()
+        results = [f.result(timeout=WAIT_S) for f in futures]
+    assert max(pipeline.stats.batches) > 1, pipeline.stats.batches
+    assert all(b <= 4 for b in pipeline.stats.batches)
+    assert sum(pipeline.stats.batches) == n
+    assert [s[0] for s in blocked.shapes] == pipeline.stats.batches
+    assert order == list(range(n))
+    for i, result in enumerate(results):
+        alone = runtime.prepare(images[i], PROMPT, **options("low"))
+        unbatched = blocked.original(alone.pixel_values)
+        np.testing.assert_allclose(recorded.features[i], unbatched, rtol=1e-4, atol=1e-4,
+                                   err_msg=f"request {i} decoded with another image's features")
+        assert result.tokens == expected(runtime, images[i], "low").tokens, f"request {i}"
+    assert pipeline.stats.snapshot()["mean_batch"] > 1
+
+
+def test_mixed_tiers_are_never_batched_together_and_keep_their_order(runtime, images, blocked, recorded):
+    tiers = ["low", "low", "high", "high", "low", "high", "low", "low", "high"]
+    with Pipeline(runtime, queue_size=len(tiers), max_batch=4, batch_timeout_ms=50) as pipeline:
+        futures = [pipeline.submit(Request(images[i], PROMPT, options(t)), block=False)
+                   for i, t in enumerate(tiers)]
+        order = track_completion(futures)
+        assert blocked.entered.wait(WAIT_S)
+        wait_until(lambda: pipeline.stats.items["prepare"] == len(tiers), "all requests prepared")
+        blocked.release.set()
+        results = [f.result(timeout=WAIT_S) for f in futures]
+    # every encoder call holds one image size, and in call order they replay the submissions
+    assert all(len(s) == 4 for s in blocked.shapes)
+    replayed = [s[2] for s in blocked.shapes for _ in range(s[0])]
+    assert replayed == [TIER_SIDE[t] for t in tiers], blocked.shapes
+    assert all(s[2] == s[3] for s in blocked.shapes)
+    assert max(s[0] for s in blocked.shapes) > 1  # same-tier neighbours did batch
+    assert order == list(range(len(tiers)))
+    assert [r.tier for r in results] == tiers
+    assert pipeline.stats.failed == 0
+    for i, t in enumerate(tiers):
+        assert results[i].tokens == expected(runtime, images[i], t).tokens, f"request {i}"
+
+
+# ---- backpressure, close ----------------------------------------------------------------------------
+
+def test_a_full_pipeline_refuses_with_overloaded(runtime, images, blocked):
+    pipeline = Pipeline(runtime, queue_size=1)
+    accepted = []
+    try:
+        with pytest.raises(Overloaded) as refused:
+            for i in range(20):  # the stages hold a handful at most while the encoder is stuck
+                accepted.append(pipeline.submit(Request(images[i % 12], PROMPT, options("low")),
+                                                block=False))
+        assert 1 <= len(accepted) <= 5
+        assert refused.value.http_status == 503 and isinstance(refused.value, EdgemmError)
+        assert pipeline.stats.rejected == 1
+        assert not any(f.done() for f in accepted)  # all stuck behind the encoder, none lost
+        with pytest.raises(Overloaded):  # a blocking submit with a timeout refuses too
+            for i in range(20):
+                accepted.append(pipeline.submit(Request(images[i % 12], PROMPT, options("low")),
+                                                timeout=0.01))
+        assert len(accepted) <= 5 and pipeline.stats.rejected == 2
+    finally:
+        blocked.release.set()
+        pipeline.close()
+    assert all(f.done() and f.exception() is None for f in accepted)
+    assert pipeline.stats.completed == len(accepted)
+
+
+def test_close_finishes_everything_submitted_then_refuses(runtime, images, blocked):
+    pipeline = Pipeline(runtime, queue_size=8)
+    futures = [pipeline.submit(Request(images[i], PROMPT, options("low"))) for i in range(6)]
+    assert blocked.entered.wait(WAIT_S)
+    closer = threading.Thread(target=pipeline.close)
+    closer.start()
+    wait_until(lambda: pipeline._closed, "close() to start")
+    closer.join(0.2)
+    assert closer.is_alive(), "close() returned while requests were still in the encoder"
+    with pytest.raises(Overloaded):  # closing: no new work
+        pipeline.submit(Request(images[0], PROMPT, options("low")))
+    blocked.release.set()
+    closer.join(WAIT_S)
+    assert not closer.is_alive()
+    assert all(f.done() for f in futures)  # no waiting needed after close()
+    assert [f.result().tokens for f in futures] == [expected(runtime, images[i], "low").tokens
+                                                    for i in range(6)]
+    assert pipeline.stats.completed == 6
+    with pytest.raises(Overloaded):
+        pipeline.submit(Request(images[0], PROMPT, options("low")))
+    assert not any(t.is_alive() for t in pipeline._threads)
+    pipeline.close()  # a second close is harmless
+
+
+# ---- the gate -------------------------------------------------------------------------------------------
+
+def test_gate_reuses_the_previous_answer(runtime, images, blocked, recorded):
+    seen = []
+
+    def gate(request: Request) -> bool:
+        seen.append((request.tag, isinstance(request.image, np.ndarray)))
+        return request.tag == 1
+
+    with Pipeline(runtime, queue_size=4, max_batch=4, batch_timeout_ms=50, gate=gate) as pipeline:
+        futures = [pipeline.submit(Request(images[i], PROMPT, options("low"), tag=i)) for i in range(3)]
+        order = track_completion(futures)
+        blocked.release.set()
+        first, reused, third = (f.result(timeout=WAIT_S) for f in futures)
+    assert seen == [(0, True), (1, True), (2, True)]  # the gate sees the image, in order
+    assert reused.finish_reason == "reused"
+    assert (reused.tokens, reused.text, reused.tier) == (first.tokens, first.text, first.tier)
+    assert first.finish_reason != "reused" and third.finish_reason != "reused"
+    assert recorded.calls == 2  # the reused request never reached the decoder
+    assert sum(s[0] for s in blocked.shapes) == 2  # … nor the encoder
+    assert third.tokens == expected(runtime, images[2], "low").tokens
+    assert order == [0, 1, 2]
+    assert pipeline.stats.completed == 3
+
+
+def test_gate_with_nothing_to_reuse_fails_that_request_only(runtime, images):
+    with Pipeline(runtime, gate=lambda request: request.tag == 0) as pipeline:
+        first = pipeline.submit(Request(images[0], PROMPT, options("low"), tag=0))
+        second = pipeline.submit(Request(images[1], PROMPT, options("low"), tag=1))
+        with pytest.raises(Exception):
+            first.result(timeout=WAIT_S)
+        assert second.result(timeout=WAIT_S).finish_reason != "reused"
+    assert pipeline.stats.failed == 1 and pipeline.stats.completed == 1

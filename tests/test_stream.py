@@ -1,0 +1,416 @@
+"""Stream mode: the newest-wins slot, frame filtering, change gating, run_stream on files
+(lossless, errors in place), max_frames, drops on a fast live source, graceful stop, and
+`edgemm stream` on the command line.
+
+Timing is controlled with threading.Events wrapped around the runtime's stages, never by
+sleeping. Only the last test looks at what the model answers: it needs the trained model.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import threading
+import time
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+import edgemm.stream
+from edgemm.cli import main
+from edgemm.pipeline import Pipeline, Request
+from edgemm.scenes import make_scene
+from edgemm.sources import CaptureSource, Frame, Source, SourceError, gstreamer_available, open_source
+from edgemm.stream import _END, ChangeGate, FrameFilter, LatestSlot, StreamOptions, run_stream
+
+WAIT_S = 30  # upper bound for anything that should happen "now"; never a timing assumption
+FAST = {"tier": "low", "max_new_tokens": 2}
+ANSWER_FIELDS = {"frame", "tier", "answer", "stage_ms", "e2e_ms", "dropped"}
+
+
+def frame(index: int, image=None) -> Frame:
+    return Frame(index, image, 0.0, "test://")
+
+
+def run_in_thread(*args, **kwargs):
+    """run_stream, bounded: a hang fails the test instead of freezing the run."""
+    out: dict = {}
+
+    def target():
+        try:
+            out["summary"] = run_stream(*args, **kwargs)
+        except BaseException as e:  # surfaced below
+            out["error"] = e
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(WAIT_S)
+    assert not thread.is_alive(), "run_stream did not return"
+    if "error" in out:
+        raise out["error"]
+    return out["summary"]
+
+
+# ---- LatestSlot --------------------------------------------------------------------------------
+
+def test_latest_slot_keeps_the_newest_and_counts_the_drop():
+    slot = LatestSlot()
+    slot.put("old")
+    slot.put("new")
+    assert slot.get() == "new"
+    assert slot.dropped == 1
+    slot.put("next")  # an emptied slot takes the next item without a drop
+    assert slot.get() == "next" and slot.dropped == 1
+
+
+def test_latest_slot_get_waits_for_a_put():
+    slot = LatestSlot()
+    got = []
+    reader = threading.Thread(target=lambda: got.append(slot.get()))
+    reader.start()
+    reader.join(0.05)
+    assert reader.is_alive() and not got  # nothing there yet: get() waits
+    slot.put("item")
+    reader.join(WAIT_S)
+    assert got == ["item"]
+
+
+def test_latest_slot_never_overwrites_the_end_marker():
+    slot = LatestSlot()
+    slot.put("frame")
+    slot.put(_END)  # the waiting frame is dropped for the end, and counted
+    assert slot.dropped == 1
+    slot.put("late frame")
+    slot.put("later frame")
+    assert slot.get() is _END
+    assert slot.dropped == 1  # frames after the end are not counted as drops
+
+
+# ---- FrameFilter ----------------------------------------------------------------------------------
+
+def test_frame_filter_every():
+    kept = [i for i in range(8) if FrameFilter(3, None).keep(frame(i))]
+    assert kept == [0, 3, 6]
+    one = FrameFilter(1, None)
+    assert all(one.keep(frame(i)) for i in range(5))
+
+
+def test_frame_filter_fps_spaces_kept_frames_by_the_interval():
+    now = [1000.0]  # a monotonic clock is far from 0 (seconds since boot)
+    f = FrameFilter(1, 2.0, clock=lambda: now[0])
+    kept = []
+    for i in range(25):  # 8 frames a second for 3 s, filtered to 2 a second
+        now[0] = 1000.0 + i * 0.125
+        if f.keep(frame(i)):
+            kept.append(now[0])
+    assert kept == [1000.0, 1000.5, 1001.0, 1001.5, 1002.0, 1002.5, 1003.0]
+
+
+def test_frame_filter_fps_after_a_gap_does_not_burst():
+    now = [1000.0]
+    f = FrameFilter(1, 2.0, clock=lambda: now[0])
+    kept = []
+    for t in (1000.0, 1002.0, 1002.125, 1002.25, 1002.5):  # the source stalled for 2 s
+        now[0] = t
+        if f.keep(frame(len(kept))):
+            kept.append(t)
+    assert all(b - a >= 0.5 for a, b in zip(kept, kept[1:])), kept
+    assert kept == [1000.0, 1002.0, 1002.5]
+
+
+def test_frame_filter_every_and_fps_together():
+    now = [1000.0]
+    f = FrameFilter(2, 1.0, clock=lambda: now[0])
+    kept = []
+    for i in range(12):  # 4 frames a second; every 2nd is a candidate, at most 1 a second
+        now[0] = 1000.0 + i * 0.25
+        if f.keep(frame(i)):
+            kept.append(i)
+    assert kept == [0, 4, 8]
+
+
+# ---- ChangeGate ------------------------------------------------------------------------------------
+
+def test_change_gate_reuses_for_an_identical_frame_only():
+    gate = ChangeGate(threshold=2.0)
+    scene = make_scene(7).image
+    assert gate(Request(scene, "p")) is False  # nothing to compare with yet
+    assert gate(Request(scene.copy(), "p")) is True
+    assert gate(Request(255 - scene, "p")) is False  # very different
+    other = make_scene(8).image
+    assert gate(Request(other, "p")) is False
+    assert gate(Request(other.copy(), "p")) is True  # compared with the last processed frame
+
+
+# ---- run_stream on files ------------------------------------------------------------------------
+
+@pytest.fixture
+def folder(tmp_path) -> Path:
+    """Six scenes as PNG (00, 01, 02, 04, 05, 06) and a corrupt 03.png between them."""
+    for i in range(7):
+        path = tmp_path / f"{i:02d}.png"
+        if i == 3:
+            path.write_bytes(b"not a png at all")
+        else:
+            cv2.imwrite(str(path), cv2.cvtColor(make_scene(30 + i, size=64).image, cv2.COLOR_RGB2BGR))
+    return tmp_path
+
+
+def test_folder_is_lossless_in_order_with_the_bad_file_in_place(runtime, folder):
+    records = []
+    source = open_source(str(folder))
+    summary = run_in_thread(runtime, source, StreamOptions("how many shapes are there ?", queue_size=1,
+                                                           generation=FAST), records.append)
+    assert len(records) == 7
+    assert set(records[3]) == {"error"} and "03.png" in records[3]["error"]
+    answers = records[:3] + records[4:]
+    assert [r["name"] for r in answers] == ["00.png", "01.png", "02.png", "04.png", "05.png", "06.png"]
+    assert all(ANSWER_FIELDS <= set(r) and "error" not in r for r in answers)
+    assert [r["frame"] for r in answers] == sorted(r["frame"] for r in answers)
+    assert all(r["tier"] == "low" and r["dropped"] == 0 for r in answers)
+    assert (summary.frames, summary.errors, summary.dropped, summary.skipped) == (6, 1, 0, 0)
+    assert len(summary.latencies_ms) == 6
+
+
+def test_max_frames_on_an_unpaced_synthetic_source(runtime):
+    records = []
+    source = open_source("synthetic://?count=50")
+    assert not source.live
+    summary = run_in_thread(runtime, source, StreamOptions("describe the image", max_frames=3,
+                                                           generation=FAST), records.append)
+    assert [r["frame"] for r in records] == [0, 1, 2]
+    assert all(ANSWER_FIELDS <= set(r) for r in records)
+    assert summary.frames == 3 and summary.errors == 0 and summary.dropped == 0
+    assert source.stats.frames < 50  # it stopped reading, not read to the end
+
+
+def test_every_skips_are_counted(runtime):
+    records = []
+    summary = run_in_thread(runtime, open_source("synthetic://?count=7&size=64"),
+                            StreamOptions("p", every=3, generation=FAST), records.append)
+    assert [r["frame"] for r in records] == [0, 3, 6]
+    assert summary.frames == 3 and summary.skipped == 4
+
+
+# ---- a fast live source: newest frame wins ------------------------------------------------------
+
+class FastLiveSource(Source):
+    """A camera that never waits: tiny distinct frames, as fast as they can be made.
+
+    Sets `produced` once `signal_after` frames were made (the test's slow decoder waits on
+    it) and ends once the test sets `enough`.
+    """
+
+    def __init__(self, signal_after: int):
+        super().__init__("fake://fast-camera", live=True)
+        self.signal_after = signal_after
+        self.produced = threading.Event()
+        self.enough = threading.Event()
+
+    def _next_frame(self):
+        if self.enough.is_set():
+            return None
+        i = self._next_index
+        if i >= self.signal_after:
+            self.produced.set()
+        image = np.full((32, 32, 3), i % 256, np.uint8)
+        image[0, 0] = (i // 256 % 256, i // 65536 % 256, 0)
+        return self._frame(image)
+
+
+def test_a_fast_live_source_drops_stale_frames_newest_first(runtime, monkeypatch):
+    source = FastLiveSource(signal_after=60)
+    decode = runtime.decode
+
+    def slow_decode(request, features, on_token=None):
+        assert source.produced.wait(WAIT_S)  # the model "is slow" until 60 frames were captured
+        return decode(request, features, on_token)
+
+    monkeypatch.setattr(runtime, "decode", slow_decode)
+    records = []
+
+    def emit(record):
+        records.append(record)
+        if len(records) == 4:
+            source.enough.set()  # the camera stops after four answers
+
+    summary = run_in_thread(runtime, source, StreamOptions("p", generation=FAST), emit)
+    indices = [r["frame"] for r in records]
+    assert len(records) >= 4 and all("error" not in r for r in records)
+    assert summary.dropped > 0
+    assert indices == sorted(set(indices))  # strictly increasing: newest-wins never reorders
+    assert summary.frames == len(records) and summary.errors == 0
+    # every captured frame was either answered or counted as dropped: none vanished
+    assert summary.frames + summary.dropped == source.stats.frames
+    reported = [r["dropped"] for r in records]
+    assert reported == sorted(reported) and reported[-1] <= summary.dropped
+
+
+class FailingLiveSource(Source):
+    """A camera that gives three frames, then fails for good (no reconnect)."""
+
+    def __init__(self):
+        super().__init__("fake://dying-camera", live=True)
+
+    def _next_frame(self):
+        if self._next_index >= 3:
+            raise SourceError("camera fake://dying-camera disconnected")
+        return self._frame(np.full((32, 32, 3), 50 * self._next_index, np.uint8))
+
+
+def test_a_live_source_failure_is_reported(runtime):
+    records = []
+    summary = run_in_thread(runtime, FailingLiveSource(), StreamOptions("p", generation=FAST),
+                            records.append)
+    assert summary.errors == 1
+    assert records and "disconnected" in records[-1].get("error", "")
+    assert summary.frames + summary.dropped == 3  # the error is not a dropped frame
+
+
+# ---- graceful stop ------------------------------------------------------------------------------
+
+def test_stop_answers_every_frame_already_taken(runtime, monkeypatch):
+    submitted = []
+    three_in = threading.Event()
+
+    class CountingPipeline(Pipeline):
+        def submit(self, request, block=True, timeout=None):
+            future = super().submit(request, block, timeout)
+            submitted.append(request.tag.index)
+            if len(submitted) >= 3:
+                three_in.set()
+            return future
+
+    decode = runtime.decode
+
+    def decode_once_three_are_in(request, features, on_token=None):
+        assert three_in.wait(WAIT_S)  # so that frames are in flight when the stop comes
+        return decode(request, features, on_token)
+
+    monkeypatch.setattr(edgemm.stream, "Pipeline", CountingPipeline)
+    monkeypatch.setattr(runtime, "decode", decode_once_three_are_in)
+    stop = threading.Event()
+    records = []
+
+    def emit(record):
+        records.append(record)
+        stop.set()  # after the first answer
+
+    source = open_source("synthetic://?count=50&size=64")
+    summary = run_in_thread(runtime, source, StreamOptions("p", generation=FAST), emit, stop)
+    assert 3 <= len(submitted) < 50
+    assert [r["frame"] for r in records] == submitted == list(range(len(submitted)))
+    assert all("error" not in r for r in records)
+    assert summary.frames == len(submitted)
+
+
+def test_stop_while_a_live_camera_is_reconnecting(runtime, monkeypatch):
+    """Ctrl-C with the camera unplugged: the reader is inside read(), retrying; stop must end it."""
+    monkeypatch.setattr(logging.getLogger("edgemm.sources"), "disabled", True)  # reconnect warnings
+
+    class UnpluggedCamera(CaptureSource):
+        def __init__(self):
+            super().__init__("fake://unplugged", live=True, max_backoff_s=0.05)
+
+        def _open_capture(self):
+            return None
+
+    source = UnpluggedCamera()
+    stop = threading.Event()
+    done = threading.Event()
+    thread = threading.Thread(target=lambda: (run_stream(runtime, source, StreamOptions("p"),
+                                                         lambda r: None, stop), done.set()),
+                              daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while source.stats.reconnects < 1:  # until the reader is inside the reconnect loop
+            assert time.monotonic() < deadline, "the reader never tried to reconnect"
+            time.sleep(0.005)
+        stop.set()
+        assert done.wait(5), "run_stream kept waiting on the camera after stop was set"
+    finally:
+        source.close()  # lets the reader out if run_stream did not
+        thread.join(WAIT_S)
+
+
+# ---- the command line ----------------------------------------------------------------------------
+
+@pytest.fixture
+def cli(tmp_path):
+    """`edgemm stream …` in-process on one onnxruntime thread; restores the signal handlers
+    the command installs, so pytest keeps its own Ctrl-C handling."""
+    config = tmp_path / "edgemm.yaml"
+    config.write_text("backend:\n  intra_op_threads: 1\n  warmup: false\n")
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def invoke(*args: str):
+        return CliRunner().invoke(main, ["stream", *map(str, args), "--config", str(config)])
+
+    yield invoke
+    for s, handler in saved.items():
+        signal.signal(s, handler)
+
+
+def json_lines(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def test_cli_stream_prints_json_lines(cli):
+    result = cli("synthetic://?count=5", "--max-frames", "3", "--tier", "low", "--max-new-tokens", "2")
+    assert result.exit_code == 0, result.output
+    records = json_lines(result.stdout)
+    assert [r["frame"] for r in records] == [0, 1, 2]
+    assert all(ANSWER_FIELDS <= set(r) for r in records)
+    assert all(r["tier"] == "low" and isinstance(r["answer"], str) and r["dropped"] == 0 for r in records)
+    assert all(isinstance(r["stage_ms"], dict) and "encode" in r["stage_ms"] for r in records)
+    summary = [line for line in result.stderr.splitlines() if line.startswith("edgemm: summary: ")]
+    assert len(summary) == 1 and json.loads(summary[0].split(": ", 2)[2])["frames"] == 3
+
+
+def test_cli_stream_out_file(cli, tmp_path):
+    out = tmp_path / "answers.jsonl"
+    result = cli("synthetic://?count=5", "--max-frames", "3", "--tier", "low", "--max-new-tokens", "2",
+                 "--out", out)
+    assert result.exit_code == 0, result.output
+    assert result.stdout == ""
+    records = json_lines(out.read_text())
+    assert [r["frame"] for r in records] == [0, 1, 2] and all(ANSWER_FIELDS <= set(r) for r in records)
+
+
+def test_cli_stream_missing_path(cli, tmp_path):
+    result = cli(tmp_path / "no-such-clip.mp4")
+    assert result.exit_code == 2
+    assert result.stdout == ""
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("edgemm: error:") and "no-such-clip.mp4" in lines[0]
+
+
+@pytest.mark.skipif(gstreamer_available(), reason="this OpenCV has GStreamer: csi:// would try a camera")
+def test_cli_stream_csi_without_gstreamer(cli):
+    result = cli("csi://0")
+    assert result.exit_code == 2
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("edgemm: error:") and "GStreamer" in lines[0]
+
+
+# ---- end to end: needs the trained model ------------------------------------------------------------
+
+def test_end_to_end_counts_shapes_in_a_video(cli, tmp_path):
+    """Fails while models/tiny-vlm is the untrained placeholder; passes with the trained model."""
+    path = tmp_path / "clip.avi"
+    scenes = [make_scene(200 + i, n_shapes=n) for i, n in enumerate((1, 2, 3, 4, 2))]
+    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"MJPG"), 5.0, (256, 256))
+    assert writer.isOpened()
+    for scene in scenes:
+        writer.write(cv2.cvtColor(scene.image, cv2.COLOR_RGB2BGR))
+    writer.release()
+
+    result = cli(path, "--prompt", "how many shapes are there ?")
+    assert result.exit_code == 0, result.output
+    records = json_lines(result.stdout)
+    assert [r["frame"] for r in records] == [0, 1, 2, 3, 4]
+    assert [r["answer"] for r in records] == [s.count() for s in scenes]
