@@ -104,7 +104,12 @@ def main() -> None:
 @main.command()
 @click.argument("image")
 @click.option("--prompt", "-p", default=DEFAULT_PROMPT, show_default=True, help="Question about the image.")
-@click.option("--tier", help="Resolution tier (default: the model's top tier).")
+@click.option("--tier", help="Pin the resolution tier (default: the scheduler picks; see --scheduler).")
+@click.option("--scheduler", type=click.Choice(["top", "thresholds", "calibrated"]),
+              help="Tier policy when no tier is pinned (default: scheduler.policy, top).")
+@click.option("--beams", type=click.IntRange(1, 16), help="Beam search width (1 = greedy).")
+@click.option("--beam-gate", type=click.FloatRange(0, 1),
+              help="Collapse beams once the best next token is this likely (0 = greedy, 1 = plain beams).")
 @click.option("--precision", type=click.Choice(["fp32", "int8", "fp16"]), help="Graph variant to load.")
 @click.option("--model", "model_dir", type=click.Path(), help="Model folder (default: built-in tiny-vlm).")
 @click.option("--config", "config_path", type=click.Path(), envvar="EDGEMM_CONFIG",
@@ -116,15 +121,18 @@ def main() -> None:
 @click.option("--seed", type=click.IntRange(0))
 @click.option("--threads", type=click.IntRange(0), help="Intra-op threads (0 = onnxruntime decides).")
 @reports_errors
-def infer(image, prompt, tier, precision, model_dir, config_path, as_json, max_new_tokens,
-          temperature, top_p, seed, threads) -> None:
+def infer(image, prompt, tier, scheduler, beams, beam_gate, precision, model_dir, config_path, as_json,
+          max_new_tokens, temperature, top_p, seed, threads) -> None:
     """Answer PROMPT about IMAGE (a file, or - for stdin)."""
     from edgemm.runtime import Runtime
     cfg = build_config(config_path, model_dir, precision, threads)
+    if scheduler is not None:
+        cfg.scheduler.policy = scheduler  # a click.Choice, so already valid
     source = read_image_arg(image, cfg.limits.max_image_bytes)
     runtime = Runtime(cfg)
     result = runtime.infer(source, prompt, tier=tier, max_new_tokens=max_new_tokens,
-                           temperature=temperature, top_p=top_p, seed=seed)
+                           temperature=temperature, top_p=top_p, seed=seed,
+                           num_beams=beams, beam_gate=beam_gate)
     if as_json:
         click.echo(json.dumps({"answer": result.text, "prompt": prompt,
                                "image": image if image != "-" else "<stdin>", **result.to_dict()}))
@@ -177,16 +185,44 @@ def stream(source_uri, prompt, fps, every, max_frames, out, change_threshold, ti
         stop.set()  # the reader stops taking frames; those in flight are still answered
         click.echo(f"edgemm: {signal.Signals(signum).name}: finishing frames in flight …", err=True)
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, on_signal)
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     sink = open(out, "w", buffering=1) if out else sys.stdout
     try:
         summary = run_stream(runtime, source, options,
                              lambda record: print(json.dumps(record), file=sink, flush=True), stop)
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         if out:
             sink.close()
     click.echo("edgemm: summary: " + json.dumps(summary.to_dict()), err=True)
+
+
+@main.command()
+@click.option("--config", "config_path", type=click.Path(), envvar="EDGEMM_CONFIG",
+              help="YAML config file (under systemd: /etc/edgemm/edgemm.yaml).")
+@click.option("--socket", "socket_path", type=click.Path(dir_okay=False),
+              help="UNIX socket path (default: server.socket, /run/edgemm/edgemm.sock).")
+@click.option("--precision", type=click.Choice(["fp32", "int8", "fp16"]))
+@click.option("--model", "model_dir", type=click.Path())
+@click.option("--threads", type=click.IntRange(0), help="Intra-op threads (0 = onnxruntime decides).")
+@reports_errors
+def serve(config_path, socket_path, precision, model_dir, threads) -> None:
+    """Serve the OpenAI-compatible HTTP API on a UNIX socket until SIGTERM.
+
+    Loads and warms up the model once, then answers POST /v1/chat/completions,
+    POST /v1/infer, GET /v1/models, /v1/streams, /healthz, /readyz and /metrics,
+    and runs the camera streams of the config. Under systemd it reports READY=1
+    and watchdog pings, and takes a socket-activated socket.
+    SIGTERM (or Ctrl-C) stops accepting, lets requests in flight finish, exits 0.
+    """
+    from edgemm.daemon import serve as run_daemon
+    cfg = build_config(config_path, model_dir, precision, threads)
+    log = logging.getLogger("edgemm")
+    log.setLevel(logging.INFO)  # a daemon says where it listens and when it drains
+    for handler in log.handlers:
+        handler.setLevel(logging.INFO)
+    run_daemon(cfg, socket_path)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -31,15 +32,18 @@ from typing import Any
 import yaml
 
 from edgemm.errors import EdgemmError
+from edgemm.scheduler import DETAIL_WORDS, STATISTICS
 
 __all__ = [
     "ConfigError", "ModelConfig", "BackendConfig", "LimitsConfig", "GenerationConfig",
-    "Config", "load_config", "config_from_dict", "config_to_dict",
+    "SchedulerConfig", "CacheConfig",
+    "ServerConfig", "StreamConfig", "Config", "load_config", "config_from_dict", "config_to_dict",
 ]
 
 PRECISIONS = ("fp32", "int8", "fp16")
 BACKENDS = ("onnxruntime", "tensorrt")
 PROVIDERS = ("cpu", "cuda", "tensorrt")
+SCHEDULER_POLICIES = ("top", "thresholds", "calibrated")
 
 
 class ConfigError(EdgemmError, ValueError):
@@ -118,10 +122,16 @@ class GenerationConfig:
     temperature: float = 0.0  # sampling temperature; 0 = greedy
     top_p: float = 1.0  # nucleus sampling mass, in (0, 1]; 1 = off
     seed: int | None = None  # sampling seed (>= 0) for reproducible answers; null = random
-    tier: str | None = None  # resolution tier name (see the model's tiers); null = the model's top tier
+    tier: str | None = None  # resolution tier name (see the model's tiers); null = the scheduler picks (scheduler.policy)
+    num_beams: int = 1  # beam search width, 1..16; 1 = greedy / sampling
+    beam_gate: float = 0.85  # beams collapse to the best once its next token is this likely, in [0, 1]; 1 = plain beam search
 
     def validate(self, path: str) -> None:
         _require(1 <= self.max_new_tokens <= 4096, f"{path}.max_new_tokens", "be in 1..4096", self.max_new_tokens)
+        _require(1 <= self.num_beams <= 16, f"{path}.num_beams", "be in 1..16", self.num_beams)
+        _require(0 <= self.beam_gate <= 1, f"{path}.beam_gate", "be in [0, 1]", self.beam_gate)
+        _require(self.num_beams == 1 or self.temperature == 0, f"{path}.num_beams",
+                 "be 1 when sampling (beam search is greedy: temperature 0)", self.num_beams)
         _require(self.temperature >= 0, f"{path}.temperature", "be >= 0", self.temperature)
         _require(0 < self.top_p <= 1, f"{path}.top_p", "be in (0, 1]", self.top_p)
         if self.seed is not None:
@@ -131,11 +141,123 @@ class GenerationConfig:
 
 
 @dataclass
+class SchedulerConfig:
+    """Which resolution tier each request is encoded at, when no tier is pinned (edgemm/scheduler.py)."""
+    policy: str = "top"  # top | thresholds | calibrated (top = the model's default tier, its top tier unless model.yaml says otherwise)
+    statistic: str = "edge_density"  # what `thresholds` compare: mean_saliency | salient_fraction | high_freq | edge_density
+    thresholds: list[float] = field(default_factory=lambda: [0.008, 0.014])  # rising, one per tier above the cheapest: reaching the i-th lifts a frame to tier i+1
+    detail_words: list[str] = field(default_factory=lambda: list(DETAIL_WORDS))  # prompts with one of these words ask for detail ...
+    detail_tier: str | None = None  # ... and never go below this tier; null = the model's top tier
+
+    def validate(self, path: str) -> None:
+        _choice(self.policy, SCHEDULER_POLICIES, f"{path}.policy")
+        _choice(self.statistic, STATISTICS, f"{path}.statistic")
+        _require(all(b >= a for a, b in zip(self.thresholds, self.thresholds[1:])), f"{path}.thresholds",
+                 "not decrease", self.thresholds)
+
+
+@dataclass
+class CacheConfig:
+    """Visual-feature cache: a second question about the same image skips the encoder."""
+    max_bytes: int = 64 * 1024 * 1024  # memory for cached encoder outputs; 0 = no cache
+
+    def validate(self, path: str) -> None:
+        _require(self.max_bytes >= 0, f"{path}.max_bytes", "be >= 0", self.max_bytes)
+
+
+@dataclass
+class ServerConfig:
+    """`edgemm serve`: where it listens, how much it admits, what image URLs it follows."""
+    socket: str = "/run/edgemm/edgemm.sock"  # UNIX socket path; unused under socket activation (systemd passes the socket)
+    socket_mode: str = "0660"  # permissions of the socket file, octal: owner and group may connect
+    socket_group: str | None = None  # group owning the socket file (clients in it may connect); null = the daemon's group
+    tcp_port: int | None = None  # also listen on TCP at this port; null = no TCP (the default: the API stays off the network)
+    tcp_host: str = "127.0.0.1"  # TCP address; loopback unless you really mean to expose the API
+    queue_size: int = 8  # requests admitted at once (queued or running); more get 503 + Retry-After
+    max_batch: int = 4  # encoder batch: up to this many images of concurrent requests in one call
+    batch_timeout_ms: float = 5.0  # how long the encoder waits for more images to fill a batch
+    request_timeout_s: float = 60.0  # a request not answered within this gets 504
+    retry_after_s: int = 1  # the Retry-After header sent with 503
+    grace_period_s: float = 10.0  # on SIGTERM: how long requests in flight may take to finish
+    max_body_bytes: int = 16 * 1024 * 1024  # larger request bodies get 413 (base64 images are 4/3 of the file)
+    max_connections: int = 64  # open connections at once; beyond it the HTTP server answers 503
+    image_dirs: list[str] = field(default_factory=list)  # folders that file:// image URLs may name (relative: to this file)
+    remote_images: bool = False  # fetch http(s) image URLs; off = refused with 400
+    remote_timeout_s: float = 10.0  # time allowed to fetch one http(s) image
+    max_streams: int = 4  # camera streams run by the daemon at once (config and POST /v1/streams)
+
+    def validate(self, path: str) -> None:
+        _require(self.socket.strip() != "", f"{path}.socket", "be a path", self.socket)
+        _require(_octal_mode(self.socket_mode) is not None, f"{path}.socket_mode",
+                 "be octal permissions like '0660'", self.socket_mode)
+        if self.tcp_port is not None:
+            _require(0 <= self.tcp_port <= 65535, f"{path}.tcp_port", "be in 0..65535 or null", self.tcp_port)
+        for name in ("queue_size", "max_batch", "max_body_bytes", "max_connections", "retry_after_s", "max_streams"):
+            _require(getattr(self, name) >= 1, f"{path}.{name}", "be >= 1", getattr(self, name))
+        for name in ("request_timeout_s", "remote_timeout_s"):
+            _require(getattr(self, name) > 0, f"{path}.{name}", "be > 0", getattr(self, name))
+        for name in ("batch_timeout_ms", "grace_period_s"):
+            _require(getattr(self, name) >= 0, f"{path}.{name}", "be >= 0", getattr(self, name))
+
+    @property
+    def mode(self) -> int:
+        """socket_mode as a number (validated, so never None here)."""
+        return _octal_mode(self.socket_mode) or 0
+
+
+def _octal_mode(text: str) -> int | None:
+    """'0660' → 0o660; None unless it is octal permission bits (YAML would read a bare 0660 as 432)."""
+    try:
+        mode = int(text, 8)
+    except ValueError:
+        return None
+    return mode if 0 <= mode <= 0o777 else None
+
+
+STREAM_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+@dataclass
+class StreamConfig:
+    """A camera (or any source) the daemon runs by itself; results at /v1/streams/{id}/events."""
+    id: str = ""  # the stream's name in the API: letters, digits, '_', '.', '-'
+    source: str = ""  # source URI: csi://0, v4l2:///dev/video0, rtsp://…, a file or folder, synthetic://
+    prompt: str = "describe the image"  # asked about every processed frame
+    fps: float | None = None  # process at most this many frames per second; null = as fast as the pipeline goes
+    every: int = 1  # process every Nth frame of the source
+    change_threshold: float | None = None  # reuse the last answer when a frame changed less than this (0-255)
+    tier: str | None = None  # pin the resolution tier; null = the scheduler picks
+    max_new_tokens: int | None = None  # null = generation.max_new_tokens
+
+    def validate(self, path: str) -> None:
+        _require(STREAM_ID.fullmatch(self.id) is not None, f"{path}.id",
+                 "be a name of letters, digits, '_', '.', '-' (at most 64)", self.id)
+        _require(self.source.strip() != "", f"{path}.source", "be a source URI", self.source)
+        _require(self.every >= 1, f"{path}.every", "be >= 1", self.every)
+        if self.fps is not None:
+            _require(self.fps > 0, f"{path}.fps", "be > 0 or null", self.fps)
+        if self.change_threshold is not None:
+            _require(self.change_threshold >= 0, f"{path}.change_threshold", "be >= 0 or null", self.change_threshold)
+        if self.max_new_tokens is not None:
+            _require(1 <= self.max_new_tokens <= 4096, f"{path}.max_new_tokens", "be in 1..4096 or null",
+                     self.max_new_tokens)
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    streams: list[StreamConfig] = field(default_factory=list)
+
+    def validate(self, path: str) -> None:
+        ids = [stream.id for stream in self.streams]
+        for i, name in enumerate(ids):
+            _require(name not in ids[:i], f"streams[{i}].id", "not repeat an earlier stream's id", name)
 
 
 # ---- generic dict -> dataclass conversion ------------------------------------------
@@ -151,8 +273,9 @@ def _describe(hint: Any) -> str:
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         return " or ".join(_describe(a) for a in args if a is not type(None)) + " or null"
     if typing.get_origin(hint) is list:
+        items = "mappings" if dataclasses.is_dataclass(args[0]) else "items"
         return "a list of " + {str: "strings", int: "integers", float: "numbers",
-                               bool: "booleans"}.get(args[0], "items")
+                               bool: "booleans"}.get(args[0], items)
     return _SCALARS[hint]
 
 
@@ -267,6 +390,8 @@ def load_config(source: str | os.PathLike | Mapping[str, Any] | None = None) -> 
     except ConfigError as e:
         raise ConfigError(e.detail, file) from None
     # a relative model folder means "next to this config file", not "wherever systemd started us"
+    here = Path(file).resolve().parent
     if cfg.model.path is not None and not Path(cfg.model.path).is_absolute():
-        cfg.model.path = str(Path(file).resolve().parent / cfg.model.path)
+        cfg.model.path = str(here / cfg.model.path)
+    cfg.server.image_dirs = [str(here / d) for d in cfg.server.image_dirs]  # absolute ones stay as they are
     return cfg

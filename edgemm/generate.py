@@ -7,7 +7,8 @@
 
 The attention mask keeps the whole history and position ids are cumsum(mask) - 1,
 as the model contract says. Greedy when temperature is 0, else temperature +
-top-p sampling from a seeded generator, so a seed reproduces an answer.
+top-p sampling from a seeded generator, so a seed reproduces an answer. With
+num_beams > 1, confidence-gated beam search (edgemm/beams.py) decodes instead.
 """
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ class GenerationOptions:
     top_p: float = 1.0
     seed: int | None = None
     use_cache: bool = True  # False recomputes the whole prefix each step (for comparison only)
+    num_beams: int = 1  # > 1: beam search (greedy, so temperature must be 0)
+    beam_gate: float = 0.85  # beams collapse to the best when its next token is this likely (see beams.py)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -39,6 +42,12 @@ class GenerationOptions:
             raise InputError(f"temperature must be ≥ 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise InputError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.num_beams < 1:
+            raise InputError(f"num_beams must be at least 1, got {self.num_beams}")
+        if not 0 <= self.beam_gate <= 1:
+            raise InputError(f"beam_gate must be in [0, 1], got {self.beam_gate}")
+        if self.num_beams > 1 and self.temperature > 0:
+            raise InputError("beam search is deterministic: use num_beams > 1 with temperature 0")
 
 
 @dataclass
@@ -46,6 +55,7 @@ class Generation:
     tokens: list[int]
     finish_reason: str  # "stop" (a stop token) or "length" (max_new_tokens or context)
     timings_ms: dict[str, float] = field(default_factory=dict)
+    stats: dict = field(default_factory=dict)  # decoder details, e.g. beam steps and rows
 
 
 def _run_length(ids: np.ndarray, start: int) -> int:
@@ -134,6 +144,9 @@ class Generator:
             raise InputError(f"prompt is {prompt_len} tokens (image included); the model's "
                              f"context is {self.max_context}")
         budget = min(options.max_new_tokens, self.max_context - prompt_len)
+        if options.num_beams > 1:
+            from edgemm.beams import beam_search  # beams build on this module's steps
+            return beam_search(self, features, input_ids, image_start, budget, options, on_token)
         rng = np.random.default_rng(options.seed)
         t0 = time.perf_counter()
         embeds = self.embed_prompt(input_ids, features, image_start)
@@ -144,6 +157,7 @@ class Generator:
 
         tokens: list[int] = []
         finish = "length"
+        steps = 0
         while True:
             token = sample_token(logits[0], options, rng)
             if token in self.stop_ids:
@@ -164,6 +178,8 @@ class Generator:
             else:
                 embeds = np.concatenate([embeds, new.astype(self.embed_dtype, copy=False)], axis=1)
                 logits, _ = self.step(embeds, mask, self.empty_past(1))
+            steps += 1
         t_end = time.perf_counter()
         return Generation(tokens, finish, {"prefill": (t_prefill - t0) * 1e3,
-                                           "decode": (t_end - t_prefill) * 1e3})
+                                           "decode": (t_end - t_prefill) * 1e3},
+                          {"decoder_rows": steps})

@@ -59,6 +59,7 @@ class StageStats:
     busy_s: dict[str, float] = field(default_factory=lambda: {"prepare": 0.0, "encode": 0.0, "decode": 0.0})
     items: dict[str, int] = field(default_factory=lambda: {"prepare": 0, "encode": 0, "decode": 0})
     batches: list[int] = field(default_factory=list)  # encoder batch sizes (last 1000)
+    batch_counts: dict[int, int] = field(default_factory=dict)  # batch size → encoder calls, ever
     completed: int = 0
     failed: int = 0
     rejected: int = 0
@@ -113,14 +114,20 @@ class Pipeline:
         return {"prepare": self.inbox.qsize(), "encode": self.to_encode.qsize() + len(self._held),
                 "decode": self.to_decode.qsize()}
 
+    def alive(self) -> bool:
+        """All stage threads running (a watchdog pings only while this holds)."""
+        return all(t.is_alive() for t in self._threads) or self._closed
+
     def close(self, timeout: float | None = None) -> None:
-        """Stop accepting; everything already submitted is finished before this returns."""
+        """Stop accepting; everything already submitted is finished before this returns
+        (or `timeout` seconds in all have passed)."""
         with self._admission:
             if not self._closed:
                 self._closed = True
                 self.inbox.put(_STOP)
+        deadline = None if timeout is None else time.monotonic() + timeout
         for t in self._threads:
-            t.join(timeout)
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def __enter__(self) -> "Pipeline":
         return self
@@ -132,6 +139,8 @@ class Pipeline:
 
     def _prepare_loop(self) -> None:
         while (req := self.inbox.get()) is not _STOP:
+            if not req.future.set_running_or_notify_cancel():
+                continue  # cancelled while waiting (its client went away): costs nothing
             started = time.perf_counter()
             try:
                 if self.gate is not None and self.gate(req):
@@ -169,7 +178,9 @@ class Pipeline:
                 batch = []
             finally:
                 self._account("encode", started, len(batch) or 1)
-                self.stats.batches = self.stats.batches[-999:] + [len(batch) or 1]
+                size = len(batch) or 1
+                self.stats.batches = self.stats.batches[-999:] + [size]
+                self.stats.batch_counts[size] = self.stats.batch_counts.get(size, 0) + 1
             now = time.perf_counter()
             for r in batch:
                 r.prepared.timings_ms["encode"] = (now - started) * 1e3
@@ -217,7 +228,8 @@ class Pipeline:
             now = time.perf_counter()
             result.timings_ms["total"] = (now - req.submitted) * 1e3
             self.stats.completed += 1
-            req.future.set_result(result)
+            if not req.future.done():
+                req.future.set_result(result)
 
     def _reused(self, req: Request) -> InferenceResult:
         last = self._last_result

@@ -19,7 +19,8 @@ import numpy as np
 
 from edgemm.backends.base import Component, LoadedComponents
 from edgemm.backends.onnxruntime import OnnxRuntimeBackend
-from edgemm.config import Config, load_config
+from edgemm.cache import FeatureCache, feature_key
+from edgemm.config import Config, ConfigError, load_config
 from edgemm.errors import BackendError, InputError
 from edgemm.generate import GenerationOptions, Generator
 from edgemm.model.contract import check_component
@@ -27,6 +28,7 @@ from edgemm.model.family import Prompt, adapter_for
 from edgemm.model.image import load_image
 from edgemm.model.manifest import COMPONENTS, ModelManifest, ResolutionTier, load_manifest
 from edgemm.model.preprocess import to_pixel_values
+from edgemm.scheduler import POLICY_FILE, Decision, Scheduler, TierPolicy
 
 log = logging.getLogger("edgemm")
 
@@ -50,6 +52,7 @@ class InferenceResult:
     devices: dict[str, str]  # stage → device that ran it
     timings_ms: dict[str, float] = field(default_factory=dict)
     model: str = ""
+    schedule: dict = field(default_factory=dict)  # why this tier: {tier, reason, stats}
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -65,6 +68,7 @@ class PreparedRequest:
     prompt: Prompt
     options: GenerationOptions
     timings_ms: dict[str, float] = field(default_factory=dict)
+    decision: Decision | None = None
 
 
 class Runtime:
@@ -78,8 +82,13 @@ class Runtime:
         self.generator = Generator(self.components.vision_encoder, self.components.embed_tokens,
                                    self.components.decoder, self.manifest.max_context,
                                    self.adapter.stop_ids)
+        self.scheduler = self._make_scheduler()
+        self._tier_by_shape = {(t.height, t.width): t.name for t in self.manifest.tiers.values()}
+        self.cache: FeatureCache | None = None  # made after the warm-up, so blank frames don't fill it
         if self.config.backend.warmup:
             self.warmup()
+        if self.config.cache.max_bytes:
+            self.cache = FeatureCache(self.config.cache.max_bytes)
 
     @classmethod
     def from_config(cls, source=None) -> "Runtime":
@@ -103,11 +112,28 @@ class Runtime:
         return LoadedComponents(loaded["vision_encoder"], loaded["embed_tokens"], loaded["decoder"],
                                 extra={"missing_providers": backend.missing})
 
+    def _make_scheduler(self) -> Scheduler:
+        cfg = self.config.scheduler
+        tiers = list(self.manifest.tiers)
+        if cfg.policy == "top":
+            return Scheduler(tiers, self.manifest.default_tier)
+        if cfg.policy == "calibrated":
+            policy = TierPolicy.load(self.manifest.path / POLICY_FILE)
+        else:
+            policy = TierPolicy(cfg.statistic, list(cfg.thresholds), tuple(cfg.detail_words), cfg.detail_tier)
+        try:
+            return Scheduler(tiers, self.manifest.default_tier, policy)
+        except ValueError as e:
+            where = "scheduler" if cfg.policy == "thresholds" else str(self.manifest.path / POLICY_FILE)
+            raise ConfigError(f"{where}: {e} (model {self.manifest.name})") from None
+
     def warmup(self) -> None:
-        """One tiny request per tier, so the first real request doesn't pay for allocation."""
+        """One tiny request per tier and one look by the scheduler, so the first real
+        request doesn't pay for allocation."""
         for tier in self.manifest.tiers.values():
             blank = np.zeros((tier.height, tier.width, 3), np.uint8)
             self.infer(blank, "warm up", tier=tier.name, max_new_tokens=1)
+        self.scheduler.decide(blank, "warm up")
 
     @property
     def devices(self) -> dict[str, str]:
@@ -129,17 +155,28 @@ class Runtime:
         if size > limit:
             raise InputError(f"image is {size} bytes, above the {limit} byte limit (limits.max_image_bytes)")
 
-    def preprocess(self, image, tier: str | None = None) -> tuple[np.ndarray, str]:
+    def load(self, image) -> np.ndarray:
+        """A path, encoded bytes or an RGB array → RGB8 array, within the size limits."""
         self.check_size(image)
-        rgb = load_image(image, max_pixels=self.config.limits.max_pixels)
-        chosen = self.manifest.tier(tier or self.config.generation.tier)
+        return load_image(image, max_pixels=self.config.limits.max_pixels)
+
+    def pixels(self, rgb: np.ndarray, tier: ResolutionTier) -> np.ndarray:
         pre = self.manifest.preprocessing
-        return to_pixel_values(rgb, chosen.height, chosen.width, pre.mean, pre.std), chosen.name
+        return to_pixel_values(rgb, tier.height, tier.width, pre.mean, pre.std)
+
+    def preprocess(self, image, tier: str | None = None) -> tuple[np.ndarray, str]:
+        """Pixel values at `tier` (else the configured or default tier; no scheduling)."""
+        chosen = self.manifest.tier(tier or self.config.generation.tier)
+        return self.pixels(self.load(image), chosen), chosen.name
 
     def prepare(self, image, prompt: str, *, tier: str | None = None, max_new_tokens: int | None = None,
                 temperature: float | None = None, top_p: float | None = None,
-                seed: int | None = None) -> PreparedRequest:
-        """Stage 1: check and decode the image, pick the tier, build the prompt ids."""
+                seed: int | None = None, num_beams: int | None = None,
+                beam_gate: float | None = None) -> PreparedRequest:
+        """Stage 1: check and decode the image, pick the tier, build the prompt ids.
+
+        The tier is `tier`, else generation.tier from the config, else the scheduler's choice.
+        """
         t0 = time.perf_counter()
         gen = self.config.generation
         if len(prompt) > self.config.limits.max_prompt_chars:
@@ -149,16 +186,37 @@ class Runtime:
             max_new_tokens=max_new_tokens if max_new_tokens is not None else gen.max_new_tokens,
             temperature=temperature if temperature is not None else gen.temperature,
             top_p=top_p if top_p is not None else gen.top_p,
-            seed=seed if seed is not None else gen.seed)
-        pixel_values, tier_name = self.preprocess(image, tier)
-        chosen = self.manifest.tiers[tier_name]
+            seed=seed if seed is not None else gen.seed,
+            num_beams=num_beams if num_beams is not None else gen.num_beams,
+            beam_gate=beam_gate if beam_gate is not None else gen.beam_gate)
+        rgb = self.load(image)
+        pinned = tier or gen.tier
+        decision = self.scheduler.decide(rgb, prompt, self.manifest.tier(pinned).name if pinned else None)
+        chosen = self.manifest.tiers[decision.tier]
+        pixel_values = self.pixels(rgb, chosen)
         prompt_ids = self.adapter.build_prompt(prompt, chosen)
-        return PreparedRequest(pixel_values, chosen, prompt_ids, options,
-                               {"preprocess": (time.perf_counter() - t0) * 1e3})
+        timings = {"preprocess": (time.perf_counter() - t0) * 1e3}
+        if decision.stats is not None:
+            timings["schedule"] = decision.stats.ms
+        return PreparedRequest(pixel_values, chosen, prompt_ids, options, timings, decision)
 
     def encode(self, pixel_values: np.ndarray) -> np.ndarray:
-        """Stage 2: image features for a batch of same-tier images [B,3,H,W] → [B,N,D]."""
-        return self.generator.encode(pixel_values)
+        """Stage 2: image features for a batch of same-tier images [B,3,H,W] → [B,N,D].
+
+        With the feature cache on, only the images it doesn't hold reach the encoder.
+        """
+        if self.cache is None:
+            return self.generator.encode(pixel_values)
+        tier = self._tier_by_shape.get(tuple(pixel_values.shape[2:]), "")  # the shape is in the key too
+        keys = [feature_key(image, tier, self.manifest.name, self.precision) for image in pixel_values]
+        found = [self.cache.get(key) for key in keys]
+        missing = [i for i, features in enumerate(found) if features is None]
+        if missing:
+            fresh = self.generator.encode(pixel_values[missing])
+            for row, i in enumerate(missing):
+                found[i] = fresh[row]
+                self.cache.put(keys[i], fresh[row])
+        return np.stack(found)
 
     def decode(self, request: PreparedRequest, features: np.ndarray, on_token=None) -> InferenceResult:
         """Stage 3: prefill + token-by-token decode for one request; its features [1,N,D]."""
@@ -178,15 +236,18 @@ class Runtime:
             tier=request.tier.name, image_tokens=prompt.image_tokens, precision=self.precision,
             devices={"encode": self.components.vision_encoder.device,
                      "decode": self.components.decoder.device},
-            timings_ms={**request.timings_ms, **generation.timings_ms}, model=self.manifest.name)
+            timings_ms={**request.timings_ms, **generation.timings_ms}, model=self.manifest.name,
+            schedule=request.decision.to_dict() if request.decision else {})
 
     def infer(self, image, prompt: str, *, tier: str | None = None, max_new_tokens: int | None = None,
               temperature: float | None = None, top_p: float | None = None, seed: int | None = None,
+              num_beams: int | None = None, beam_gate: float | None = None,
               on_token=None) -> InferenceResult:
         """Answer `prompt` about `image` (a path, encoded bytes or an RGB array)."""
         t0 = time.perf_counter()
         request = self.prepare(image, prompt, tier=tier, max_new_tokens=max_new_tokens,
-                               temperature=temperature, top_p=top_p, seed=seed)
+                               temperature=temperature, top_p=top_p, seed=seed,
+                               num_beams=num_beams, beam_gate=beam_gate)
         t1 = time.perf_counter()
         features = self.encode(request.pixel_values)
         request.timings_ms["encode"] = (time.perf_counter() - t1) * 1e3

@@ -10,7 +10,8 @@ import pytest
 import yaml
 
 from edgemm.config import (
-    BackendConfig, Config, ConfigError, GenerationConfig, LimitsConfig, ModelConfig,
+    BackendConfig, CacheConfig, Config, ConfigError, GenerationConfig, LimitsConfig, ModelConfig,
+    SchedulerConfig, ServerConfig, StreamConfig,
     config_from_dict, config_to_dict, load_config,
 )
 
@@ -33,6 +34,43 @@ generation:
   top_p: 0.9
   seed: 1234
   tier: low
+  num_beams: 1
+  beam_gate: 0.9
+scheduler:
+  policy: thresholds
+  statistic: high_freq
+  thresholds: [0.1, 0.25]
+  detail_words: [read, plate]
+  detail_tier: mid
+cache:
+  max_bytes: 1048576
+server:
+  socket: /tmp/edgemm.sock
+  socket_mode: "0600"
+  socket_group: robots
+  tcp_port: 8080
+  tcp_host: 127.0.0.2
+  queue_size: 3
+  max_batch: 2
+  batch_timeout_ms: 2.5
+  request_timeout_s: 5.0
+  retry_after_s: 3
+  grace_period_s: 1.0
+  max_body_bytes: 1000
+  max_connections: 7
+  image_dirs: [/srv/edgemm/images]
+  remote_images: true
+  remote_timeout_s: 2.0
+  max_streams: 2
+streams:
+- id: door
+  source: rtsp://10.0.0.5/stream
+  prompt: is the door open ?
+  fps: 0.5
+  every: 2
+  change_threshold: 4.0
+  tier: low
+  max_new_tokens: 8
 """
 
 
@@ -58,7 +96,10 @@ def test_defaults_match_the_documented_schema():
     assert cfg.model == ModelConfig(path=None, precision="fp32")
     assert cfg.backend == BackendConfig(name="onnxruntime", providers=["cpu"], intra_op_threads=0, warmup=True)
     assert cfg.limits == LimitsConfig(max_pixels=40_000_000, max_image_bytes=50 * 1024 * 1024, max_prompt_chars=4000)
-    assert cfg.generation == GenerationConfig(max_new_tokens=32, temperature=0.0, top_p=1.0, seed=None, tier=None)
+    assert cfg.generation == GenerationConfig(max_new_tokens=32, temperature=0.0, top_p=1.0, seed=None, tier=None,
+                                              num_beams=1, beam_gate=0.85)
+    assert cfg.scheduler.policy == "top" and cfg.scheduler.detail_tier is None
+    assert cfg.cache == CacheConfig(max_bytes=64 * 1024 * 1024)
 
 
 def test_default_list_is_not_shared_between_instances():
@@ -99,7 +140,18 @@ def test_full_yaml_file_loads_every_field(tmp_path):
         backend=BackendConfig(name="tensorrt", providers=["tensorrt", "cuda", "cpu"],
                               intra_op_threads=2, warmup=False),
         limits=LimitsConfig(max_pixels=12_000_000, max_image_bytes=1048576, max_prompt_chars=500),
-        generation=GenerationConfig(max_new_tokens=64, temperature=0.7, top_p=0.9, seed=1234, tier="low"),
+        generation=GenerationConfig(max_new_tokens=64, temperature=0.7, top_p=0.9, seed=1234, tier="low",
+                                    num_beams=1, beam_gate=0.9),
+        scheduler=SchedulerConfig(policy="thresholds", statistic="high_freq", thresholds=[0.1, 0.25],
+                                  detail_words=["read", "plate"], detail_tier="mid"),
+        cache=CacheConfig(max_bytes=1048576),
+        server=ServerConfig(socket="/tmp/edgemm.sock", socket_mode="0600", socket_group="robots", tcp_port=8080,
+                            tcp_host="127.0.0.2", queue_size=3, max_batch=2, batch_timeout_ms=2.5,
+                            request_timeout_s=5.0, retry_after_s=3, grace_period_s=1.0, max_body_bytes=1000,
+                            max_connections=7, image_dirs=["/srv/edgemm/images"], remote_images=True,
+                            remote_timeout_s=2.0, max_streams=2),
+        streams=[StreamConfig(id="door", source="rtsp://10.0.0.5/stream", prompt="is the door open ?", fps=0.5,
+                              every=2, change_threshold=4.0, tier="low", max_new_tokens=8)],
     )
 
 
@@ -115,7 +167,7 @@ def test_full_yaml_round_trips_through_dict_and_yaml(tmp_path):
 def test_to_dict_is_plain_and_detached():
     cfg = Config()
     as_dict = config_to_dict(cfg)
-    assert type(as_dict) is dict and all(type(v) is dict for v in as_dict.values())
+    assert type(as_dict) is dict and all(type(v) is (list if k == "streams" else dict) for k, v in as_dict.items())
     assert set(as_dict) == {f.name for f in dataclasses.fields(Config)}
     as_dict["backend"]["providers"].append("cuda")
     assert cfg.backend.providers == ["cpu"]
@@ -141,7 +193,9 @@ def test_non_path_source_is_a_type_error():
 
 def test_unknown_top_level_key_names_it_and_the_known_sections():
     message = error({"modle": {}})
-    assert message == "config: unknown key 'modle' (known: backend, generation, limits, model)"
+    known = ", ".join(sorted(f.name for f in dataclasses.fields(Config)))
+    assert message == f"config: unknown key 'modle' (known: {known})"
+    assert known.startswith("backend, cache, generation, limits, model, scheduler")
 
 
 def test_unknown_nested_key_names_full_path_and_known_keys():
@@ -243,6 +297,31 @@ def test_null_allowed_only_for_optional_fields():
     ({"generation": {"top_p": 1.5}}, "config: 'generation.top_p' must be in (0, 1], got 1.5"),
     ({"generation": {"seed": -1}}, "config: 'generation.seed' must be >= 0 or null, got -1"),
     ({"generation": {"tier": " "}}, "config: 'generation.tier' must be a tier name or null, got ' '"),
+    ({"generation": {"num_beams": 0}}, "config: 'generation.num_beams' must be in 1..16, got 0"),
+    ({"generation": {"beam_gate": 1.5}}, "config: 'generation.beam_gate' must be in [0, 1], got 1.5"),
+    ({"generation": {"num_beams": 2, "temperature": 0.5}},
+     "config: 'generation.num_beams' must be 1 when sampling (beam search is greedy: temperature 0), got 2"),
+    ({"scheduler": {"policy": "fast"}},
+     "config: 'scheduler.policy' must be one of top, thresholds, calibrated, got 'fast'"),
+    ({"scheduler": {"statistic": "blur"}}, "config: 'scheduler.statistic' must be one of mean_saliency, "
+                                            "salient_fraction, high_freq, edge_density, got 'blur'"),
+    ({"scheduler": {"thresholds": [0.2, 0.1]}}, "config: 'scheduler.thresholds' must not decrease, got [0.2, 0.1]"),
+    ({"cache": {"max_bytes": -1}}, "config: 'cache.max_bytes' must be >= 0, got -1"),
+    ({"server": {"socket_mode": "rw-rw----"}},
+     "config: 'server.socket_mode' must be octal permissions like '0660', got 'rw-rw----'"),
+    ({"server": {"socket_mode": "1777"}}, "config: 'server.socket_mode' must be octal permissions like '0660', got '1777'"),
+    ({"server": {"socket": " "}}, "config: 'server.socket' must be a path, got ' '"),
+    ({"server": {"tcp_port": 70000}}, "config: 'server.tcp_port' must be in 0..65535 or null, got 70000"),
+    ({"server": {"queue_size": 0}}, "config: 'server.queue_size' must be >= 1, got 0"),
+    ({"server": {"request_timeout_s": 0}}, "config: 'server.request_timeout_s' must be > 0, got 0.0"),
+    ({"server": {"grace_period_s": -1}}, "config: 'server.grace_period_s' must be >= 0, got -1.0"),
+    ({"streams": [{"id": "a b", "source": "csi://0"}]},
+     "config: 'streams[0].id' must be a name of letters, digits, '_', '.', '-' (at most 64), got 'a b'"),
+    ({"streams": [{"id": "cam"}]}, "config: 'streams[0].source' must be a source URI, got ''"),
+    ({"streams": [{"id": "cam", "source": "csi://0", "fps": 0}]}, "config: 'streams[0].fps' must be > 0 or null, got 0.0"),
+    ({"streams": [{"id": "a", "source": "csi://0"}, {"id": "a", "source": "csi://1"}]},
+     "config: 'streams[1].id' must not repeat an earlier stream's id, got 'a'"),
+    ({"streams": {"id": "a"}}, "config: 'streams' must be a list of mappings, got {'id': 'a'} (dict)"),
 ])
 def test_range_and_choice_errors_name_the_path(data, expected):
     assert error(data) == expected

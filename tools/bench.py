@@ -3,6 +3,7 @@
 
     python tools/bench.py runtime [--n 50] [--model DIR] [--threads 1]
     python tools/bench.py pipeline [--frames 200] [--soak 10000]
+    python tools/bench.py scheduler [--n 500] [--cache-images 10000] [--beam-n 200]
 
 `runtime` (runtime core):
   overhead   end-to-end infer latency minus the time inside the backend's raw run
@@ -16,6 +17,7 @@
   freshness  live synthetic source faster than the model: age of the frame behind
              each answer (capture → answer) vs the pipeline latency (submit → answer)
   soak       RSS growth over many frames through the pipeline
+`scheduler` (tier scheduler, feature cache, gated beams): see tools/bench_scheduler.py
 Paste the printed Markdown into docs/BENCHMARKS.md together with the command.
 """
 from __future__ import annotations
@@ -239,16 +241,25 @@ def markdown(results: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("section", choices=["runtime", "pipeline"])
+    ap.add_argument("section", choices=["runtime", "pipeline", "scheduler"])
     ap.add_argument("--frames", type=int, default=200, help="pipeline: frames in the throughput folder")
     ap.add_argument("--soak", type=int, default=10_000, help="pipeline: frames in the memory soak")
     ap.add_argument("--prompt", default="describe the image", help="pipeline: prompt for throughput")
-    ap.add_argument("--n", type=int, default=50)
+    ap.add_argument("--n", type=int, default=None, help="runtime: requests (50); scheduler: scenes (500)")
+    ap.add_argument("--saliency-frames", type=int, default=40, help="scheduler: 1080p frames timed")
+    ap.add_argument("--cache-n", type=int, default=100, help="scheduler: images asked two questions")
+    ap.add_argument("--cache-images", type=int, default=10_000, help="scheduler: distinct images for the bound")
+    ap.add_argument("--beam-n", type=int, default=200, help="scheduler: scenes for the decoding comparison")
     ap.add_argument("--model", type=Path, default=ROOT / "models" / "tiny-vlm")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
     if args.section == "runtime":
+        args.n = args.n or 50
         results, table = runtime_section(args), markdown
+    elif args.section == "scheduler":
+        from bench_scheduler import scheduler_markdown, scheduler_section  # tools/ is on sys.path
+        args.n = args.n or 500
+        results, table = scheduler_section(args), scheduler_markdown
     else:
         results, table = pipeline_section(args), pipeline_markdown
     print(json.dumps(results, indent=1))

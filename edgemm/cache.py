@@ -1,0 +1,97 @@
+"""Visual-feature cache: a second question about the same image skips the encoder.
+
+An LRU of encoder outputs, bounded in bytes. The key is a BLAKE2b digest of the
+pixel values the encoder would see (so the same picture arriving as a path, as
+bytes or as an array hits the same entry), plus the tier, model and precision
+the features were computed with. One lock guards the table; hashing happens
+outside it, so concurrent callers only serialise on dictionary updates.
+"""
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+DEFAULT_MAX_BYTES = 64 * 1024 * 1024
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    entries: int = 0
+    bytes: int = 0
+    max_bytes: int = 0
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def feature_key(pixel_values: np.ndarray, tier: str, model: str, precision: str) -> bytes:
+    """Digest of one image's pixel values ([3,H,W] or [1,3,H,W]) and what encodes them."""
+    h = hashlib.blake2b(digest_size=20)
+    h.update(f"{model}\0{precision}\0{tier}\0{pixel_values.dtype.str}\0{pixel_values.shape[-3:]}\0".encode())
+    h.update(np.ascontiguousarray(pixel_values).data)
+    return h.digest()
+
+
+class FeatureCache:
+    """Thread-safe LRU of feature arrays, holding at most `max_bytes` of array data."""
+
+    def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES):
+        if max_bytes <= 0:
+            raise ValueError(f"max_bytes must be > 0, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[bytes, np.ndarray] = OrderedDict()  # oldest use first
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self._hits = self._misses = self._evictions = 0
+
+    def get(self, key: bytes) -> np.ndarray | None:
+        """The cached features (read-only) or None; a hit becomes the most recently used."""
+        with self._lock:
+            features = self._entries.get(key)
+            if features is None:
+                self._misses += 1
+                return None
+            self._entries.move_to_end(key)
+            self._hits += 1
+            return features
+
+    def put(self, key: bytes, features: np.ndarray) -> None:
+        """Store a private read-only copy, evicting the least recently used to fit.
+
+        An array larger than the whole budget is not stored (it would evict everything
+        and then not fit either).
+        """
+        if features.nbytes > self.max_bytes:
+            return
+        stored = np.array(features, copy=True)  # the caller may reuse its buffer
+        stored.flags.writeable = False
+        with self._lock:
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self._bytes -= old.nbytes
+            self._entries[key] = stored
+            self._bytes += stored.nbytes
+            while self._bytes > self.max_bytes:
+                _, evicted = self._entries.popitem(last=False)
+                self._bytes -= evicted.nbytes
+                self._evictions += 1
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._bytes = 0
+
+    def stats(self) -> CacheStats:
+        with self._lock:
+            return CacheStats(self._hits, self._misses, self._evictions, len(self._entries),
+                              self._bytes, self.max_bytes)
+
+    def __len__(self) -> int:
+        return len(self._entries)

@@ -1,0 +1,314 @@
+"""The OpenAI chat-completions schema: requests in, answers and stream chunks out.
+
+No HTTP here: edgemm.server reads the body and hands it to `parse_chat_request`,
+turns the image URL into bytes or a path with `load_image_url`, runs the pipeline,
+and shapes the result with `completion` / `chunk`. Every refusal is an `ApiError`
+carrying its HTTP status and OpenAI's error fields (type, param, code).
+
+How a conversation maps onto a single-image model (the built-in one has no chat
+template): the question is the text of the last user message ("describe the
+image" if it has none); the image is the last `image_url` part of the user
+messages. System and assistant turns are accepted and not shown to the model.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import math
+import os
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any
+
+from edgemm.errors import EdgemmError
+
+DEFAULT_PROMPT = "describe the image"
+ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_TOKENS = 4096
+
+
+class ApiError(EdgemmError):
+    """A request the API refuses; str(e) is the message clients see."""
+
+    def __init__(self, message: str, status: int = 400, kind: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.http_status, self.kind, self.param, self.code = status, kind, param, code
+        self.exit_code = 2 if status < 500 else 1
+
+
+def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error shape."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+# ---- requests -------------------------------------------------------------------------
+
+@dataclass
+class ChatRequest:
+    prompt: str
+    image_url: str
+    image_param: str  # where the image sits in the request, for error messages
+    options: dict = field(default_factory=dict)  # the pipeline Request's options
+    stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with usage
+    model: str | None = None
+
+
+def parse_chat_request(body: Any) -> ChatRequest:
+    """Check a decoded JSON body against the parts of the schema edgemm uses."""
+    if not isinstance(body, dict):
+        raise ApiError(f"the request body must be a JSON object, got {_json_type(body)}")
+    model = _optional(body, "model", str, "a string")
+    if body.get("n") not in (None, 1):
+        raise ApiError("only n=1 is supported", param="n")
+    if body.get("tools"):
+        raise ApiError("tools are not supported by this model", param="tools")
+    stream = _optional(body, "stream", bool, "a boolean") or False
+    stream_options = _optional(body, "stream_options", dict, "an object") or {}
+    options = generation_options(body)
+    prompt, image_url, image_param = _conversation(body.get("messages"))
+    return ChatRequest(prompt, image_url, image_param, options, stream,
+                       stream_options.get("include_usage") is True, model)
+
+
+def _conversation(messages: Any) -> tuple[str, str, str]:
+    """(question, image URL, where the image is) from `messages`."""
+    if not isinstance(messages, list) or not messages:
+        raise ApiError("'messages' must be a non-empty list of messages", param="messages")
+    question: str | None = None
+    image: tuple[str, str] | None = None
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise ApiError(f"{where} must be an object, got {_json_type(message)}", param=where)
+        role = message.get("role")
+        if role not in ROLES:
+            raise ApiError(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}",
+                           param=f"{where}.role")
+        texts, images = _parts(message.get("content"), f"{where}.content", role)
+        if role != "user":
+            continue
+        question = " ".join(texts)
+        if len(images) > 1:
+            raise ApiError(f"{where} has {len(images)} images; the model takes one image per request",
+                           param=f"{where}.content")
+        image = images[0] if images else image
+    if question is None:
+        raise ApiError("'messages' has no user message", param="messages")
+    if image is None:
+        raise ApiError("no image: add an image_url content part (a data: URL) to a user message",
+                       param="messages", code="missing_image")
+    return question.strip() or DEFAULT_PROMPT, image[0], image[1]
+
+
+def _parts(content: Any, where: str, role: str) -> tuple[list[str], list[tuple[str, str]]]:
+    """The texts and (image URL, where) of one message's content."""
+    if content is None and role != "user":
+        return [], []
+    if isinstance(content, str):
+        return [content], []
+    if not isinstance(content, list):
+        raise ApiError(f"{where} must be a string or a list of content parts", param=where)
+    texts, images = [], []
+    for j, part in enumerate(content):
+        at = f"{where}[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif kind == "image_url":
+            ref = part.get("image_url")
+            url = ref.get("url") if isinstance(ref, dict) else None
+            if not isinstance(url, str):
+                raise ApiError(f"{at}.image_url must be an object with a string 'url'", param=f"{at}.image_url")
+            images.append((url, f"{at}.image_url.url"))
+        elif kind in ("text", None):
+            raise ApiError(f"{at} must be {{'type': 'text', 'text': …}} or "
+                           "{'type': 'image_url', 'image_url': {'url': …}}", param=at)
+        else:
+            raise ApiError(f"{at}: content part type {kind!r} is not supported (text, image_url)",
+                           param=f"{at}.type")
+    return texts, images
+
+
+def generation_options(body: dict) -> dict:
+    """Generation options, checked here so a bad value is a 400 naming its field."""
+    options: dict = {}
+    max_tokens = _optional(body, "max_completion_tokens", int, "an integer")
+    max_tokens = _optional(body, "max_tokens", int, "an integer") if max_tokens is None else max_tokens
+    if max_tokens is not None:
+        _check(1 <= max_tokens <= MAX_TOKENS, "max_tokens", f"must be in 1..{MAX_TOKENS}", max_tokens)
+        options["max_new_tokens"] = max_tokens
+    temperature = _optional(body, "temperature", float, "a number")
+    if temperature is not None:
+        _check(temperature >= 0, "temperature", "must be >= 0", temperature)
+        options["temperature"] = float(temperature)
+    top_p = _optional(body, "top_p", float, "a number")
+    if top_p is not None:
+        _check(0 < top_p <= 1, "top_p", "must be in (0, 1]", top_p)
+        options["top_p"] = float(top_p)
+    seed = _optional(body, "seed", int, "an integer")
+    if seed is not None:
+        _check(seed >= 0, "seed", "must be >= 0", seed)
+        options["seed"] = seed
+    extension = _optional(body, "edgemm", dict, "an object") or {}
+    if extension.get("tier") is not None:
+        _check(isinstance(extension["tier"], str), "edgemm.tier", "must be a tier name", extension["tier"])
+        options["tier"] = extension["tier"]
+    return options
+
+
+def _optional(body: dict, key: str, kind: type, described: str) -> Any:
+    """body[key] if present and not null, checked to be `kind` (bool is no number here)."""
+    value = body.get(key)
+    if value is None:
+        return None
+    numbers = (int, float) if kind is float else (kind,)
+    if not isinstance(value, numbers) or (kind is not bool and isinstance(value, bool)) \
+            or (kind is float and not math.isfinite(value)):
+        raise ApiError(f"'{key}' must be {described}, got {_json_type(value)}", param=key)
+    return value
+
+
+def _check(ok: bool, key: str, must: str, value: Any) -> None:
+    if not ok:
+        raise ApiError(f"'{key}' {must}, got {value!r}", param=key)
+
+
+def _json_type(value: Any) -> str:
+    names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean",
+             int: "a number", float: "a number", type(None): "null"}
+    return names.get(type(value), type(value).__name__)
+
+
+# ---- image URLs -----------------------------------------------------------------------
+
+@dataclass
+class ImagePolicy:
+    """Which image URLs a request may use (server.image_dirs, server.remote_images)."""
+    image_dirs: list[str] = field(default_factory=list)
+    remote: bool = False
+    timeout_s: float = 10.0
+    max_bytes: int = 50 * 1024 * 1024
+
+
+def load_image_url(url: str, param: str, policy: ImagePolicy) -> bytes | str:
+    """The encoded image bytes (data:, http:, https:) or a local path (file:). Blocking I/O."""
+    scheme = url.split(":", 1)[0].lower() if ":" in url else ""
+    if scheme == "data":
+        return _data_url(url, param, policy.max_bytes)
+    if scheme == "file":
+        return _file_url(url, param, policy.image_dirs)
+    if scheme in ("http", "https"):
+        if not policy.remote:
+            raise ApiError("http(s) image URLs are disabled on this server (server.remote_images); "
+                           "send the image as a data: URL", param=param, code="url_scheme_not_allowed")
+        return fetch_image(url, param, policy.max_bytes, policy.timeout_s)
+    raise ApiError(f"unsupported image URL scheme {scheme or url[:20]!r}: use a data: URL "
+                   "(data:image/jpeg;base64,…)", param=param, code="url_scheme_not_allowed")
+
+
+def _data_url(url: str, param: str, max_bytes: int) -> bytes:
+    header, comma, payload = url[len("data:"):].partition(",")
+    media, *flags = header.split(";")
+    if not comma or "base64" not in flags:
+        raise ApiError("bad data URL: expected data:image/<type>;base64,<data>", param=param,
+                       code="invalid_image_url")
+    if media and not media.startswith("image/") and media != "application/octet-stream":
+        raise ApiError(f"bad data URL: media type {media!r} is not an image", param=param,
+                       code="invalid_image_url")
+    if len(payload) * 3 // 4 > max_bytes:  # refuse before decoding
+        raise ApiError(f"image is larger than {max_bytes} bytes (limits.max_image_bytes)", param=param)
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise ApiError("bad data URL: the image data is not valid base64", param=param,
+                       code="invalid_image_url") from None
+    if not data:
+        raise ApiError("bad data URL: the image is empty", param=param, code="invalid_image_url")
+    return data
+
+
+def _file_url(url: str, param: str, image_dirs: list[str]) -> str:
+    parsed = urllib.parse.urlparse(url)
+    if parsed.netloc not in ("", "localhost"):
+        raise ApiError(f"file URL names another host ({parsed.netloc})", param=param,
+                       code="invalid_image_url")
+    path = os.path.realpath(urllib.parse.unquote(parsed.path))  # '..' and symlinks resolved first
+    if not image_dirs:
+        raise ApiError("file:// image URLs are not enabled on this server (server.image_dirs)",
+                       status=403, kind="permission_error", param=param, code="path_not_allowed")
+    roots = [os.path.realpath(d) for d in image_dirs]
+    if not any(os.path.commonpath([path, root]) == root for root in roots):
+        raise ApiError(f"{path} is not under a folder this server may read (server.image_dirs)",
+                       status=403, kind="permission_error", param=param, code="path_not_allowed")
+    if not os.path.isfile(path):
+        raise ApiError(f"no such image file: {path}", param=param, code="invalid_image_url")
+    return path
+
+
+class _HttpOnlyRedirects(urllib.request.HTTPRedirectHandler):
+    """Follow redirects to http(s) only (urllib would also follow one to ftp:)."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        if urllib.parse.urlparse(newurl).scheme not in ("http", "https"):
+            raise urllib.error.HTTPError(newurl, code, "redirect to a non-http URL", headers, fp)
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+_opener = urllib.request.build_opener(_HttpOnlyRedirects)
+
+
+def fetch_image(url: str, param: str, max_bytes: int, timeout_s: float) -> bytes:
+    """GET an image over http(s), reading at most max_bytes + 1 bytes."""
+    request = urllib.request.Request(url, headers={"User-Agent": "edgemm"})
+    try:
+        with _opener.open(request, timeout=timeout_s) as response:
+            data = response.read(max_bytes + 1)
+    except urllib.error.HTTPError as e:
+        raise ApiError(f"image URL answered HTTP {e.code}", param=param, code="image_fetch_failed") from None
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        reason = getattr(e, "reason", None) or e
+        raise ApiError(f"could not fetch the image URL: {reason}", param=param,
+                       code="image_fetch_failed") from None
+    if len(data) > max_bytes:
+        raise ApiError(f"image is larger than {max_bytes} bytes (limits.max_image_bytes)", param=param)
+    return data
+
+
+# ---- answers --------------------------------------------------------------------------
+
+_NOT_EXTRAS = ("text", "tokens", "finish_reason", "prompt_tokens", "model")
+
+
+def extras(result) -> dict:
+    """edgemm's own figures for an answer (tier, precision, devices, timings_ms, …)."""
+    return {k: v for k, v in result.to_dict().items() if k not in _NOT_EXTRAS}
+
+
+def usage(result) -> dict:
+    completion_tokens = len(result.tokens)
+    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": result.prompt_tokens + completion_tokens}
+
+
+def finish_reason(result) -> str:
+    return "length" if result.finish_reason == "length" else "stop"
+
+
+def completion(result, request_id: str, model: str, created: int) -> dict:
+    return {"id": request_id, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text},
+                         "logprobs": None, "finish_reason": finish_reason(result)}],
+            "usage": usage(result), "edgemm": extras(result)}
+
+
+def chunk(request_id: str, model: str, created: int, delta: dict | None,
+          finish: str | None = None, **more: Any) -> dict:
+    """One `chat.completion.chunk`; delta None makes the usage-only chunk (no choices)."""
+    choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None,
+                                         "finish_reason": finish}]
+    return {"id": request_id, "object": "chat.completion.chunk", "created": created,
+            "model": model, "choices": choices, **more}

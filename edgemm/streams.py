@@ -1,0 +1,258 @@
+"""Camera streams run by the daemon: `streams:` in the config, or POST /v1/streams.
+
+Each stream is edgemm.stream.run_stream (its own small pipeline, latest frame wins
+for live sources) in a thread of its own. Its results go to whoever listens on
+/v1/streams/{id}/events, through a bounded buffer per listener: a listener that
+falls behind loses the oldest results (counted), never the daemon's memory.
+
+A source that fails (a camera unplugged, a network camera down) is retried with
+backoff (0.5 s doubling to 30 s) and its status says "retrying" with the error;
+one stream's trouble never reaches the API or the other streams.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+
+from edgemm.config import ConfigError, StreamConfig, config_from_dict
+from edgemm.errors import EdgemmError, InputError
+from edgemm.runtime import Runtime
+from edgemm.sources import Source, SourceError, open_source, parse_uri
+from edgemm.stream import StreamOptions, run_stream
+
+log = logging.getLogger("edgemm")
+
+EVENTS_BUFFER = 32  # results buffered per listener
+# Sources a client may start with POST /v1/streams; files and folders only from the config file,
+# so the API cannot be used to read the daemon's files.
+API_SOURCE_KINDS = ("csi", "v4l2", "rtsp", "synthetic")
+FIRST_RETRY_S, MAX_RETRY_S = 0.5, 30.0
+END = None  # the last item a listener gets: the stream is gone
+
+
+class StreamConflict(EdgemmError):
+    exit_code = 2
+    http_status = 409
+    kind = "invalid_request_error"
+
+
+class StreamForbidden(EdgemmError):
+    exit_code = 2
+    http_status = 403
+    kind = "permission_error"
+
+
+class StreamNotFound(EdgemmError):
+    exit_code = 2
+    http_status = 404
+    kind = "invalid_request_error"
+
+
+def stream_spec(data: object) -> StreamConfig:
+    """A POST /v1/streams body → StreamConfig, with the config file's checks (400 if wrong)."""
+    if not isinstance(data, dict):
+        raise InputError("a stream is a JSON object: {\"id\", \"source\", \"prompt\", …}")
+    try:
+        return config_from_dict({"streams": [data]}).streams[0]
+    except ConfigError as e:  # keep its one-line message, with the body's own key names
+        raise InputError(e.detail.replace("streams[0].", "")) from None
+
+
+@dataclass
+class StreamFigures:
+    state: str = "starting"  # starting | running | retrying | ended | stopped
+    frames: int = 0  # answered frames
+    errors: int = 0
+    dropped: int = 0  # live frames replaced by newer ones before processing (the current run)
+    retries: int = 0  # restarts after the source failed
+    last_error: str | None = None
+    last_result: dict | None = None
+    last_result_at: float | None = None  # time.time() of the last answer
+    started: float = field(default_factory=time.time)
+
+
+class ManagedStream:
+    def __init__(self, spec: StreamConfig, runtime: Runtime, loop: asyncio.AbstractEventLoop):
+        self.spec, self.runtime, self.loop = spec, runtime, loop
+        self.figures = StreamFigures()
+        self.listeners: set[asyncio.Queue] = set()  # touched only from the event loop
+        self.lagged = 0  # results a slow listener missed
+        self.finished = False  # END was delivered: the stream's thread is done
+        self._stop = threading.Event()  # the stream is to stop for good
+        self._run_stop = threading.Event()  # the current run is to stop (run_stream also sets it when done)
+        self._source: Source | None = None
+        self._lock = threading.Lock()  # figures: written by the stream thread, read by the API
+        self.thread = threading.Thread(target=self._run, name=f"edgemm-stream-{spec.id}", daemon=True)
+
+    # -- from the event loop --
+
+    def describe(self) -> dict:
+        with self._lock:
+            figures = asdict(self.figures)
+        source = self._source
+        return {"id": self.spec.id, "object": "stream", **asdict(self.spec), **figures,
+                # a live camera that stops delivering is first reopened by the source itself
+                "source_reconnects": source.stats.reconnects if source is not None else 0,
+                "listeners": len(self.listeners), "lagged": self.lagged}
+
+    def listen(self) -> asyncio.Queue:
+        queue: asyncio.Queue = asyncio.Queue(EVENTS_BUFFER + 1)  # + room for END
+        if self.finished:
+            queue.put_nowait(END)
+        self.listeners.add(queue)
+        return queue
+
+    def _deliver(self, record: dict | None) -> None:
+        self.finished = self.finished or record is END
+        for queue in self.listeners:
+            if record is not END and queue.qsize() >= EVENTS_BUFFER:
+                queue.get_nowait()  # the oldest result makes room
+                self.lagged += 1
+            queue.put_nowait(record)
+
+    # -- from any thread --
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        """Ask the stream to stop; frames in flight are still answered and delivered."""
+        self._stop.set()
+        self._run_stop.set()
+        if self._source is not None:
+            self._source.close()  # wakes a reader waiting on a camera or a backoff
+
+    # -- the stream's own thread --
+
+    def _run(self) -> None:
+        failures = 0
+        while not self._stop.is_set():
+            answered = self.figures.frames
+            error = self._run_once()
+            if self._stop.is_set():
+                break
+            if error is None:
+                self._set(state="ended")
+                break
+            failures = 1 if self.figures.frames > answered else failures + 1  # a run that worked resets it
+            delay = min(FIRST_RETRY_S * 2 ** min(failures - 1, 10), MAX_RETRY_S)
+            log.warning("stream %s: %s; retrying in %.1f s", self.spec.id, error, delay)
+            self._set(state="retrying", last_error=error, retries=self.figures.retries + 1)
+            self._stop.wait(delay)
+        if self._stop.is_set():
+            self._set(state="stopped")
+        self._post(END)
+
+    def _run_once(self) -> str | None:
+        """One run of the source; the error that ended it, or None if it simply ended."""
+        spec = self.spec
+        failure: list[str] = []
+        self._run_stop = run_stop = threading.Event()  # set before _stop is checked: stop() can't miss it
+        try:
+            self._source = open_source(spec.source, max_pixels=self.runtime.config.limits.max_pixels)
+            if self._stop.is_set():
+                return None
+            self._source.open()
+            self._set(state="running")
+            generation = {k: v for k, v in (("tier", spec.tier), ("max_new_tokens", spec.max_new_tokens))
+                          if v is not None}
+            options = StreamOptions(prompt=spec.prompt, every=spec.every, fps=spec.fps,
+                                    change_threshold=spec.change_threshold, generation=generation)
+            run_stream(self.runtime, self._source, options, lambda record: self._emit(record, failure), run_stop)
+        except Exception as e:  # a camera that won't open, a bad URI: the stream's problem only
+            return str(e) or type(e).__name__
+        if not self._source.live:
+            return None  # a file or a folder came to its end (a bad file in it is one error event)
+        return failure[-1] if failure else "the source stopped delivering frames"
+
+    def _emit(self, record: dict, failure: list[str]) -> None:
+        with self._lock:
+            if "error" in record:
+                self.figures.errors += 1
+                self.figures.last_error = record["error"]
+                if "frame" not in record:  # the source itself failed (not one frame)
+                    failure.append(record["error"])
+            else:
+                self.figures.frames += 1
+                self.figures.dropped = record.get("dropped", 0)
+                self.figures.last_result = record
+                self.figures.last_result_at = time.time()
+        self._post({"stream": self.spec.id, **record})
+
+    def _post(self, record: dict | None) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is gone: the daemon is exiting
+            self.loop.call_soon_threadsafe(self._deliver, record)
+
+    def _set(self, **changes) -> None:
+        with self._lock:
+            for key, value in changes.items():
+                setattr(self.figures, key, value)
+
+
+def check_configured(specs: list[StreamConfig], limit: int) -> None:
+    """The config's streams, checked as far as can be without opening them (a bad URI fails the start)."""
+    for i, spec in enumerate(specs):
+        try:
+            parse_uri(spec.source)
+        except SourceError as e:
+            raise InputError(f"config: streams[{i}].source ({spec.id}): {e}") from None
+    if len(specs) > limit:
+        raise InputError(f"config: {len(specs)} streams, above server.max_streams ({limit})")
+
+
+class StreamManager:
+    """The daemon's streams by id. Add and remove from the event loop."""
+
+    def __init__(self, runtime: Runtime, specs: list[StreamConfig], limit: int):
+        check_configured(specs, limit)
+        self.runtime, self.specs, self.limit = runtime, specs, limit
+        self.streams: dict[str, ManagedStream] = {}
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        for spec in self.specs:
+            self.add(spec)
+
+    def add(self, spec: StreamConfig, from_api: bool = False) -> ManagedStream:
+        assert self.loop is not None, "start() first"
+        if spec.id in self.streams:
+            raise StreamConflict(f"a stream named {spec.id!r} exists; DELETE it first")
+        if len(self.streams) >= self.limit:
+            raise StreamConflict(f"{self.limit} streams are running (server.max_streams)")
+        try:
+            kind = parse_uri(spec.source).kind
+        except SourceError as e:
+            raise InputError(str(e)) from None
+        if from_api and kind not in API_SOURCE_KINDS:
+            raise StreamForbidden(f"a {kind} source can only be configured in the config file's streams: "
+                                  f"the API starts {', '.join(API_SOURCE_KINDS)} sources")
+        stream = ManagedStream(spec, self.runtime, self.loop)
+        self.streams[spec.id] = stream
+        stream.start()
+        return stream
+
+    def get(self, stream_id: str) -> ManagedStream:
+        try:
+            return self.streams[stream_id]
+        except KeyError:
+            raise StreamNotFound(f"no stream named {stream_id!r}") from None
+
+    def remove(self, stream_id: str) -> ManagedStream:
+        stream = self.get(stream_id)
+        del self.streams[stream_id]
+        stream.stop()
+        return stream
+
+    def stop_all(self) -> None:
+        for stream in self.streams.values():
+            stream.stop()
+
+    def join(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for stream in list(self.streams.values()):
+            stream.thread.join(max(0.0, deadline - time.monotonic()))
