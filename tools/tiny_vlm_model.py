@@ -106,6 +106,9 @@ class Decoder(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.pos = nn.Embedding(cfg.max_positions, cfg.dim)
+        # as small as the token embeddings: nn.Embedding's default N(0, 1) would drown the
+        # words (std 0.02) in position noise and the decoder could not tell "circle" from "square"
+        nn.init.normal_(self.pos.weight, std=0.02)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
         self.ln_f = nn.LayerNorm(cfg.dim)
         self.embed = embed  # tied output head
@@ -165,31 +168,12 @@ class AuxHeads(nn.Module):
         self.digits = nn.ModuleList(nn.Linear(dim, digits) for _ in range(text_length))
 
     def loss(self, feats: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Cross-entropy on the cells that hold something (target 0 = nothing is ignored):
+        averaged over all cells, the few object cells gave too weak a signal to learn from."""
         heads = [self.colour, self.kind, *self.digits]
-        losses = [F.cross_entropy(h(feats).flatten(0, 1), targets[..., i].flatten())
-                  for i, h in enumerate(heads)]
-        return sum(losses) / len(losses)
-
-
-# ---- export wrappers: exactly the contract's tensor names ------------------------------
-
-class EmbedTokens(nn.Module):
-    def __init__(self, model: TinyVLM):
-        super().__init__()
-        self.embed = model.embed
-
-    def forward(self, input_ids):
-        return self.embed(input_ids)
-
-
-class MergedDecoder(nn.Module):
-    def __init__(self, model: TinyVLM):
-        super().__init__()
-        self.decoder = model.decoder
-
-    def forward(self, inputs_embeds, attention_mask, position_ids, *past):
-        logits, present = self.decoder(inputs_embeds, attention_mask, position_ids, list(past))
-        return (logits, *present)
+        losses = [F.cross_entropy(h(feats).flatten(0, 1), targets[..., i].flatten(), ignore_index=0)
+                  for i, h in enumerate(heads) if bool((targets[..., i] > 0).any())]
+        return sum(losses) / max(1, len(losses))
 
 
 def count_parameters(model: nn.Module) -> int:
