@@ -176,5 +176,26 @@ class AuxHeads(nn.Module):
         return sum(losses) / max(1, len(losses))
 
 
+# ---- export wrappers: exactly the contract's tensor names ------------------------------
+
+class EmbedTokens(nn.Module):
+    def __init__(self, model: TinyVLM):
+        super().__init__()
+        self.embed = model.embed
+
+    def forward(self, input_ids):
+        return self.embed(input_ids)
+
+
+class MergedDecoder(nn.Module):
+    def __init__(self, model: TinyVLM):
+        super().__init__()
+        self.decoder = model.decoder
+
+    def forward(self, inputs_embeds, attention_mask, position_ids, *past):
+        logits, present = self.decoder(inputs_embeds, attention_mask, position_ids, list(past))
+        return (logits, *present)
+
+
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
