@@ -121,7 +121,6 @@ def test_bad_input_exits_2_with_one_line(case, tmp_path, sample):
 
 # ---- the installed console script, end to end (needs the trained model) -----------------------
 
-@pytest.mark.xfail(reason="issue 2: the shipped tiny-vlm is below its accuracy targets (models/tiny-vlm/README.md); this test passes once a model that meets them is trained", strict=False)
 def test_console_script_answers_the_count(model_dir, ground_truth):
     script = Path(sys.executable).parent / "edgemm"
     assert script.is_file(), f"console script not installed next to {sys.executable}"
