@@ -25,6 +25,7 @@ a tier pinned by the caller bypasses the policy altogether.
 """
 from __future__ import annotations
 
+import math
 import re
 import time
 from dataclasses import asdict, dataclass
@@ -169,20 +170,31 @@ class TierPolicy:
             if name is not None and name not in tiers:
                 raise ValueError(f"floor tier {name!r} is not one of {', '.join(tiers)}")
 
+    @property
+    def uses_statistics(self) -> bool:
+        """False when every threshold is infinite: only the floors decide, so skip the analysis."""
+        return any(math.isfinite(t) for t in self.thresholds)
+
     def is_detail_prompt(self, prompt: str) -> str | None:
         """The first detail word the prompt contains, if any."""
         words = prompt_words(prompt)
         return next((w for w in self.detail_words if w in words), None)
 
-    def choose(self, stats: SaliencyStats, prompt: str, tiers: list[str]) -> tuple[str, str]:
-        """(tier, reason) for a frame with `stats` asked `prompt`; tiers cheapest first."""
-        value = getattr(stats, self.statistic)
-        reached = sum(value >= t for t in self.thresholds)  # thresholds rise, so this is a level
-        measured = f"{self.statistic} {value:.4g}"  # ASCII: reasons end up in logs and JSON
-        if reached:
-            measured += f" >= {self.thresholds[reached - 1]:.4g}"
-        elif self.thresholds:
-            measured += f" < {self.thresholds[0]:.4g}"
+    def choose(self, stats: SaliencyStats | None, prompt: str, tiers: list[str]) -> tuple[str, str]:
+        """(tier, reason) for a frame with `stats` asked `prompt`; tiers cheapest first.
+
+        `stats` may be None when the policy doesn't use statistics (see uses_statistics).
+        """
+        if stats is None or not self.uses_statistics:
+            reached, measured = 0, "no threshold to reach"
+        else:
+            value = getattr(stats, self.statistic)
+            reached = sum(value >= t for t in self.thresholds)  # thresholds rise, so this is a level
+            measured = f"{self.statistic} {value:.4g}"  # ASCII: reasons end up in logs and JSON
+            if reached:
+                measured += f" >= {self.thresholds[reached - 1]:.4g}"
+            elif self.thresholds:
+                measured += f" < {self.thresholds[0]:.4g}"
         word = self.is_detail_prompt(prompt)
         floor_name = (self.detail_floor or tiers[-1]) if word else (self.floor or tiers[0])
         floor = tiers.index(floor_name)
@@ -248,6 +260,6 @@ class Scheduler:
             return Decision(pinned, "pinned")
         if self.policy is None:
             return Decision(self.default_tier, "policy top: the model's default tier")
-        stats = saliency_stats(rgb)
+        stats = saliency_stats(rgb) if self.policy.uses_statistics else None
         tier, reason = self.policy.choose(stats, prompt, self.tiers)
         return Decision(tier, reason, stats)

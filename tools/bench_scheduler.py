@@ -84,7 +84,8 @@ def bench_policies(rt: Runtime, model: Path, n: int) -> tuple[dict, Table]:
     saliency_ms = float(np.mean([s.ms for s in table.stats]))
     for name, r in results.items():
         r["encoder_saving_vs_top"] = round(1 - r["encoder_ms_mean"] / top, 4)
-        if isinstance(policies_used[name], TierPolicy):  # these pay for the statistics too
+        policy = policies_used[name]
+        if isinstance(policy, TierPolicy) and policy.uses_statistics:  # these pay for the statistics too
             r["saving_net_of_saliency"] = round(1 - (r["encoder_ms_mean"] + saliency_ms) / top, 4)
     meta = {"scenes": n, "requests": len(table.prompts), "seeds": f"{EVAL_SEED_BASE}..{EVAL_SEED_BASE + n - 1}",
             "saliency_ms_mean_per_scene_256px": round(saliency_ms, 3),
