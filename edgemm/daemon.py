@@ -197,7 +197,8 @@ class Daemon:
         self._server = _UvicornServer(uvicorn.Config(
             create_app(self.service), lifespan="off", log_config=None, log_level="warning",
             access_log=False, http="h11", server_header=False, timeout_keep_alive=5,
-            limit_concurrency=cfg.max_connections, timeout_graceful_shutdown=cfg.grace_period_s))
+            limit_concurrency=cfg.max_connections + 1,  # uvicorn refuses at >= its limit: let max_connections in
+            timeout_graceful_shutdown=cfg.grace_period_s))
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._loop.add_signal_handler(sig, self._on_signal, signal.Signals(sig).name)
