@@ -40,6 +40,7 @@ from edgemm.config import load_config  # noqa: E402
 from edgemm.generate import GenerationOptions, Generator  # noqa: E402
 from edgemm.runtime import Runtime  # noqa: E402
 from edgemm.scenes import make_scene  # noqa: E402
+from procstat import rss_mb  # noqa: E402
 
 BENCH_SEED_BASE = 300_000
 SOURCE_FPS = 240  # freshness: a live source well above what the model answers
@@ -129,14 +130,6 @@ def _scene_folder(n: int) -> Path:
     return folder
 
 
-def _rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
-
-
 def bench_throughput(rt: Runtime, frames: int, prompt: str, repeats: int = 3) -> dict:
     """Same folder, same model: a sequential loop vs the pipeline, interleaved `repeats` times."""
     from edgemm.sources import open_source
@@ -189,10 +182,10 @@ def bench_soak(rt: Runtime, frames: int, prompt: str = "how many shapes are ther
     low = list(rt.manifest.tiers)[0]
     warm = StreamOptions(prompt=prompt, max_frames=200, generation={"tier": low})
     run_stream(rt, open_source("synthetic://?count=200"), warm, lambda r: None)
-    before = _rss_mb()
+    before = rss_mb()
     opts = StreamOptions(prompt=prompt, max_frames=frames, generation={"tier": low})
     summary = run_stream(rt, open_source(f"synthetic://?count={frames}&seed=7"), opts, lambda r: None)
-    after = _rss_mb()
+    after = rss_mb()
     return {"frames": summary.frames, "tier": low, "rss_mb_before": round(before, 1),
             "rss_mb_after": round(after, 1), "rss_growth_mb": round(after - before, 1),
             "seconds": round(summary.seconds, 1)}

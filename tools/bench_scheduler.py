@@ -34,6 +34,7 @@ from edgemm.generate import GenerationOptions  # noqa: E402
 from edgemm.runtime import Runtime  # noqa: E402
 from edgemm.scenes import TASKS, make_scene, normalise_answer  # noqa: E402
 from edgemm.scheduler import POLICY_FILE, TierPolicy, saliency_stats  # noqa: E402
+from procstat import rss_mb  # noqa: E402
 
 EVAL_SEED_BASE = 450_000  # < 500 000 (calibration) and < 1 000 000 (training)
 
@@ -134,26 +135,18 @@ def bench_cache_repeat(args, n: int) -> dict:
             "hits": stats.hits, "misses": stats.misses}
 
 
-def _rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
-
-
 def bench_cache_bound(args, n: int) -> dict:
     """`n` distinct images through Runtime.encode at the top tier: bytes never above the bound."""
     rt = _runtime(args)
     top = rt.manifest.tiers[list(rt.manifest.tiers)[-1]]
-    rss_before, peak = _rss_mb(), 0
+    rss_before, peak = rss_mb(), 0
     for i in tqdm(range(n), desc="cache bound", unit="image", file=sys.stderr):
         rt.encode(rt.pixels(make_scene(EVAL_SEED_BASE + i).image, top))
         peak = max(peak, rt.cache.stats().bytes)
     stats = rt.cache.stats()
     return {"images": n, "max_bytes": stats.max_bytes, "peak_bytes": peak, "entries": stats.entries,
             "evictions": stats.evictions, "bound_respected": peak <= stats.max_bytes,
-            "rss_growth_mb": round(_rss_mb() - rss_before, 1)}
+            "rss_growth_mb": round(rss_mb() - rss_before, 1)}
 
 
 # ---- gated beams ---------------------------------------------------------------------------------------

@@ -66,6 +66,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from edgemm.scenes import make_scene  # noqa: E402
+from procstat import rss_mb  # noqa: E402
 
 PROMPT = "how many shapes are there ?"
 SEED_BASE = 600_000  # scenes of this benchmark (other benchmarks use 300 000, 450 000)
@@ -150,11 +151,7 @@ class ServeProcess:
         raise SystemExit(f"daemon {self.name} not ready within {timeout} s:\n{self.log_tail()}")
 
     def rss_mb(self) -> float:
-        with open(f"/proc/{self.proc.pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return round(int(line.split()[1]) / 1024, 1)
-        raise RuntimeError(f"no VmRSS for pid {self.proc.pid}")
+        return round(rss_mb(self.proc.pid), 1)
 
     def metrics(self) -> str:
         with client(self.sock, timeout=10) as http:
