@@ -1,6 +1,6 @@
 """Visual-feature cache: a second question about the same image skips the encoder.
 
-An LRU of encoder outputs, bounded in bytes. The key is a BLAKE2b digest of the
+An LRU of encoder outputs, bounded in bytes. The key is a 128-bit XXH3 digest of the
 pixel values the encoder would see (so the same picture arriving as a path, as
 bytes or as an array hits the same entry), plus the tier, model and precision
 the features were computed with. One lock guards the table; hashing happens
@@ -8,14 +8,19 @@ outside it, so concurrent callers only serialise on dictionary updates.
 """
 from __future__ import annotations
 
-import hashlib
+import secrets
 import threading
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
 
 import numpy as np
+import xxhash
 
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024
+# XXH3 hashes the 786 KB of a top-tier image in 0.02 ms where BLAKE2b takes 1.1 ms. It is
+# not a cryptographic hash, so a secret per-process seed keeps a client from crafting an
+# image whose key collides with another client's (keys never leave the process).
+_KEY_SEED = secrets.randbits(64)
 
 
 @dataclass
@@ -33,7 +38,7 @@ class CacheStats:
 
 def feature_key(pixel_values: np.ndarray, tier: str, model: str, precision: str) -> bytes:
     """Digest of one image's pixel values ([3,H,W] or [1,3,H,W]) and what encodes them."""
-    h = hashlib.blake2b(digest_size=20)
+    h = xxhash.xxh3_128(seed=_KEY_SEED)
     h.update(f"{model}\0{precision}\0{tier}\0{pixel_values.dtype.str}\0{pixel_values.shape[-3:]}\0".encode())
     h.update(np.ascontiguousarray(pixel_values).data)
     return h.digest()
