@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -48,6 +49,21 @@ class GenerationOptions:
             raise InputError(f"beam_gate must be in [0, 1], got {self.beam_gate}")
         if self.num_beams > 1 and self.temperature > 0:
             raise InputError("beam search is deterministic: use num_beams > 1 with temperature 0")
+
+
+class ArrayStore(Protocol):
+    def get(self, key: bytes) -> np.ndarray | None: ...
+    def put(self, key: bytes, value: np.ndarray) -> None: ...
+
+
+@dataclass
+class PrefixReuse:
+    """Where to find and keep the decoder's KV cache for the question-independent start
+    of a prompt: everything up to the end of the image block. The decoder is causal, so
+    those positions never see the question; a second question about the same image then
+    skips their prefill as well as the encoder."""
+    store: ArrayStore  # the feature cache: one byte-bounded LRU for features and prefixes
+    image_key: bytes  # the image's feature-cache key (pixels, tier, model, precision)
 
 
 @dataclass
@@ -101,6 +117,7 @@ class Generator:
         # integer inputs in whatever width the graph declares (int64 by convention, int32 seen too)
         self.mask_dtype = decoder.inputs["attention_mask"].dtype
         self.position_dtype = decoder.inputs["position_ids"].dtype
+        self.past_names = [f"past_key_values.{i}.{kind}" for i in range(self.layers) for kind in ("key", "value")]
 
     def encode(self, pixel_values: np.ndarray) -> np.ndarray:
         return self.encoder.run({"pixel_values": pixel_values})["image_features"]
@@ -137,8 +154,29 @@ class Generator:
                    for i in range(self.layers) for kind in ("key", "value")}
         return out["logits"][:, -1], present
 
+    def prefill(self, features: np.ndarray, input_ids: np.ndarray, image_start: int, mask: np.ndarray,
+                reuse: PrefixReuse | None) -> tuple[np.ndarray, dict, np.ndarray | None, bool]:
+        """Run the prompt through the decoder: logits, cache, the prompt's embeddings
+        (None when a stored prefix was reused) and whether it was."""
+        split = image_start + features.shape[1]  # the prefix ends with the image block
+        key = None
+        if reuse is not None and split < input_ids.shape[1]:
+            key = reuse.image_key + b"\0prefix\0" + input_ids[0, :split].astype(np.int64).tobytes()
+            stored = reuse.store.get(key)
+            if stored is not None:
+                past = dict(zip(self.past_names, stored))
+                rest = self.embed.run({"input_ids": input_ids[:, split:]})["inputs_embeds"]
+                logits, past = self.step(rest.astype(self.embed_dtype, copy=False), mask, past)
+                return logits, past, None, True
+        embeds = self.embed_prompt(input_ids, features, image_start)
+        logits, past = self.step(embeds, mask, self.empty_past(1))
+        if key is not None:  # one array [2 x layers, 1, heads, split, head_dim], a copy
+            reuse.store.put(key, np.stack([past[name][:, :, :split] for name in self.past_names]))
+        return logits, past, embeds, False
+
     def generate(self, features: np.ndarray, input_ids: np.ndarray, image_start: int,
-                 options: GenerationOptions, on_token: Callable[[int], None] | None = None) -> Generation:
+                 options: GenerationOptions, on_token: Callable[[int], None] | None = None,
+                 reuse: PrefixReuse | None = None) -> Generation:
         prompt_len = input_ids.shape[1]
         if prompt_len >= self.max_context:
             raise InputError(f"prompt is {prompt_len} tokens (image included); the model's "
@@ -149,10 +187,11 @@ class Generator:
             return beam_search(self, features, input_ids, image_start, budget, options, on_token)
         rng = np.random.default_rng(options.seed)
         t0 = time.perf_counter()
-        embeds = self.embed_prompt(input_ids, features, image_start)
         # one mask for the whole answer; step n sees its first prompt_len + n columns
         full_mask = np.ones((1, prompt_len + budget), np.int64)
-        logits, past = self.step(embeds, full_mask[:, :prompt_len], self.empty_past(1))
+        logits, past, embeds, reused = self.prefill(features, input_ids, image_start,
+                                                    full_mask[:, :prompt_len],
+                                                    reuse if options.use_cache else None)
         t_prefill = time.perf_counter()
 
         tokens: list[int] = []
@@ -175,11 +214,11 @@ class Generator:
                 # no padding in a single request, so the next position is simply length - 1
                 position = np.array([[length - 1]], np.int64)
                 logits, past = self.step(new.astype(self.embed_dtype, copy=False), mask, past, position)
-            else:
+            else:  # use_cache=False never reuses a prefix, so embeds holds the whole prompt
                 embeds = np.concatenate([embeds, new.astype(self.embed_dtype, copy=False)], axis=1)
                 logits, _ = self.step(embeds, mask, self.empty_past(1))
             steps += 1
         t_end = time.perf_counter()
         return Generation(tokens, finish, {"prefill": (t_prefill - t0) * 1e3,
                                            "decode": (t_end - t_prefill) * 1e3},
-                          {"decoder_rows": steps})
+                          {"decoder_rows": steps, "prefix_reused": reused})

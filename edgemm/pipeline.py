@@ -169,7 +169,7 @@ class Pipeline:
             started = time.perf_counter()
             try:
                 pixels = np.concatenate([r.prepared.pixel_values for r in batch])
-                features = self.runtime.encode(pixels)
+                features = self.runtime.encode(pixels, [r.prepared.cache_key for r in batch])
                 for i, r in enumerate(batch):
                     r.features = features[i:i + 1]
             except Exception as e:

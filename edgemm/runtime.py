@@ -22,7 +22,7 @@ from edgemm.backends.onnxruntime import OnnxRuntimeBackend
 from edgemm.cache import FeatureCache, feature_key
 from edgemm.config import Config, ConfigError, load_config
 from edgemm.errors import BackendError, InputError
-from edgemm.generate import GenerationOptions, Generator
+from edgemm.generate import GenerationOptions, Generator, PrefixReuse
 from edgemm.model.contract import check_component
 from edgemm.model.family import Prompt, adapter_for
 from edgemm.model.image import load_image
@@ -53,6 +53,7 @@ class InferenceResult:
     timings_ms: dict[str, float] = field(default_factory=dict)
     model: str = ""
     schedule: dict = field(default_factory=dict)  # why this tier: {tier, reason, stats}
+    prefix_reused: bool = False  # the prompt's image prefix came from the cache (no prefill for it)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -69,6 +70,7 @@ class PreparedRequest:
     options: GenerationOptions
     timings_ms: dict[str, float] = field(default_factory=dict)
     decision: Decision | None = None
+    cache_key: bytes | None = None  # feature-cache key of the pixels (None with the cache off)
 
 
 class Runtime:
@@ -195,20 +197,27 @@ class Runtime:
         chosen = self.manifest.tiers[decision.tier]
         pixel_values = self.pixels(rgb, chosen)
         prompt_ids = self.adapter.build_prompt(prompt, chosen)
+        # keyed here, on the caller's (or the pipeline's prepare) thread, not the encoder's
+        key = self.feature_key(pixel_values[0], chosen.name) if self.cache is not None else None
         timings = {"preprocess": (time.perf_counter() - t0) * 1e3}
         if decision.stats is not None:
             timings["schedule"] = decision.stats.ms
-        return PreparedRequest(pixel_values, chosen, prompt_ids, options, timings, decision)
+        return PreparedRequest(pixel_values, chosen, prompt_ids, options, timings, decision, key)
 
-    def encode(self, pixel_values: np.ndarray) -> np.ndarray:
+    def feature_key(self, pixel_values: np.ndarray, tier: str) -> bytes:
+        return feature_key(pixel_values, tier, self.manifest.name, self.precision)
+
+    def encode(self, pixel_values: np.ndarray, keys: list[bytes | None] | None = None) -> np.ndarray:
         """Stage 2: image features for a batch of same-tier images [B,3,H,W] → [B,N,D].
 
         With the feature cache on, only the images it doesn't hold reach the encoder.
+        `keys` are the images' cache keys when already computed (PreparedRequest.cache_key).
         """
         if self.cache is None:
             return self.generator.encode(pixel_values)
-        tier = self._tier_by_shape.get(tuple(pixel_values.shape[2:]), "")  # the shape is in the key too
-        keys = [feature_key(image, tier, self.manifest.name, self.precision) for image in pixel_values]
+        if keys is None or any(k is None for k in keys):
+            tier = self._tier_by_shape.get(tuple(pixel_values.shape[2:]), "")  # the shape is in the key too
+            keys = [self.feature_key(image, tier) for image in pixel_values]
         found = [self.cache.get(key) for key in keys]
         missing = [i for i, features in enumerate(found) if features is None]
         if missing:
@@ -228,8 +237,11 @@ class Runtime:
                 so_far.append(token)
                 on_token(token, self.adapter.decode(so_far))
         prompt = request.prompt
+        reuse = None
+        if self.cache is not None and request.cache_key is not None:
+            reuse = PrefixReuse(self.cache, request.cache_key)
         generation = self.generator.generate(features, prompt.input_ids, prompt.image_start,
-                                             request.options, callback)
+                                             request.options, callback, reuse)
         return InferenceResult(
             text=self.adapter.decode(generation.tokens), tokens=generation.tokens,
             finish_reason=generation.finish_reason, prompt_tokens=int(prompt.input_ids.shape[1]),
@@ -237,7 +249,8 @@ class Runtime:
             devices={"encode": self.components.vision_encoder.device,
                      "decode": self.components.decoder.device},
             timings_ms={**request.timings_ms, **generation.timings_ms}, model=self.manifest.name,
-            schedule=request.decision.to_dict() if request.decision else {})
+            schedule=request.decision.to_dict() if request.decision else {},
+            prefix_reused=bool(generation.stats.get("prefix_reused")))
 
     def infer(self, image, prompt: str, *, tier: str | None = None, max_new_tokens: int | None = None,
               temperature: float | None = None, top_p: float | None = None, seed: int | None = None,
@@ -249,7 +262,7 @@ class Runtime:
                                temperature=temperature, top_p=top_p, seed=seed,
                                num_beams=num_beams, beam_gate=beam_gate)
         t1 = time.perf_counter()
-        features = self.encode(request.pixel_values)
+        features = self.encode(request.pixel_values, [request.cache_key])
         request.timings_ms["encode"] = (time.perf_counter() - t1) * 1e3
         result = self.decode(request, features, on_token)
         result.timings_ms["total"] = (time.perf_counter() - t0) * 1e3

@@ -127,7 +127,9 @@ def test_second_question_about_an_image_skips_the_encoder(make_runtime):
     again = rt.infer(image, "how many shapes are there ?")
     assert rt.components.vision_encoder.stats.calls == calls + 1
     assert again.tokens == first.tokens
-    assert rt.cache.stats().hits == 2 and rt.cache.stats().misses == 1
+    # features: miss, hit, hit; the image prefix's KV: miss (stored), hit, hit
+    assert rt.cache.stats().hits == 4 and rt.cache.stats().misses == 2
+    assert not first.prefix_reused and second.prefix_reused and again.prefix_reused
     other_tier = rt.infer(image, "how many shapes are there ?", tier="low")
     assert rt.components.vision_encoder.stats.calls == calls + 2 and other_tier.tier == "low"
     assert second.text  # answered from cached features
@@ -151,3 +153,25 @@ def test_cache_budget_from_the_config(make_runtime):
     stats = rt.cache.stats()
     fits = 100_000 // (stats.bytes // stats.entries)
     assert stats.entries == fits and stats.evictions == 5 - fits and stats.bytes <= 100_000
+
+
+def test_reused_prefix_gives_the_same_tokens_as_a_full_prefill(make_runtime):
+    """The stored KV of `<bos> <image>*N` must continue exactly like a fresh prefill."""
+    cached, plain = make_runtime(), make_runtime(cache={"max_bytes": 0})
+    prompts = ["describe the image", "how many shapes are there ?", "what does the text say ?",
+               "what color is the circle ?"]
+    for seed in (401_200, 401_201):
+        image = make_scene(seed).image
+        for prompt in prompts:
+            got = cached.infer(image, prompt, max_new_tokens=24)
+            want = plain.infer(image, prompt, max_new_tokens=24)
+            assert got.tokens == want.tokens, (seed, prompt)
+            assert got.prefix_reused == (prompt != prompts[0])
+
+
+def test_prefix_is_not_shared_across_tiers_or_sampling_without_cache(make_runtime):
+    rt = make_runtime()
+    image = make_scene(401_300).image
+    rt.infer(image, "describe the image", tier="high")
+    assert not rt.infer(image, "how many shapes ?", tier="low").prefix_reused
+    assert rt.infer(image, "how many shapes ?", tier="high").prefix_reused
