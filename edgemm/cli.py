@@ -225,5 +225,49 @@ def serve(config_path, socket_path, precision, model_dir, threads) -> None:
     run_daemon(cfg, socket_path)
 
 
+@main.group()
+def engines() -> None:
+    """TensorRT engines: build them on the Jetson that runs them."""
+
+
+def _tier_list(_ctx, _param, value):
+    return [t.strip() for t in value.split(",") if t.strip()] if value else None
+
+
+@engines.command("build")
+@click.argument("model_dir", type=click.Path(file_okay=False))
+@click.option("--out", type=click.Path(file_okay=False),
+              help="Engine folder (default: engines/<model name> in edgemm's source tree, where model.engines: null looks).")
+@click.option("--device", type=click.Choice(["gpu", "dla0", "dla1"]), default="gpu", show_default=True)
+@click.option("--precision", type=click.Choice(["int8", "fp16"]), default="int8", show_default=True)
+@click.option("--tiers", callback=_tier_list, help="Comma-separated tiers (default: all of the model's).")
+@click.option("--components", callback=_tier_list,
+              help="Comma-separated: vision_encoder, embed_tokens, decoder (default: all on gpu, the encoder on a DLA).")
+@click.option("--timing-cache", type=click.Path(dir_okay=False), help="Read and update this TensorRT timing cache.")
+@click.option("--max-batch", type=click.IntRange(1, 64), default=4, show_default=True,
+              help="Most images per encoder call on the GPU (server.max_batch).")
+@click.option("--max-beams", type=click.IntRange(1, 16), default=16, show_default=True,
+              help="Most decoder rows (generation.num_beams).")
+@reports_errors
+def engines_build(model_dir, out, device, precision, tiers, components, timing_cache, max_batch, max_beams) -> None:
+    """Build TensorRT engines for the model in MODEL_DIR and write manifest.yaml next to them.
+
+    Same as tools/build_engines.py. DLA plans (AGX Orin, Orin NX) are one per tier.
+    """
+    from pathlib import Path
+
+    from edgemm.engines.build import BuildRequest, build_engines
+    from edgemm.model.manifest import load_manifest
+    from edgemm.runtime import default_engines_dir
+    model = load_manifest(model_dir)
+    request = BuildRequest(model_dir=Path(model_dir), out=Path(out) if out else default_engines_dir(model.name),
+                           device=device, precision=precision, tiers=tiers, components=components,
+                           timing_cache=Path(timing_cache) if timing_cache else None,
+                           max_batch=max_batch, max_beams=max_beams)
+    built = build_engines(request, model)
+    total = sum(e.build_seconds for e in built)
+    click.echo(f"{len(built)} engine(s) in {request.out} ({total:.1f} s); manifest: {request.out / 'manifest.yaml'}")
+
+
 if __name__ == "__main__":
     main()

@@ -36,7 +36,7 @@ from edgemm.scheduler import DETAIL_WORDS, STATISTICS
 
 __all__ = [
     "ConfigError", "ModelConfig", "BackendConfig", "LimitsConfig", "GenerationConfig",
-    "SchedulerConfig", "CacheConfig",
+    "SchedulerConfig", "CacheConfig", "PlacementConfig",
     "ServerConfig", "StreamConfig", "Config", "load_config", "config_from_dict", "config_to_dict",
 ]
 
@@ -44,6 +44,7 @@ PRECISIONS = ("fp32", "int8", "fp16")
 BACKENDS = ("onnxruntime", "tensorrt")
 PROVIDERS = ("cpu", "cuda", "tensorrt")
 SCHEDULER_POLICIES = ("top", "thresholds", "calibrated")
+PLACEMENT_DEVICES = ("gpu", "dla0", "dla1", "cpu")
 
 
 class ConfigError(EdgemmError, ValueError):
@@ -81,11 +82,14 @@ def _choice(value: Any, choices: tuple[str, ...], path: str) -> None:
 @dataclass
 class ModelConfig:
     path: str | None = None  # model folder; null = the built-in models/tiny-vlm shipped with edgemm
-    precision: str = "fp32"  # fp32 | int8 | fp16 (int8/fp16 load the *_int8.onnx / *_fp16.onnx variants)
+    precision: str = "fp32"  # fp32 | int8 | fp16 (int8/fp16 load the *_int8.onnx / *_fp16.onnx variants, or int8/fp16 TensorRT engines)
+    engines: str | None = None  # TensorRT engine folder (with manifest.yaml); null = engines/<model name> in edgemm's source tree
 
     def validate(self, path: str) -> None:
         if self.path is not None:
             _require(self.path.strip() != "", f"{path}.path", "be a folder or null", self.path)
+        if self.engines is not None:
+            _require(self.engines.strip() != "", f"{path}.engines", "be a folder or null", self.engines)
         _choice(self.precision, PRECISIONS, f"{path}.precision")
 
 
@@ -163,6 +167,27 @@ class CacheConfig:
 
     def validate(self, path: str) -> None:
         _require(self.max_bytes >= 0, f"{path}.max_bytes", "be >= 0", self.max_bytes)
+
+
+@dataclass
+class PlacementConfig:
+    """Where each component runs: devices tried in order, the first that loads wins.
+
+    gpu / dla0 / dla1 load a TensorRT engine listed in the engine manifest (model.engines);
+    cpu loads the ONNX graph with onnxruntime (backend.providers). Why an earlier device
+    failed is logged and reported with the placement.
+    """
+    vision_encoder: list[str] = field(default_factory=lambda: ["cpu"])  # e.g. [dla0, gpu, cpu]
+    embed_tokens: list[str] = field(default_factory=lambda: ["cpu"])  # a table lookup: cpu is fine
+    decoder: list[str] = field(default_factory=lambda: ["cpu"])  # e.g. [gpu, cpu] (no DLA: dynamic shapes)
+
+    def validate(self, path: str) -> None:
+        for name in ("vision_encoder", "embed_tokens", "decoder"):
+            devices = getattr(self, name)
+            _require(len(devices) > 0, f"{path}.{name}", "list at least one device", devices)
+            for i, device in enumerate(devices):
+                _choice(device, PLACEMENT_DEVICES, f"{path}.{name}[{i}]")
+                _require(device not in devices[:i], f"{path}.{name}[{i}]", "not repeat an earlier device", device)
 
 
 @dataclass
@@ -251,6 +276,7 @@ class Config:
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     streams: list[StreamConfig] = field(default_factory=list)
 
@@ -393,5 +419,7 @@ def load_config(source: str | os.PathLike | Mapping[str, Any] | None = None) -> 
     here = Path(file).resolve().parent
     if cfg.model.path is not None and not Path(cfg.model.path).is_absolute():
         cfg.model.path = str(here / cfg.model.path)
+    if cfg.model.engines is not None and not Path(cfg.model.engines).is_absolute():
+        cfg.model.engines = str(here / cfg.model.engines)
     cfg.server.image_dirs = [str(here / d) for d in cfg.server.image_dirs]  # absolute ones stay as they are
     return cfg

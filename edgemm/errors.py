@@ -31,3 +31,12 @@ class BackendError(EdgemmError):
     exit_code = 1
     http_status = 500
     kind = "backend_error"
+
+
+class EngineError(ModelError):
+    """A TensorRT engine is missing, stale or was built for another TensorRT or device.
+
+    The message ends with the command that rebuilds it. Exit code 2 like a broken model folder:
+    the user fixes it by rebuilding, not by filing a bug.
+    """
+    kind = "engine_error"

@@ -28,16 +28,23 @@ from edgemm.model.family import Prompt, adapter_for
 from edgemm.model.image import load_image
 from edgemm.model.manifest import COMPONENTS, ModelManifest, ResolutionTier, load_manifest
 from edgemm.model.preprocess import to_pixel_values
+from edgemm.placement import Placement, place
 from edgemm.scheduler import POLICY_FILE, Decision, Scheduler, TierPolicy
 
 log = logging.getLogger("edgemm")
 
-BUILTIN_MODEL = Path(__file__).resolve().parent.parent / "models" / "tiny-vlm"
+SOURCE_TREE = Path(__file__).resolve().parent.parent
+BUILTIN_MODEL = SOURCE_TREE / "models" / "tiny-vlm"
 
 
 def default_model_dir() -> Path:
     """$EDGEMM_MODEL, else the built-in tiny VLM next to the package."""
     return Path(os.environ.get("EDGEMM_MODEL", BUILTIN_MODEL))
+
+
+def default_engines_dir(model_name: str) -> Path:
+    """engines/<model name> in edgemm's source tree, where `edgemm engines build` writes by default."""
+    return SOURCE_TREE / "engines" / model_name
 
 
 @dataclass
@@ -98,21 +105,51 @@ class Runtime:
         return cls(source if isinstance(source, Config) else load_config(source))
 
     def _load_components(self) -> LoadedComponents:
-        cfg = self.config.backend
-        if cfg.name != "onnxruntime":
-            raise BackendError(f"backend {cfg.name!r} is not available in this build "
-                               "(TensorRT engines need the device extra: pip install 'edgemm[tensorrt]')")
-        backend = OnnxRuntimeBackend(cfg.providers, cfg.intra_op_threads)
-        if backend.missing:
-            log.warning("onnxruntime here lacks %s; running on %s", ", ".join(backend.missing),
-                        ", ".join(backend.providers))
+        """Each component on the first device of its placement list that loads it."""
+        if self.config.backend.name != "onnxruntime":
+            raise BackendError(f"backend {self.config.backend.name!r} is not available in this build "
+                               "(TensorRT engines are chosen per component with placement: gpu | dla0 | dla1)")
+        self._ort: OnnxRuntimeBackend | None = None
+        self._trt = None  # TensorRTBackend, made on the first gpu/dla placement
+        self.placements: dict[str, Placement] = {}
         loaded: dict[str, Component] = {}
         for kind in COMPONENTS:
-            path = self.manifest.graph_path(kind, self.precision)
-            loaded[kind] = backend.load(kind, path, self.precision)
-            check_component(kind, loaded[kind], str(path))
+            loaded[kind], self.placements[kind] = place(kind, getattr(self.config.placement, kind),
+                                                        self._load_on)
+        missing = self._ort.missing if self._ort is not None else []
         return LoadedComponents(loaded["vision_encoder"], loaded["embed_tokens"], loaded["decoder"],
-                                extra={"missing_providers": backend.missing})
+                                extra={"missing_providers": missing,
+                                       "placement": {k: p.to_dict() for k, p in self.placements.items()}})
+
+    def _load_on(self, kind: str, device: str) -> Component:
+        """One component on one device: onnxruntime for cpu, a TensorRT engine otherwise."""
+        if device == "cpu":
+            path = self.manifest.graph_path(kind, self.precision)
+            component = self._onnxruntime().load(kind, path, self.precision)
+        else:
+            path = self.engines_dir
+            component = self._tensorrt().load_component(kind, device, self.precision)
+        check_component(kind, component, str(path))
+        return component
+
+    @property
+    def engines_dir(self) -> Path:
+        return Path(self.config.model.engines) if self.config.model.engines else default_engines_dir(self.manifest.name)
+
+    def _onnxruntime(self) -> OnnxRuntimeBackend:
+        if self._ort is None:
+            cfg = self.config.backend
+            self._ort = OnnxRuntimeBackend(cfg.providers, cfg.intra_op_threads)
+            if self._ort.missing:
+                log.warning("onnxruntime here lacks %s; running on %s", ", ".join(self._ort.missing),
+                            ", ".join(self._ort.providers))
+        return self._ort
+
+    def _tensorrt(self):
+        if self._trt is None:
+            from edgemm.backends.tensorrt import TensorRTBackend  # imports tensorrt + pycuda
+            self._trt = TensorRTBackend.for_model(self.manifest, self.engines_dir)
+        return self._trt
 
     def _make_scheduler(self) -> Scheduler:
         cfg = self.config.scheduler
@@ -139,7 +176,13 @@ class Runtime:
 
     @property
     def devices(self) -> dict[str, str]:
+        """component → the device that runs it (cpu, gpu, dla0, dla1)."""
         return {c.name: c.device for c in self.components.all()}
+
+    def placement_report(self) -> dict[str, dict]:
+        """component → {device, backend, provider, precision, skipped: [{device, reason}]}, for status."""
+        return {c.name: {**self.placements[c.name].to_dict(), "device": c.device, "provider": c.provider,
+                         "precision": c.precision} for c in self.components.all()}
 
     def backend_seconds(self) -> float:
         """Total time spent inside raw backend run calls so far (for overhead accounting)."""

@@ -11,7 +11,7 @@ import yaml
 
 from edgemm.config import (
     BackendConfig, CacheConfig, Config, ConfigError, GenerationConfig, LimitsConfig, ModelConfig,
-    SchedulerConfig, ServerConfig, StreamConfig,
+    PlacementConfig, SchedulerConfig, ServerConfig, StreamConfig,
     config_from_dict, config_to_dict, load_config,
 )
 
@@ -19,6 +19,7 @@ FULL_YAML = """\
 model:
   path: /opt/models/my-vlm
   precision: int8
+  engines: /opt/engines/my-vlm
 backend:
   name: tensorrt
   providers: [tensorrt, cuda, cpu]
@@ -44,6 +45,10 @@ scheduler:
   detail_tier: mid
 cache:
   max_bytes: 1048576
+placement:
+  vision_encoder: [dla0, gpu, cpu]
+  embed_tokens: [gpu, cpu]
+  decoder: [gpu]
 server:
   socket: /tmp/edgemm.sock
   socket_mode: "0600"
@@ -136,7 +141,7 @@ def test_partial_section_keeps_other_defaults():
 def test_full_yaml_file_loads_every_field(tmp_path):
     cfg = load_config(write(tmp_path, FULL_YAML))
     assert cfg == Config(
-        model=ModelConfig(path="/opt/models/my-vlm", precision="int8"),
+        model=ModelConfig(path="/opt/models/my-vlm", precision="int8", engines="/opt/engines/my-vlm"),
         backend=BackendConfig(name="tensorrt", providers=["tensorrt", "cuda", "cpu"],
                               intra_op_threads=2, warmup=False),
         limits=LimitsConfig(max_pixels=12_000_000, max_image_bytes=1048576, max_prompt_chars=500),
@@ -145,6 +150,7 @@ def test_full_yaml_file_loads_every_field(tmp_path):
         scheduler=SchedulerConfig(policy="thresholds", statistic="high_freq", thresholds=[0.1, 0.25],
                                   detail_words=["read", "plate"], detail_tier="mid"),
         cache=CacheConfig(max_bytes=1048576),
+        placement=PlacementConfig(vision_encoder=["dla0", "gpu", "cpu"], embed_tokens=["gpu", "cpu"], decoder=["gpu"]),
         server=ServerConfig(socket="/tmp/edgemm.sock", socket_mode="0600", socket_group="robots", tcp_port=8080,
                             tcp_host="127.0.0.2", queue_size=3, max_batch=2, batch_timeout_ms=2.5,
                             request_timeout_s=5.0, retry_after_s=3, grace_period_s=1.0, max_body_bytes=1000,
@@ -195,7 +201,7 @@ def test_unknown_top_level_key_names_it_and_the_known_sections():
     message = error({"modle": {}})
     known = ", ".join(sorted(f.name for f in dataclasses.fields(Config)))
     assert message == f"config: unknown key 'modle' (known: {known})"
-    assert known.startswith("backend, cache, generation, limits, model, scheduler")
+    assert known.startswith("backend, cache, generation, limits, model, placement, scheduler")
 
 
 def test_unknown_nested_key_names_full_path_and_known_keys():

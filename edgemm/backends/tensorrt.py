@@ -1,0 +1,238 @@
+"""TensorRT backend: prebuilt engine plans on the GPU or a DLA core, same Component interface
+as onnxruntime (named numpy inputs → named numpy outputs), so nothing above knows which runs.
+
+- TensorRT >= 8.6 named-tensor API: `num_io_tensors`, `get_tensor_name/mode/dtype`,
+  `set_input_shape`, `set_tensor_address`, `execute_async_v3`.
+- One execution context and one CUDA stream per engine: a DLA encoder and a GPU decoder,
+  driven by different pipeline threads, run concurrently.
+- `runtime.DLA_core` is set before a DLA plan is deserialised (the plan is bound to a core
+  at load time); `deserialize_cuda_engine` returning None becomes a one-line EngineError.
+- Buffers are allocated once per tensor and reused, growing only when a larger shape comes.
+  On Jetson (integrated GPU, DRAM shared with the CPU) they are mapped pinned host memory:
+  the engine reads and writes them in place, no copies. Discrete GPUs keep pinned host
+  buffers plus device buffers and async copies on the engine's stream.
+- A DLA encoder has one static-shape plan per tier; the component picks the plan (and on
+  the GPU decoder, the optimisation profile: prefill or single-token decode) whose shape
+  ranges accept the feeds, and splits a batch larger than the plan takes into rows.
+
+tensorrt and pycuda are imported when a backend is made, never at edgemm import.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from edgemm.backends.base import RunStats, TensorSpec
+from edgemm.engines.manifest import EngineEntry, rebuild_command, select_engines
+from edgemm.engines.platform import Platform, dla_core, import_cuda, import_tensorrt, probe, require_device
+from edgemm.errors import BackendError, EngineError
+
+log = logging.getLogger("edgemm")
+ENGINE_PRECISIONS = ("int8", "fp16")
+
+
+class _Buffer:
+    """One tensor's memory: mapped pinned host memory (zero-copy) or pinned host + device."""
+
+    def __init__(self, cuda, nbytes: int, zero_copy: bool):
+        self.capacity = max(nbytes, 256)  # never a null address, even for an empty tensor
+        self.zero_copy = zero_copy
+        if zero_copy:
+            self.host = cuda.pagelocked_empty(self.capacity, np.uint8, mem_flags=cuda.host_alloc_flags.DEVICEMAP)
+            self.device_ptr = int(self.host.base.get_device_pointer())
+        else:
+            self.host = cuda.pagelocked_empty(self.capacity, np.uint8)
+            self.device = cuda.mem_alloc(self.capacity)
+            self.device_ptr = int(self.device)
+
+    def view(self, shape: tuple, dtype: np.dtype) -> np.ndarray:
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        return self.host[:nbytes].view(dtype).reshape(shape)
+
+
+@dataclass
+class _Profile:
+    index: int
+    ranges: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]  # input → (min shape, max shape)
+
+    def accepts(self, shapes: dict[str, tuple[int, ...]]) -> bool:
+        for name, shape in shapes.items():
+            low, high = self.ranges[name]
+            if len(shape) != len(low) or any(s < a or s > b for s, a, b in zip(shape, low, high)):
+                return False
+        return True
+
+
+class _Engine:
+    """One deserialised plan: its context, stream, profiles and reusable buffers."""
+
+    def __init__(self, trt, cuda, engine, runtime, path: Path, zero_copy: bool):
+        self.trt, self.cuda, self.engine, self.path = trt, cuda, engine, path
+        self._runtime = runtime  # the engine must not outlive its runtime
+        self.context = engine.create_execution_context()
+        if self.context is None:
+            raise EngineError(f"TensorRT could not create an execution context for {path} (out of memory?)")
+        self.stream = cuda.Stream()
+        self.zero_copy = zero_copy
+        names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
+        self.inputs = [n for n in names if engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
+        self.outputs = [n for n in names if engine.get_tensor_mode(n) == trt.TensorIOMode.OUTPUT]
+        self.dtypes = {n: np.dtype(trt.nptype(engine.get_tensor_dtype(n))) for n in names}
+        self.profiles = [self._profile(i) for i in range(engine.num_optimization_profiles)]
+        self.active_profile = 0
+        self.buffers: dict[str, _Buffer] = {}
+
+    def _profile(self, index: int) -> _Profile:
+        ranges = {}
+        for name in self.inputs:
+            static = tuple(self.engine.get_tensor_shape(name))
+            if all(d >= 0 for d in static):  # static plans (DLA) have no profile ranges to ask for
+                ranges[name] = (static, static)
+                continue
+            low, _opt, high = self.engine.get_tensor_profile_shape(name, index)
+            ranges[name] = (tuple(low), tuple(high))
+        return _Profile(index, ranges)
+
+    def spec(self, name: str) -> TensorSpec:
+        shape = tuple(d if d >= 0 else None for d in self.engine.get_tensor_shape(name))
+        return TensorSpec(name, self.dtypes[name], shape)
+
+    def profile_for(self, shapes: dict[str, tuple[int, ...]]) -> _Profile | None:
+        return next((p for p in self.profiles if p.accepts(shapes)), None)
+
+    def _buffer(self, name: str, nbytes: int) -> _Buffer:
+        buffer = self.buffers.get(name)
+        if buffer is None or buffer.capacity < nbytes:
+            try:
+                buffer = _Buffer(self.cuda, nbytes, self.zero_copy)
+            except self.cuda.Error as e:  # mapping refused: fall back to copies, say so once
+                if not self.zero_copy:
+                    raise
+                log.warning("zero-copy buffers unavailable (%s); using device copies for %s", e, self.path.name)
+                self.zero_copy = False
+                buffer = _Buffer(self.cuda, nbytes, False)
+            self.buffers[name] = buffer
+        return buffer
+
+    def run(self, feeds: dict[str, np.ndarray], profile: _Profile) -> dict[str, np.ndarray]:
+        ctx, stream = self.context, self.stream
+        if profile.index != self.active_profile:
+            ctx.set_optimization_profile_async(profile.index, stream.handle)
+            self.active_profile = profile.index
+        for name in self.inputs:
+            value = np.ascontiguousarray(feeds[name], dtype=self.dtypes[name])  # e.g. int64 ids → int32 on TRT 8.6
+            if not ctx.set_input_shape(name, value.shape):
+                raise BackendError(f"{self.path.name}: TensorRT refused shape {value.shape} for {name}")
+            buffer = self._buffer(name, value.nbytes)
+            np.copyto(buffer.view(value.shape, value.dtype), value)
+            if not buffer.zero_copy:
+                self.cuda.memcpy_htod_async(buffer.device, buffer.host, stream)
+            ctx.set_tensor_address(name, buffer.device_ptr)
+        shapes = {}
+        for name in self.outputs:
+            shapes[name] = tuple(ctx.get_tensor_shape(name))
+            nbytes = int(np.prod(shapes[name], dtype=np.int64)) * self.dtypes[name].itemsize
+            ctx.set_tensor_address(name, self._buffer(name, nbytes).device_ptr)
+        if not ctx.execute_async_v3(stream.handle):
+            raise BackendError(f"{self.path.name}: TensorRT execution failed")
+        for name in self.outputs:
+            buffer = self.buffers[name]
+            if not buffer.zero_copy:
+                self.cuda.memcpy_dtoh_async(buffer.host, buffer.device, stream)
+        stream.synchronize()
+        # copies: the buffers are reused by the next call
+        return {name: self.buffers[name].view(shapes[name], self.dtypes[name]).copy() for name in self.outputs}
+
+
+class TrtComponent:
+    """A component (encoder, embedding, decoder) backed by one or more plans on one device."""
+
+    def __init__(self, name: str, device: str, precision: str, engines: list[_Engine], cuda_context,
+                 trt_version: str):
+        self.name, self.device, self.precision = name, device, precision
+        self.provider = f"TensorRT {trt_version} {device.upper()}"
+        self.engines = engines
+        self._cuda_context = cuda_context
+        first = engines[0]
+        self.inputs = {n: first.spec(n) for n in first.inputs}
+        self.outputs = {n: first.spec(n) for n in first.outputs}
+        self.stats = RunStats()
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        started = time.perf_counter()
+        self._cuda_context.push()  # pipeline stages run in their own threads
+        try:
+            result = self._run(feeds)
+        finally:
+            self._cuda_context.pop()
+        self.stats.add(started)
+        return result
+
+    def _run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        shapes = {k: tuple(np.shape(v)) for k, v in feeds.items()}
+        for engine in self.engines:
+            profile = engine.profile_for(shapes)
+            if profile is not None:
+                return engine.run(feeds, profile)
+        batch = next(iter(shapes.values()))[0] if shapes else 0
+        if batch > 1:  # static-batch plans (DLA): one row at a time, outputs stacked back
+            rows = [self._run({k: v[i:i + 1] for k, v in feeds.items()}) for i in range(batch)]
+            return {k: np.concatenate([r[k] for r in rows]) for k in rows[0]}
+        raise BackendError(f"{self.name} on {self.device}: no engine accepts input shapes {shapes} "
+                           f"(plans: {', '.join(e.path.name for e in self.engines)})")
+
+
+class TensorRTBackend:
+    name = "tensorrt"
+
+    def __init__(self, platform: Platform, engines_dir: Path, model_dir: Path, model_name: str,
+                 tiers: list[str]):
+        self.trt = import_tensorrt()
+        self.cuda = import_cuda()
+        self.platform = platform
+        self.engines_dir, self.model_dir, self.model_name, self.tiers = engines_dir, model_dir, model_name, tiers
+        self.logger = self.trt.Logger(self.trt.Logger.WARNING)
+        # the primary context is the one TensorRT's runtime API calls use too
+        self.cuda_context = self.cuda.Device(0).retain_primary_context()
+
+    @classmethod
+    def for_model(cls, manifest, engines_dir: Path) -> "TensorRTBackend":
+        """For a loaded ModelManifest; probes the platform once."""
+        return cls(probe(), Path(engines_dir), manifest.path, manifest.name, list(manifest.tiers))
+
+    def load_component(self, name: str, device: str, precision: str) -> TrtComponent:
+        """`name`'s plans for `device` from the engine manifest, checked, then deserialised."""
+        if precision not in ENGINE_PRECISIONS:
+            raise EngineError(f"{name} on {device}: TensorRT engines are int8 or fp16, model.precision is "
+                              f"{precision} (set model.precision: int8 or fp16)")
+        require_device(self.platform, device)
+        plans = select_engines(self.engines_dir, self.model_dir, self.model_name, name, device, precision,
+                               self.tiers, self.platform)
+        engines = [self._deserialize(path, entry) for entry, path in plans]
+        return TrtComponent(name, device, precision, engines, self.cuda_context, self.platform.tensorrt)
+
+    def load(self, name: str, path: Path, precision: str) -> TrtComponent:
+        """The Backend protocol: one plan file on the GPU, without a manifest."""
+        return TrtComponent(name, "gpu", precision, [self._deserialize(Path(path), None)], self.cuda_context,
+                            self.platform.tensorrt)
+
+    def _deserialize(self, path: Path, entry: EngineEntry | None) -> _Engine:
+        core = dla_core(entry.device) if entry is not None else None
+        self.cuda_context.push()
+        try:
+            runtime = self.trt.Runtime(self.logger)
+            if core is not None:
+                runtime.DLA_core = core  # before deserialising: the plan's DLA loadable binds to it
+            engine = runtime.deserialize_cuda_engine(path.read_bytes())
+            if engine is None:
+                again = (rebuild_command(self.model_dir, self.engines_dir, entry.component, entry.device,
+                                         entry.precision, entry.tier) if entry else "tools/build_engines.py")
+                raise EngineError(f"TensorRT {self.platform.tensorrt} could not deserialise {path} (built by "
+                                  f"another TensorRT or for another device?); rebuild with: {again}")
+            return _Engine(self.trt, self.cuda, engine, runtime, path, zero_copy=self.platform.integrated)
+        finally:
+            self.cuda_context.pop()

@@ -1,0 +1,84 @@
+"""The platform engines are built for and checked against: TensorRT version, GPU, DLA cores.
+
+A plan only deserialises on the TensorRT version and GPU architecture that built it, and
+a DLA plan needs its DLA core, so every build records this and every load compares it.
+tensorrt and pycuda are imported here, lazily, only when a probe is asked for.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from edgemm.errors import EngineError
+
+DEVICES = ("gpu", "dla0", "dla1")
+MISSING = ("TensorRT is not installed here (on a Jetson: JetPack's TensorRT Python bindings, "
+           "then pip install 'edgemm[tensorrt]' for pycuda)")
+
+
+@dataclass(frozen=True)
+class Platform:
+    tensorrt: str  # e.g. "10.3.0"
+    gpu: str  # device name, e.g. "Orin"
+    compute_capability: str  # e.g. "8.7"
+    integrated: bool  # the GPU shares DRAM with the CPU (Jetson): zero-copy buffers pay off
+    dla_cores: int  # 2 on AGX Orin and Orin NX, 0 on Orin Nano, Thor and discrete GPUs
+
+
+def dla_core(device: str) -> int | None:
+    """'dla1' → 1; 'gpu' → None."""
+    return int(device[3:]) if device.startswith("dla") else None
+
+
+def require_device(platform: Platform, device: str) -> None:
+    """Refuse a DLA core this module does not have, with the reason in one line."""
+    core = dla_core(device)
+    if core is None:
+        return
+    if platform.dla_cores == 0:
+        raise EngineError(f"{device}: this module ({platform.gpu}) has no DLA cores "
+                          "(Orin Nano and Thor have none; AGX Orin and Orin NX have two); use gpu")
+    if core >= platform.dla_cores:
+        raise EngineError(f"{device}: this module ({platform.gpu}) has {platform.dla_cores} DLA core(s), "
+                          f"dla0..dla{platform.dla_cores - 1}")
+
+
+def import_tensorrt():
+    try:
+        import tensorrt as trt
+    except ImportError:
+        raise EngineError(MISSING) from None
+    return trt
+
+
+def import_cuda():
+    """pycuda's driver module, initialised (without pycuda.autoinit: we manage the context)."""
+    try:
+        import pycuda.driver as cuda
+    except ImportError:
+        raise EngineError("pycuda is not installed here: pip install 'edgemm[tensorrt]' on the Jetson") from None
+    cuda.init()
+    return cuda
+
+
+def probe() -> Platform:
+    """The running TensorRT, GPU 0 and its DLA cores."""
+    trt = import_tensorrt()
+    cuda = import_cuda()
+    if cuda.Device.count() == 0:
+        raise EngineError("no CUDA device is visible (is this user in the 'video' and 'render' groups?)")
+    device = cuda.Device(0)
+    major, minor = device.compute_capability()
+    runtime = trt.Runtime(trt.Logger(trt.Logger.ERROR))
+    return Platform(tensorrt=trt.__version__, gpu=device.name(), compute_capability=f"{major}.{minor}",
+                    integrated=bool(device.get_attribute(cuda.device_attribute.INTEGRATED)),
+                    dla_cores=int(runtime.num_DLA_cores))
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """'10.3.0.30' → (10, 3, 0); non-numeric parts end the tuple."""
+    parts = []
+    for part in version.split(".")[:3]:
+        if not part.isdigit():
+            break
+        parts.append(int(part))
+    return tuple(parts)

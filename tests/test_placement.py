@@ -1,0 +1,181 @@
+"""Placement: config keys, fallback order, reasons recorded, the chosen device reported."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from edgemm.backends.onnxruntime import OnnxRuntimeBackend
+from edgemm.config import ConfigError, PlacementConfig, config_from_dict, load_config
+from edgemm.engines.platform import MISSING
+from edgemm.errors import EngineError, ModelError
+from edgemm.placement import place
+from edgemm.runtime import Runtime, default_engines_dir
+
+HAVE_TENSORRT = importlib.util.find_spec("tensorrt") is not None
+
+
+# ---- config ------------------------------------------------------------------------------
+
+def test_placement_defaults_to_cpu_everywhere():
+    cfg = config_from_dict({})
+    assert cfg.placement == PlacementConfig(vision_encoder=["cpu"], embed_tokens=["cpu"], decoder=["cpu"])
+    assert cfg.model.engines is None
+
+
+def test_placement_lists_load():
+    cfg = config_from_dict({"placement": {"vision_encoder": ["dla0", "gpu", "cpu"], "decoder": ["gpu", "cpu"]}})
+    assert cfg.placement.vision_encoder == ["dla0", "gpu", "cpu"]
+    assert cfg.placement.embed_tokens == ["cpu"] and cfg.placement.decoder == ["gpu", "cpu"]
+
+
+@pytest.mark.parametrize("data, expected", [
+    ({"placement": {"decoder": ["tpu"]}}, "config: 'placement.decoder[0]' must be one of gpu, dla0, dla1, cpu, got 'tpu'"),
+    ({"placement": {"vision_encoder": ["gpu", "dla2"]}},
+     "config: 'placement.vision_encoder[1]' must be one of gpu, dla0, dla1, cpu, got 'dla2'"),
+    ({"placement": {"embed_tokens": []}}, "config: 'placement.embed_tokens' must list at least one device, got []"),
+    ({"placement": {"decoder": ["gpu", "gpu"]}}, "config: 'placement.decoder[1]' must not repeat an earlier device, got 'gpu'"),
+    ({"placement": {"decoder": "gpu"}}, "config: 'placement.decoder' must be a list of strings, got 'gpu' (str)"),
+    ({"placement": {"encoder": ["gpu"]}}, "config: unknown key 'placement.encoder' (known: decoder, embed_tokens, vision_encoder)"),
+    ({"model": {"engines": " "}}, "config: 'model.engines' must be a folder or null, got ' '"),
+])
+def test_bad_placement_is_refused_with_its_path(data, expected):
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(data)
+    assert str(info.value) == expected
+
+
+def test_relative_engine_folder_is_next_to_the_config_file(tmp_path):
+    (tmp_path / "edgemm.yaml").write_text("model:\n  engines: built/tiny\n")
+    assert load_config(tmp_path / "edgemm.yaml").model.engines == str(tmp_path / "built" / "tiny")
+
+
+# ---- place(): order and reasons ---------------------------------------------------------
+
+class FakeComponent:
+    def __init__(self, device):
+        self.device = device
+
+
+def loader(fails: dict[str, str], calls: list):
+    def load(component, device):
+        calls.append(device)
+        if device in fails:
+            raise EngineError(fails[device])
+        return FakeComponent(device)
+    return load
+
+
+def test_first_device_that_loads_wins_and_later_ones_are_not_tried():
+    calls = []
+    component, placement = place("vision_encoder", ["dla0", "gpu", "cpu"],
+                                 loader({"dla0": "no dla0 engine"}, calls))
+    assert calls == ["dla0", "gpu"]
+    assert component.device == "gpu" and placement.device == "gpu" and placement.backend == "tensorrt"
+    assert placement.to_dict() == {"device": "gpu", "backend": "tensorrt",
+                                   "skipped": [{"device": "dla0", "reason": "no dla0 engine"}]}
+
+
+def test_reasons_are_kept_in_order_down_to_cpu():
+    calls = []
+    _, placement = place("decoder", ["dla1", "gpu", "cpu"], loader({"dla1": "a", "gpu": "b"}, calls))
+    assert calls == ["dla1", "gpu", "cpu"]
+    assert placement.device == "cpu" and placement.backend == "onnxruntime"
+    assert placement.skipped == [("dla1", "a"), ("gpu", "b")]
+
+
+def test_nothing_loads_lists_every_device_and_reason():
+    with pytest.raises(EngineError) as info:
+        place("decoder", ["gpu", "cpu"], loader({"gpu": "no TensorRT", "cpu": "broken graph"}, []))
+    assert str(info.value) == ("decoder: none of placement.decoder ['gpu', 'cpu'] could load it "
+                               "(gpu: no TensorRT; cpu: broken graph)")
+    assert info.value.exit_code == 2
+
+
+def test_a_single_device_raises_its_own_error():
+    def load(component, device):
+        raise ModelError("model tiny-vlm: decoder has no int8 graph")
+    with pytest.raises(ModelError, match="^model tiny-vlm: decoder has no int8 graph$"):
+        place("decoder", ["cpu"], load)
+
+
+def test_unexpected_errors_are_not_swallowed():
+    def load(component, device):
+        raise RuntimeError("bug")
+    with pytest.raises(RuntimeError):
+        place("decoder", ["gpu", "cpu"], load)
+
+
+# ---- the runtime -------------------------------------------------------------------------
+
+def test_default_runtime_is_onnxruntime_cpu_with_no_fallbacks(runtime):
+    assert runtime.devices == {"vision_encoder": "cpu", "embed_tokens": "cpu", "decoder": "cpu"}
+    report = runtime.placement_report()
+    assert report["decoder"] == {"device": "cpu", "backend": "onnxruntime", "skipped": [],
+                                 "provider": "CPUExecutionProvider", "precision": "fp32"}
+
+
+@pytest.mark.skipif(HAVE_TENSORRT, reason="checks the fallback where TensorRT is absent")
+def test_without_tensorrt_gpu_and_dla_fall_back_to_cpu(make_runtime, model_dir):
+    rt = make_runtime(placement={"vision_encoder": ["dla0", "gpu", "cpu"], "decoder": ["gpu", "cpu"]})
+    assert rt.devices["vision_encoder"] == "cpu" and rt.devices["decoder"] == "cpu"
+    skipped = rt.placement_report()["vision_encoder"]["skipped"]
+    assert skipped == [{"device": "dla0", "reason": MISSING}, {"device": "gpu", "reason": MISSING}]
+    result = rt.infer(model_dir / "samples" / "scene_11.png", "how many shapes are there ?", max_new_tokens=4)
+    assert result.devices == {"encode": "cpu", "decode": "cpu"}
+
+
+class FakeTensorRT:
+    """Stands in for TensorRTBackend: dla0 has no engine; 'gpu' runs the ONNX graph (so answers are real)."""
+
+    def __init__(self, runtime_model):
+        self.ort = OnnxRuntimeBackend(["cpu"], 1)
+        self.manifest = runtime_model
+        self.calls = []
+
+    def load_component(self, name, device, precision):
+        self.calls.append((name, device))
+        if device == "dla0":
+            raise EngineError("no int8 engine for vision_encoder on dla0")
+        component = self.ort.load(name, self.manifest.graph_path(name, precision), precision)
+        component.device = device
+        return component
+
+
+def fake_runtime(monkeypatch, make_runtime, **placement):
+    fakes = []
+
+    def fake(self):
+        if not fakes:
+            fakes.append(FakeTensorRT(self.manifest))
+        return fakes[0]
+    monkeypatch.setattr(Runtime, "_tensorrt", fake)
+    return make_runtime(placement=placement), fakes
+
+
+def test_fallback_order_with_a_backend_that_fails_to_load(monkeypatch, make_runtime, model_dir, runtime):
+    rt, fakes = fake_runtime(monkeypatch, make_runtime, vision_encoder=["dla0", "gpu", "cpu"],
+                             decoder=["gpu", "cpu"])
+    assert fakes[0].calls == [("vision_encoder", "dla0"), ("vision_encoder", "gpu"), ("decoder", "gpu")]
+    assert rt.devices == {"vision_encoder": "gpu", "embed_tokens": "cpu", "decoder": "gpu"}
+    report = rt.placement_report()
+    assert report["vision_encoder"]["skipped"] == [{"device": "dla0",
+                                                    "reason": "no int8 engine for vision_encoder on dla0"}]
+    assert report["decoder"]["device"] == "gpu" and report["decoder"]["skipped"] == []
+    assert rt.components.extra["placement"]["vision_encoder"]["device"] == "gpu"
+    image = model_dir / "samples" / "scene_11.png"
+    result = rt.infer(image, "how many shapes are there ?")
+    assert result.devices == {"encode": "gpu", "decode": "gpu"}
+    assert result.text == runtime.infer(image, "how many shapes are there ?").text
+
+
+def test_all_devices_failing_stops_the_load(monkeypatch, make_runtime):
+    with pytest.raises(EngineError) as info:
+        fake_runtime(monkeypatch, make_runtime, vision_encoder=["dla0"])
+    assert str(info.value) == "no int8 engine for vision_encoder on dla0"
+
+
+def test_engine_folder_default_and_override(make_runtime, tmp_path, runtime):
+    assert runtime.engines_dir == default_engines_dir("tiny-vlm")
+    assert runtime.engines_dir.parts[-2:] == ("engines", "tiny-vlm")
+    assert make_runtime(model={"engines": str(tmp_path)}).engines_dir == tmp_path
