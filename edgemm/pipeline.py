@@ -2,7 +2,7 @@
 
     requests ─► [prepare] ─q─► [encode] ─q─► [decode] ─► future.set_result
                  decode image,   vision          prefill + KV-cache decode
-                 tier, prompt    encoder         (one request at a time)
+                 tier, prompt    encoder         (the requests waiting, together)
 
 While the decoder works on request n, the encoder already runs request n+1, so on
 a Jetson the DLA (encoder) and the GPU (decoder) are busy at once; here two CPU
@@ -11,7 +11,9 @@ cores are. Every queue is bounded: when the pipeline is full, `submit` waits
 
 The encoder stage batches: it takes up to `max_batch` requests of the same tier
 that are already waiting (or arrive within `batch_timeout_ms`) into one call.
-Results come back in submission order, through `concurrent.futures.Future`s.
+The decoder stage takes every request already waiting (up to `max_batch`) and steps
+them together, one decoder call per token for all (edgemm/batch_decode.py); it never
+waits for a batch to fill. Results come back through `concurrent.futures.Future`s.
 """
 from __future__ import annotations
 
@@ -60,6 +62,7 @@ class StageStats:
     items: dict[str, int] = field(default_factory=lambda: {"prepare": 0, "encode": 0, "decode": 0})
     batches: list[int] = field(default_factory=list)  # encoder batch sizes (last 1000)
     batch_counts: dict[int, int] = field(default_factory=dict)  # batch size → encoder calls, ever
+    decode_batch_counts: dict[int, int] = field(default_factory=dict)  # batch size → decode rounds, ever
     completed: int = 0
     failed: int = 0
     rejected: int = 0
@@ -82,6 +85,7 @@ class Pipeline:
         self.to_decode: queue.Queue = queue.Queue(queue_size)
         self.stats = StageStats()
         self._held: deque = deque()  # taken from to_encode but not batchable with the current tier
+        self._held_decode: deque = deque()  # a reuse request taken while gathering a decode batch
         self._last_result: InferenceResult | None = None
         self._closed = False
         self._admission = threading.Lock()  # no request may slip in behind the stop marker
@@ -112,7 +116,7 @@ class Pipeline:
 
     def depths(self) -> dict[str, int]:
         return {"prepare": self.inbox.qsize(), "encode": self.to_encode.qsize() + len(self._held),
-                "decode": self.to_decode.qsize()}
+                "decode": self.to_decode.qsize() + len(self._held_decode)}
 
     def alive(self) -> bool:
         """All stage threads running (a watchdog pings only while this holds)."""
@@ -209,27 +213,70 @@ class Pipeline:
         return batch, False
 
     def _decode_loop(self) -> None:
-        while (req := self.to_decode.get()) is not _STOP:
+        while True:
+            first = self._held_decode.popleft() if self._held_decode else self.to_decode.get()
+            if first is _STOP:
+                break
+            batch, stop = self._ready_for_decode(first)
             started = time.perf_counter()
+            outcomes = self._decode(batch)
+            self._account("decode", started, len(batch))
+            self.stats.decode_batch_counts[len(batch)] = self.stats.decode_batch_counts.get(len(batch), 0) + 1
+            now = time.perf_counter()
+            for req, outcome in zip(batch, outcomes):
+                if isinstance(outcome, BaseException):
+                    self._fail(req, outcome)
+                    continue
+                outcome.timings_ms["total"] = (now - req.submitted) * 1e3
+                self.stats.completed += 1
+                if not req.future.done():
+                    req.future.set_result(outcome)
+            if stop:
+                break
+
+    def _ready_for_decode(self, first: Request) -> tuple[list[Request], bool]:
+        """`first` plus requests already waiting to be decoded, up to max_batch. Unlike the
+        encoder, the decoder never waits for a batch to fill: a token now beats a batch later."""
+        batch = [first]
+        while len(batch) < self.max_batch and not first.reuse and not self._held_decode:
+            try:
+                nxt = self.to_decode.get_nowait()
+            except queue.Empty:
+                break
+            if nxt is _STOP:
+                return batch, True
+            if nxt.reuse:
+                self._held_decode.append(nxt)  # answered from the last result, after this batch
+                break
+            batch.append(nxt)
+        return batch, False
+
+    def _decode(self, batch: list[Request]) -> list[InferenceResult | BaseException]:
+        if len(batch) == 1:
+            req = batch[0]
             try:
                 if req.reuse:
                     if self._last_result is None:
                         raise RuntimeError("nothing to reuse yet")
-                    result = self._reused(req)
-                else:
-                    result = self.runtime.decode(req.prepared, req.features, req.on_token)
-                    req.features = None
-                    self._last_result = result
+                    return [self._reused(req)]
+                result = self.runtime.decode(req.prepared, req.features, req.on_token)
             except Exception as e:
-                self._fail(req, e)
-                continue
+                return [e]
             finally:
-                self._account("decode", started)
-            now = time.perf_counter()
-            result.timings_ms["total"] = (now - req.submitted) * 1e3
-            self.stats.completed += 1
-            if not req.future.done():
-                req.future.set_result(result)
+                req.features = None
+            self._last_result = result
+            return [result]
+        try:
+            outcomes = self.runtime.decode_batch([r.prepared for r in batch], [r.features for r in batch],
+                                                 [r.on_token for r in batch])
+        except Exception as e:  # a fault outside any one request fails the batch, not the pipeline
+            outcomes = [e] * len(batch)
+        for r in batch:
+            r.features = None
+        done = [o for o in outcomes if isinstance(o, InferenceResult)]
+        if done:
+            self._last_result = done[-1]
+        return outcomes
 
     def _reused(self, req: Request) -> InferenceResult:
         last = self._last_result

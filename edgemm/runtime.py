@@ -22,6 +22,7 @@ from edgemm.backends.onnxruntime import OnnxRuntimeBackend
 from edgemm.cache import FeatureCache, feature_key
 from edgemm.config import Config, ConfigError, load_config
 from edgemm.errors import BackendError, InputError
+from edgemm.batch_decode import BatchItem, batchable, generate_batch
 from edgemm.generate import GenerationOptions, Generator, PrefixReuse
 from edgemm.model.contract import check_component
 from edgemm.model.family import Prompt, adapter_for
@@ -61,6 +62,7 @@ class InferenceResult:
     model: str = ""
     schedule: dict = field(default_factory=dict)  # why this tier: {tier, reason, stats}
     prefix_reused: bool = False  # the prompt's image prefix came from the cache (no prefill for it)
+    decode_batch: int = 1  # requests decoded together with this one (itself included)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -272,19 +274,50 @@ class Runtime:
 
     def decode(self, request: PreparedRequest, features: np.ndarray, on_token=None) -> InferenceResult:
         """Stage 3: prefill + token-by-token decode for one request; its features [1,N,D]."""
-        callback = None
-        if on_token is not None:
-            so_far: list[int] = []
-
-            def callback(token: int) -> None:
-                so_far.append(token)
-                on_token(token, self.adapter.decode(so_far))
         prompt = request.prompt
-        reuse = None
-        if self.cache is not None and request.cache_key is not None:
-            reuse = PrefixReuse(self.cache, request.cache_key)
         generation = self.generator.generate(features, prompt.input_ids, prompt.image_start,
-                                             request.options, callback, reuse)
+                                             request.options, self._token_callback(on_token),
+                                             self._prefix_reuse(request))
+        return self._result(request, generation)
+
+    def decode_batch(self, requests: list[PreparedRequest], features: list[np.ndarray],
+                     on_tokens: list | None = None) -> list[InferenceResult | Exception]:
+        """Stage 3 for several requests at once: one decoder call per step for all of them
+        (edgemm/batch_decode.py). Beam search and the no-cache mode run alone. A request
+        that fails gets its exception in its place; the others are unaffected."""
+        on_tokens = on_tokens or [None] * len(requests)
+        out: list[InferenceResult | Exception | None] = [None] * len(requests)
+        together = [i for i, r in enumerate(requests) if batchable(r.options)]
+        for i in sorted(set(range(len(requests))) - set(together)):
+            try:
+                out[i] = self.decode(requests[i], features[i], on_tokens[i])
+            except Exception as e:
+                out[i] = e
+        items = [BatchItem(features[i], requests[i].prompt.input_ids, requests[i].prompt.image_start,
+                           requests[i].options, self._token_callback(on_tokens[i]),
+                           self._prefix_reuse(requests[i])) for i in together]
+        for i, generation in zip(together, generate_batch(self.generator, items)):
+            out[i] = generation if isinstance(generation, Exception) else self._result(requests[i], generation)
+        return out  # type: ignore[return-value]
+
+    def _token_callback(self, on_token):
+        """(token, text so far) for the caller, from the generator's bare token ids."""
+        if on_token is None:
+            return None
+        so_far: list[int] = []
+
+        def callback(token: int) -> None:
+            so_far.append(token)
+            on_token(token, self.adapter.decode(so_far))
+        return callback
+
+    def _prefix_reuse(self, request: PreparedRequest) -> PrefixReuse | None:
+        if self.cache is None or request.cache_key is None:
+            return None
+        return PrefixReuse(self.cache, request.cache_key)
+
+    def _result(self, request: PreparedRequest, generation) -> InferenceResult:
+        prompt = request.prompt
         return InferenceResult(
             text=self.adapter.decode(generation.tokens), tokens=generation.tokens,
             finish_reason=generation.finish_reason, prompt_tokens=int(prompt.input_ids.shape[1]),
@@ -293,7 +326,8 @@ class Runtime:
                      "decode": self.components.decoder.device},
             timings_ms={**request.timings_ms, **generation.timings_ms}, model=self.manifest.name,
             schedule=request.decision.to_dict() if request.decision else {},
-            prefix_reused=bool(generation.stats.get("prefix_reused")))
+            prefix_reused=bool(generation.stats.get("prefix_reused")),
+            decode_batch=int(generation.stats.get("decode_batch", 1)))
 
     def infer(self, image, prompt: str, *, tier: str | None = None, max_new_tokens: int | None = None,
               temperature: float | None = None, top_p: float | None = None, seed: int | None = None,

@@ -165,3 +165,50 @@ def test_cache_and_no_cache_give_the_same_tokens(runtime, request_inputs):
     assert cached.tokens == uncached.tokens and len(cached.tokens) == 8
     greedy = run(runtime.generator, request_inputs, use_cache=True)
     assert run(runtime.generator, request_inputs, use_cache=False).tokens == greedy.tokens
+
+
+# ---- several requests decoded together -----------------------------------------------------------
+
+def _batch_items(runtime, prompts_and_seeds, **options):
+    from edgemm.batch_decode import BatchItem
+    from edgemm.generate import GenerationOptions
+    from edgemm.scenes import make_scene
+    items = []
+    for prompt, seed in prompts_and_seeds:
+        prepared = runtime.prepare(make_scene(seed).image, prompt)
+        features = runtime.generator.encode(prepared.pixel_values)
+        items.append(BatchItem(features, prepared.prompt.input_ids, prepared.prompt.image_start,
+                               GenerationOptions(**options)))
+    return items
+
+
+def test_batched_decoding_gives_each_request_its_own_tokens(runtime):
+    """Prompts of different lengths and answers of different lengths, stepped together,
+    must give exactly the tokens each gives alone (greedy and seeded sampling)."""
+    from edgemm.batch_decode import generate_batch
+    asks = [("describe the image", 402_000), ("how many shapes ?", 402_001),
+            ("what does the text say ?", 402_002), ("what color is the circle ?", 402_003)]
+    for options in ({"max_new_tokens": 20}, {"max_new_tokens": 12, "temperature": 0.9, "seed": 5}):
+        items = _batch_items(runtime, asks, **options)
+        together = generate_batch(runtime.generator, items)
+        for item, got in zip(items, together):
+            alone = runtime.generator.generate(item.features, item.input_ids, item.image_start, item.options)
+            assert got.tokens == alone.tokens and got.finish_reason == alone.finish_reason
+            assert got.stats["decode_batch"] == len(items)
+
+
+def test_a_failing_request_does_not_fail_its_batch(runtime):
+    from edgemm.batch_decode import generate_batch
+    items = _batch_items(runtime, [("describe the image", 402_010), ("how many shapes ?", 402_011)],
+                         max_new_tokens=8)
+    items[0].input_ids = items[0].input_ids[:, :3]  # fewer image placeholders than features
+
+    def hang_up(token):
+        raise ConnectionError("client went away")
+    extra = _batch_items(runtime, [("how many shapes ?", 402_012)], max_new_tokens=8)[0]
+    extra.on_token = hang_up
+    results = generate_batch(runtime.generator, items + [extra])
+    assert isinstance(results[0], Exception) and "image placeholders" in str(results[0])
+    assert isinstance(results[2], ConnectionError)
+    alone = runtime.generator.generate(items[1].features, items[1].input_ids, items[1].image_start, items[1].options)
+    assert results[1].tokens == alone.tokens

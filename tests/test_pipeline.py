@@ -52,17 +52,25 @@ class BlockedEncode:
 
 
 class RecordingDecode:
-    """runtime.decode that keeps the features each request was decoded with."""
+    """runtime.decode (and decode_batch) keeping the features each request was decoded with."""
 
     def __init__(self, runtime):
         self.original = runtime.decode
+        self.original_batch = runtime.decode_batch
         self.features: list[np.ndarray] = []
         self.calls = 0
+        self.batches: list[int] = []
 
     def __call__(self, request, features, on_token=None):
         self.calls += 1
         self.features.append(np.array(features, copy=True))
         return self.original(request, features, on_token)
+
+    def batch(self, requests, features, on_tokens=None):
+        self.calls += len(requests)
+        self.batches.append(len(requests))
+        self.features.extend(np.array(f, copy=True) for f in features)
+        return self.original_batch(requests, features, on_tokens)
 
 
 @pytest.fixture
@@ -77,6 +85,7 @@ def blocked(runtime, monkeypatch):
 def recorded(runtime, monkeypatch):
     decode = RecordingDecode(runtime)
     monkeypatch.setattr(runtime, "decode", decode)
+    monkeypatch.setattr(runtime, "decode_batch", decode.batch)
     return decode
 
 
@@ -200,6 +209,41 @@ def test_same_tier_requests_are_batched_and_answer_as_unbatched(runtime, images,
                                    err_msg=f"request {i} decoded with another image's features")
         assert result.tokens == expected(runtime, images[i], "low").tokens, f"request {i}"
     assert pipeline.stats.snapshot()["mean_batch"] > 1
+
+
+def test_waiting_requests_are_decoded_together_and_answer_as_alone(runtime, images, recorded, monkeypatch):
+    """While the decoder is busy, finished encodes pile up; the next round steps them all
+    at once (up to max_batch), and each answer is the one it would get alone."""
+    release, entered = threading.Event(), threading.Event()
+    first_size = []
+
+    def hold_first(call, size):
+        def held(*args, **kwargs):
+            if not first_size:
+                first_size.append(size(args))
+                entered.set()
+                assert release.wait(WAIT_S), "the test never released the decoder"
+            return call(*args, **kwargs)
+        return held
+    monkeypatch.setattr(runtime, "decode", hold_first(recorded.__call__, lambda a: 1))
+    monkeypatch.setattr(runtime, "decode_batch", hold_first(recorded.batch, lambda a: len(a[0])))
+    n = 7
+    prompts = [PROMPT, "describe the image"] * 4
+    with Pipeline(runtime, queue_size=n, max_batch=4, batch_timeout_ms=0) as pipeline:
+        futures = [pipeline.submit(Request(images[i], prompts[i], options("low")), block=False)
+                   for i in range(n)]
+        assert entered.wait(WAIT_S)
+        waiting = n - first_size[0]
+        wait_until(lambda: pipeline.depths()["decode"] == waiting, "the other requests waiting to be decoded")
+        release.set()
+        results = [f.result(timeout=WAIT_S) for f in futures]
+    rounds_after = [4, waiting - 4] if waiting > 4 else [waiting]
+    assert waiting >= 3 and recorded.batches[-len(rounds_after):] == rounds_after, recorded.batches
+    assert sum(k * v for k, v in pipeline.stats.decode_batch_counts.items()) == n
+    for i, result in enumerate(results):
+        alone = runtime.infer(images[i], prompts[i], **options("low"))
+        assert result.tokens == alone.tokens, f"request {i}"
+    assert max(r.decode_batch for r in results[first_size[0]:]) == min(4, waiting)
 
 
 def test_mixed_tiers_are_never_batched_together_and_keep_their_order(runtime, images, blocked, recorded):

@@ -1,0 +1,131 @@
+"""Decoding several requests together: one decoder call per step for all of them.
+
+    prefill    each request alone (prompts differ in length; some reuse a cached prefix)
+    merge      left-pad every KV cache to the longest, mask the padding out
+    step       one token for every live row in one decoder call; rows that stop leave
+
+A single-token decoder call is mostly fixed cost (kernel launches, Python, the graph
+walk), so stepping B requests at once costs far less than B calls. Row order, sampling
+streams and stop rules are per request, so each row gives the tokens it would alone.
+Beam search and the no-cache comparison mode are not batched (`Generator.generate`).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from edgemm.errors import InputError
+from edgemm.generate import Generation, GenerationOptions, Generator, PrefixReuse, sample_token
+
+
+@dataclass
+class BatchItem:
+    features: np.ndarray  # [1,N,D]
+    input_ids: np.ndarray  # [1,S]
+    image_start: int
+    options: GenerationOptions
+    on_token: Callable[[int], None] | None = None
+    reuse: PrefixReuse | None = None
+
+
+@dataclass
+class _Row:
+    index: int  # position in the caller's list
+    item: BatchItem
+    length: int  # prompt tokens
+    budget: int
+    rng: np.random.Generator
+    prefill_ms: float
+    reused: bool
+    tokens: list[int] = field(default_factory=list)
+    steps: int = 0
+
+
+def batchable(options: GenerationOptions) -> bool:
+    return options.num_beams == 1 and options.use_cache
+
+
+def generate_batch(gen: Generator, items: list[BatchItem]) -> list[Generation | Exception]:
+    """Generations for `items` in order; a request that fails gets its exception instead."""
+    results: list[Generation | Exception | None] = [None] * len(items)
+    rows, logits, pasts = [], [], []
+    for i, item in enumerate(items):
+        started = time.perf_counter()
+        try:
+            length = item.input_ids.shape[1]
+            if length >= gen.max_context:
+                raise InputError(f"prompt is {length} tokens (image included); the model's "
+                                 f"context is {gen.max_context}")
+            row_logits, past, _, reused = gen.prefill(item.features, item.input_ids, item.image_start,
+                                                      np.ones((1, length), np.int64), item.reuse)
+        except Exception as e:  # this request fails; the others go on
+            results[i] = e
+            continue
+        budget = min(item.options.max_new_tokens, gen.max_context - length)
+        rows.append(_Row(i, item, length, budget, np.random.default_rng(item.options.seed),
+                         (time.perf_counter() - started) * 1e3, reused))
+        logits.append(row_logits[0])
+        pasts.append(past)
+    if rows:
+        _decode_together(gen, rows, np.stack(logits), pasts, results, len(items))
+    return results  # type: ignore[return-value]
+
+
+def _merge(gen: Generator, rows: list[_Row], pasts: list[dict]) -> tuple[dict, np.ndarray]:
+    """One KV cache for all rows, left-padded to the longest prompt, and its attention mask."""
+    longest = max(r.length for r in rows)
+    past = {name: np.concatenate([np.pad(p[name], ((0, 0), (0, 0), (longest - r.length, 0), (0, 0)))
+                                  for r, p in zip(rows, pasts)])
+            for name in gen.past_names}
+    mask = np.zeros((len(rows), longest), np.int64)
+    for j, r in enumerate(rows):
+        mask[j, longest - r.length:] = 1
+    return past, mask
+
+
+def _decode_together(gen: Generator, rows: list[_Row], logits: np.ndarray, pasts: list[dict],
+                     results: list, batch: int) -> None:
+    started = time.perf_counter()
+    past, mask = _merge(gen, rows, pasts)
+
+    def finish(row: _Row, reason: str) -> None:
+        decode_ms = (time.perf_counter() - started) * 1e3
+        results[row.index] = Generation(row.tokens, reason, {"prefill": row.prefill_ms, "decode": decode_ms},
+                                        {"decoder_rows": row.steps, "prefix_reused": row.reused,
+                                         "decode_batch": batch})
+
+    while rows:
+        live, next_tokens = [], []
+        for j, row in enumerate(rows):
+            token = sample_token(logits[j], row.item.options, row.rng)
+            if token in gen.stop_ids:
+                finish(row, "stop")
+                continue
+            row.tokens.append(token)
+            try:
+                if row.item.on_token is not None:
+                    row.item.on_token(token)
+            except Exception as e:  # e.g. a streaming client went away: only its row stops
+                results[row.index] = e
+                continue
+            if len(row.tokens) >= row.budget:
+                finish(row, "length")
+                continue
+            live.append(j)
+            next_tokens.append(token)
+        if not live:
+            return
+        if len(live) < len(rows):  # finished rows leave the batch
+            keep = np.array(live)
+            past = {name: value[keep] for name, value in past.items()}
+            mask, rows = mask[keep], [rows[j] for j in live]
+        new = gen.embed.run({"input_ids": np.array(next_tokens, np.int64)[:, None]})["inputs_embeds"]
+        mask = np.concatenate([mask, np.ones((len(rows), 1), np.int64)], axis=1)
+        # each row's own next position: its prompt plus the tokens it has so far, minus one
+        positions = np.array([[r.length + len(r.tokens) - 1] for r in rows], np.int64)
+        logits, past = gen.step(new.astype(gen.embed_dtype, copy=False), mask, past, positions)
+        for r in rows:
+            r.steps += 1
