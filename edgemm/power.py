@@ -334,7 +334,8 @@ class PowerPolicy:
         mode = "efficient" if THERMAL & found.keys() else "fast" if found else "preferred"
         dla = telemetry.dla_cores if telemetry else None
         stages = {stage: pick_device(getattr(self.placement, stage), mode, dla) for stage in STAGES}
-        why = "; ".join(found.values()) or "cool and idle"
+        calm = "cool and idle" if telemetry and telemetry.hottest else "no thermal readings"
+        why = "; ".join(found.values()) or calm
         if wanted:
             why += f"; offload {'is off' if offload == 'off' else 'breaker ' + offload}"
         why += " → " + {"efficient": "DLA first, to save power", "fast": "GPU first, for latency",
