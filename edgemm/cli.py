@@ -1,7 +1,8 @@
 """The `edgemm` command line.
 
 Exit codes (every command): 0 ok · 2 bad input, usage, config or model folder
-(one-line message, no traceback) · 1 internal error. EDGEMM_DEBUG=1 adds tracebacks.
+(one-line message, no traceback) · 1 internal error · 3 `edgemm doctor` found a
+failing check. EDGEMM_DEBUG=1 adds tracebacks.
 """
 from __future__ import annotations
 
@@ -267,6 +268,50 @@ def engines_build(model_dir, out, device, precision, tiers, components, timing_c
     built = build_engines(request, model)
     total = sum(e.build_seconds for e in built)
     click.echo(f"{len(built)} engine(s) in {request.out} ({total:.1f} s); manifest: {request.out / 'manifest.yaml'}")
+
+
+@main.command()
+@click.option("--config", "config_path", type=click.Path(), envvar="EDGEMM_CONFIG", help="YAML config file.")
+@click.option("--socket", "socket_path", type=click.Path(dir_okay=False),
+              help="The daemon's socket (default: server.socket).")
+@click.option("--root", type=click.Path(file_okay=False), help="Read telemetry under this folder (default: power.root, /).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (the daemon's GET /v1/status).")
+@reports_errors
+def status(config_path, socket_path, root, as_json) -> None:
+    """Telemetry now, the placement the policy would choose and why, loaded components,
+    offload state, cache and queue figures. Asks the daemon when it runs; otherwise shows
+    what this machine reads now (no components, cache or queues then)."""
+    from edgemm.status import collect, render
+    cfg = build_config(config_path)
+    if root is not None:
+        cfg.power.root = root
+    report = collect(cfg, socket_path)
+    click.echo(json.dumps(report) if as_json else "\n".join(render(report)))
+
+
+@main.command()
+@click.option("--config", "config_path", type=click.Path(), envvar="EDGEMM_CONFIG", help="YAML config file.")
+@click.option("--root", type=click.Path(file_okay=False),
+              help="Look for telemetry, cameras and CUDA under this folder (default: power.root, /).")
+@click.option("--engines", "engines_dir", type=click.Path(file_okay=False),
+              help="Built engines folder (default: engines/ of this installation).")
+@click.option("--json", "as_json", is_flag=True, help="Print the checks as a JSON list.")
+@reports_errors
+def doctor(config_path, root, engines_dir, as_json) -> None:
+    """Check what this machine can do for edgemm: TensorRT, DLA, CUDA, pycuda, OpenCV's
+    GStreamer, cameras, the socket directory, engines and telemetry files. One line each:
+    ok, warn (not needed by this config) or fail (needed). Exit code 3 when any check fails."""
+    from pathlib import Path
+
+    from edgemm.doctor import FAILED_EXIT_CODE, run_checks
+    cfg = build_config(config_path)
+    if root is not None:
+        cfg.power.root = root
+    engines = Path(engines_dir) if engines_dir else Path(__file__).resolve().parent.parent / "engines"
+    checks = run_checks(cfg, engines)
+    click.echo(json.dumps([c.to_dict() for c in checks]) if as_json else "\n".join(c.line() for c in checks))
+    if any(c.level == "fail" for c in checks):
+        click.get_current_context().exit(FAILED_EXIT_CODE)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from edgemm.scheduler import DETAIL_WORDS, STATISTICS
 
 __all__ = [
     "ConfigError", "ModelConfig", "BackendConfig", "LimitsConfig", "GenerationConfig",
-    "SchedulerConfig", "CacheConfig", "PlacementConfig",
+    "SchedulerConfig", "CacheConfig", "PlacementConfig", "PowerConfig", "OffloadConfig",
     "ServerConfig", "StreamConfig", "Config", "load_config", "config_from_dict", "config_to_dict",
 ]
 
@@ -45,6 +45,8 @@ BACKENDS = ("onnxruntime", "tensorrt")
 PROVIDERS = ("cpu", "cuda", "tensorrt")
 SCHEDULER_POLICIES = ("top", "thresholds", "calibrated")
 PLACEMENT_DEVICES = ("gpu", "dla0", "dla1", "cpu")
+DEVICES = PLACEMENT_DEVICES
+OFFLOAD_CONDITIONS = ("critical", "slo", "hot", "budget")
 
 
 class ConfigError(EdgemmError, ValueError):
@@ -269,6 +271,79 @@ class StreamConfig:
 
 
 @dataclass
+class PowerConfig:
+    """Jetson telemetry (sysfs) and the placement policy's rules (edgemm/power.py)."""
+    root: str = "/"  # where sysfs, /var/lib/nvpmodel and /etc live; another folder only for tests and recordings
+    sample_period_s: float = 1.0  # telemetry is read in the background this often
+    history: int = 60  # samples kept (for energy per request and /v1/status); 60 at 1 s = the last minute
+    budget_w: float | None = None  # board power budget in watts (VDD_IN, else the sum of rails); null = none
+    throttle_c: float = 85.0  # hottest thermal zone at or above this: prefer the DLA for the encoder
+    critical_c: float = 95.0  # hottest zone at or above this: offload if allowed, else keep to the coolest placement
+    slo_ms: float | None = None  # latency target per request; null = no latency rule
+    hysteresis_c: float = 5.0  # a thermal condition ends only this far below its threshold
+    hysteresis_pct: float = 10.0  # budget and SLO conditions end only this many percent below their threshold
+    nvpmodel_query: bool = False  # run `nvpmodel -q` when /var/lib/nvpmodel/status is unreadable
+
+    def validate(self, path: str) -> None:
+        _require(self.root.strip() != "", f"{path}.root", "be a folder", self.root)
+        _require(self.sample_period_s >= 0.05, f"{path}.sample_period_s", "be >= 0.05", self.sample_period_s)
+        _require(self.history >= 2, f"{path}.history", "be >= 2", self.history)
+        if self.budget_w is not None:
+            _require(self.budget_w > 0, f"{path}.budget_w", "be > 0 or null", self.budget_w)
+        if self.slo_ms is not None:
+            _require(self.slo_ms > 0, f"{path}.slo_ms", "be > 0 or null", self.slo_ms)
+        _require(self.critical_c > self.throttle_c, f"{path}.critical_c", f"be above throttle_c ({self.throttle_c})",
+                 self.critical_c)
+        _require(self.hysteresis_c >= 0, f"{path}.hysteresis_c", "be >= 0", self.hysteresis_c)
+        _require(0 <= self.hysteresis_pct < 100, f"{path}.hysteresis_pct", "be in [0, 100)", self.hysteresis_pct)
+
+
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+@dataclass
+class OffloadConfig:
+    """Cloud offload to an OpenAI-compatible chat-completions endpoint (edgemm/offload.py).
+
+    Off by default: images leave the device only when the owner turns this on. The API
+    key is never in this file: name an environment variable or an owner-only file.
+    """
+    enabled: bool = False  # send requests to `url` when the policy says cloud
+    url: str = ""  # the endpoint's base URL, e.g. https://host/v1 (POST {url}/chat/completions)
+    model: str = ""  # model name sent to the endpoint
+    api_key_env: str | None = None  # environment variable holding the API key; null = none
+    api_key_file: str | None = None  # file holding the API key, readable by its owner only (mode 0600/0400); relative: to this file
+    timeout_s: float = 30.0  # per attempt: connecting, sending and each wait for the reply
+    retries: int = 2  # further attempts after a timeout, a connection error, 429 or 5xx
+    backoff_s: float = 0.5  # wait before retry n: backoff_s * 2**(n-1)
+    breaker_threshold: int = 3  # consecutive failed requests that open the circuit breaker
+    breaker_cooldown_s: float = 30.0  # an open breaker lets one trial request through after this
+    allow: list[str] = field(default_factory=lambda: ["critical", "slo"])  # when to offload: critical | slo | hot | budget
+    fallback_local: bool = True  # a failed offload is answered locally; false = the error (502, or 504 on timeout)
+    max_concurrent: int = 4  # requests to the endpoint at once
+
+    def validate(self, path: str) -> None:
+        if self.enabled:
+            _require(self.url.startswith(("http://", "https://")), f"{path}.url",
+                     "be an http:// or https:// URL when offload is enabled", self.url)
+            _require(self.model.strip() != "", f"{path}.model", "name the endpoint's model when offload is enabled",
+                     self.model)
+        if self.api_key_env is not None:
+            _require(ENV_NAME.fullmatch(self.api_key_env) is not None, f"{path}.api_key_env",
+                     "be an environment variable name", self.api_key_env)
+        if self.api_key_file is not None:
+            _require(self.api_key_file.strip() != "", f"{path}.api_key_file", "be a path or null", self.api_key_file)
+        _require(self.timeout_s > 0, f"{path}.timeout_s", "be > 0", self.timeout_s)
+        _require(0 <= self.retries <= 10, f"{path}.retries", "be in 0..10", self.retries)
+        _require(self.backoff_s >= 0, f"{path}.backoff_s", "be >= 0", self.backoff_s)
+        _require(self.breaker_threshold >= 1, f"{path}.breaker_threshold", "be >= 1", self.breaker_threshold)
+        _require(self.breaker_cooldown_s >= 0, f"{path}.breaker_cooldown_s", "be >= 0", self.breaker_cooldown_s)
+        _require(self.max_concurrent >= 1, f"{path}.max_concurrent", "be >= 1", self.max_concurrent)
+        for i, condition in enumerate(self.allow):
+            _choice(condition, OFFLOAD_CONDITIONS, f"{path}.allow[{i}]")
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)
@@ -279,6 +354,8 @@ class Config:
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     streams: list[StreamConfig] = field(default_factory=list)
+    power: PowerConfig = field(default_factory=PowerConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
 
     def validate(self, path: str) -> None:
         ids = [stream.id for stream in self.streams]
@@ -422,4 +499,6 @@ def load_config(source: str | os.PathLike | Mapping[str, Any] | None = None) -> 
     if cfg.model.engines is not None and not Path(cfg.model.engines).is_absolute():
         cfg.model.engines = str(here / cfg.model.engines)
     cfg.server.image_dirs = [str(here / d) for d in cfg.server.image_dirs]  # absolute ones stay as they are
+    if cfg.offload.api_key_file is not None:
+        cfg.offload.api_key_file = str(here / cfg.offload.api_key_file)
     return cfg

@@ -25,7 +25,10 @@ import uvicorn
 
 from edgemm.config import Config, ServerConfig
 from edgemm.errors import EdgemmError
+from edgemm.offload import OffloadClient
 from edgemm.pipeline import Pipeline
+from edgemm.power import Sampler
+from edgemm.router import Router
 from edgemm.runtime import Runtime
 from edgemm.server import Service, create_app
 from edgemm.streams import check_configured
@@ -165,7 +168,10 @@ class Daemon:
     def run(self) -> None:
         cfg = self.config.server
         check_configured(self.config.streams, cfg.max_streams)  # before the socket and the model
+        offload = self.config.offload
+        client = OffloadClient.from_config(offload) if offload.enabled else None  # a bad key file: exit 2 now
         self.listeners = open_listeners(cfg, self.socket_path)
+        router = Router(self.config, Sampler.from_config(self.config.power).start(), client)
         try:
             if self.runtime is None:
                 self.notifier.status("loading and warming up the model")
@@ -175,10 +181,12 @@ class Daemon:
                     self.notifier.status(f"failed to load the model: {e}")
                     raise
             pipeline = Pipeline(self.runtime, cfg.queue_size, cfg.max_batch, cfg.batch_timeout_ms)
-            self.service = Service(self.runtime, pipeline, self.config)
+            self.service = Service(self.runtime, pipeline, self.config, router)
             started_draining = asyncio.run(self._serve())
             self._finish(pipeline, started_draining)
         finally:
+            router.sampler.stop()
+            router.close()
             for listener in self.listeners:
                 listener.close()
         self.notifier.status("stopped")

@@ -289,7 +289,7 @@ def extras(result) -> dict:
 
 
 def usage(result) -> dict:
-    completion_tokens = len(result.tokens)
+    completion_tokens = getattr(result, "completion_tokens", len(result.tokens))  # offloaded answers carry a count
     return {"prompt_tokens": result.prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": result.prompt_tokens + completion_tokens}
 

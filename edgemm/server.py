@@ -48,13 +48,15 @@ from edgemm.openai_api import (DEFAULT_PROMPT, ApiError, ChatRequest, ImagePolic
                                extras, finish_reason, generation_options, load_image_url, parse_chat_request,
                                usage)
 from edgemm.pipeline import Overloaded, Pipeline, Request
+from edgemm.router import Router
 from edgemm.runtime import InferenceResult, Runtime
 from edgemm.streams import END, StreamManager, stream_spec
 
 log = logging.getLogger("edgemm")
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-ENDPOINTS = ("/v1/chat/completions", "/v1/infer", "/v1/models", "/v1/streams", "/healthz", "/readyz", "/metrics")
+ENDPOINTS = ("/v1/chat/completions", "/v1/infer", "/v1/models", "/v1/streams", "/v1/status", "/healthz", "/readyz",
+             "/metrics")
 
 
 class Cancelled(Exception):
@@ -140,8 +142,9 @@ class Job:
 # ---- the service: HTTP requests ↔ pipeline -------------------------------------------------
 
 class Service:
-    def __init__(self, runtime: Runtime, pipeline: Pipeline, config: Config):
+    def __init__(self, runtime: Runtime, pipeline: Pipeline, config: Config, router: Router | None = None):
         self.runtime, self.pipeline, self.config = runtime, pipeline, config
+        self.router = router or Router(config)  # without one: no telemetry, no offload, all local
         self.server: ServerConfig = config.server
         self.model_id = runtime.manifest.name
         self.created = int(time.time())
@@ -199,6 +202,9 @@ class Service:
 
     async def metrics_text(self, http: HttpRequest) -> Response:
         return Response(self.metrics.registry.render(), media_type=CONTENT_TYPE)
+
+    async def status(self, http: HttpRequest) -> Response:
+        return JSONResponse(self.status_report())
 
     # -- camera streams run by the daemon (edgemm.streams) --
 
@@ -288,7 +294,7 @@ class Service:
                 feed.push(text)
 
         request = Request(image, prompt, options, on_token=on_token)
-        future = self.pipeline.submit(request, block=False)
+        future = self.router.submit(request, self.pipeline, self.admission.count - 1)  # local, or the cloud
         future.add_done_callback(ticket.release)
         if feed is not None:
             future.add_done_callback(lambda _: feed.push(None, finished=True))
@@ -385,6 +391,26 @@ class Service:
     def model_card(self) -> dict:
         return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "edgemm"}
 
+    def status_report(self) -> dict:
+        """GET /v1/status and `edgemm status`: telemetry, placement and why, devices, offload, cache, queues."""
+        sampler = self.router.sampler
+        telemetry = sampler.latest() if sampler else None
+        cache = self.runtime.cache.stats().to_dict() if getattr(self.runtime, "cache", None) else None
+        stats = self.pipeline.stats
+        return {"daemon": "draining" if self.draining else "serving", "model": self.model_id,
+                "precision": self.runtime.precision,
+                "telemetry": telemetry.to_dict() if telemetry else None,
+                "placement": self.router.preview(self.admission.count).to_dict(),
+                "last_placement": self.router.governor.last.to_dict() if self.router.governor.last else None,
+                "power": self.router.governor.figures(),
+                "components": components(self.runtime),
+                "offload": self.router.offload_status(),
+                "cache": cache,
+                "queue": {"in_flight": self.admission.count, "limit": self.admission.limit,
+                          "depths": self.pipeline.depths(), "completed": stats.completed, "failed": stats.failed,
+                          "rejected": stats.rejected},
+                "streams": len(self.streams.streams)}
+
     def status_line(self) -> str:
         stats = self.pipeline.stats
         state = "draining" if self.draining else "serving"
@@ -392,6 +418,12 @@ class Service:
         return (f"{state} {self.model_id}: {self.admission.count} in flight, {stats.completed} answered, "
                 f"{stats.failed} failed, {self.metrics.refused} refused; "
                 f"streams {running}/{len(self.streams.streams)} running")
+
+
+def components(runtime: Runtime) -> dict:
+    """Loaded graphs: stage → device, precision and what runs them."""
+    return {c.name: {"device": c.device, "precision": c.precision, "provider": c.provider}
+            for c in runtime.components.all()}
 
 
 def sse(data: dict) -> str:
@@ -443,6 +475,11 @@ class ServiceMetrics:
     def __init__(self, service: Service):
         self.registry = r = Registry()
         pipeline = service.pipeline
+        self.router = service.router
+        self.energy = r.add(Histogram("edgemm_request_energy_joules",
+                                      "Board energy over each answered request (rail power × time; an upper bound "
+                                      "when requests overlap).", (), ENERGY_BUCKETS))
+        power_gauges(r, service.router)
         self.requests = r.add(Counter("edgemm_http_requests_total", "HTTP requests answered, by endpoint and status.",
                                       ("endpoint", "status")))
         self.latency = r.add(Histogram("edgemm_http_request_duration_seconds",
@@ -486,6 +523,9 @@ class ServiceMetrics:
         return int(sum(v for (_, status), v in self.requests.values.items() if status == "503"))
 
     def answered(self, result: InferenceResult) -> None:
+        energy = self.router.answered(result)
+        if energy is not None:
+            self.energy.observe(energy)
         for stage, ms in result.timings_ms.items():
             self.stages.observe(ms / 1e3, stage)
         self.tiers.inc(result.tier)
@@ -494,6 +534,48 @@ class ServiceMetrics:
     def http(self, endpoint: str, status: int, seconds: float) -> None:
         self.requests.inc(endpoint, str(status))
         self.latency.observe(seconds, endpoint)
+
+
+ENERGY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 50, 100)
+
+
+def power_gauges(r: Registry, router: Router) -> None:
+    """Telemetry, placement and offload figures, read when scraped. Absent sensors have no sample
+    (a missing line), never 0."""
+    def telemetry():
+        return router.sampler.latest() if router.sampler else None
+
+    def present(values: dict) -> dict:
+        return {k: v for k, v in values.items() if v is not None}
+
+    def scalar(read):
+        return lambda: present({(): read(t)} if (t := telemetry()) else {})
+
+    r.add(Gauge("edgemm_power_rail_watts", "Power per INA3221 rail.", ("rail",),
+                lambda: present({(k,): v for k, v in (telemetry().rails_w if telemetry() else {}).items()})))
+    r.add(Gauge("edgemm_board_power_watts", "Board power: VDD_IN, else the sum of rails.", (),
+                scalar(lambda t: t.total_w)))
+    r.add(Gauge("edgemm_temperature_celsius", "Temperature per thermal zone.", ("zone",),
+                lambda: present({(k,): v for k, v in (telemetry().temps_c if telemetry() else {}).items()})))
+    r.add(Gauge("edgemm_gpu_load_ratio", "GPU load (devfreq), 0..1.", (), scalar(lambda t: t.gpu_load)))
+    r.add(Gauge("edgemm_dla_cores", "DLA cores on this module.", (), scalar(lambda t: t.dla_cores)))
+    r.add(Gauge("edgemm_placement_device", "The last placement: 1 for the device each stage was given.",
+                ("stage", "device"), lambda: {(stage, device): 1 for stage, device in
+                                              (router.governor.last.stages.items() if router.governor.last else ())}))
+    r.add(Gauge("edgemm_power_condition", "Conditions active at the last placement (hot, critical, over_budget, "
+                "slo_at_risk, slo_miss).", ("condition",),
+                lambda: {(c,): 1 for c in (router.governor.last.conditions if router.governor.last else ())}))
+    r.add(Gauge("edgemm_placement_decisions_total", "Requests placed, by target.", ("target",),
+                lambda: {(k,): v for k, v in router.governor.decisions.items()}, kind="counter"))
+    r.add(Gauge("edgemm_energy_joules_total", "Board energy over answered requests.", (),
+                lambda: {(): router.governor.energy_total_j}, kind="counter"))
+    r.add(Gauge("edgemm_offload_breaker_state", "Offload circuit breaker: 1 for its state (off when disabled).",
+                ("state",), lambda: {(router.offload_state(),): 1}))
+    r.add(Gauge("edgemm_offload_requests_total", "Offload requests, by outcome.", ("outcome",),
+                lambda: {} if router.client is None else {
+                    ("succeeded",): router.client.figures.succeeded, ("failed",): router.client.figures.failed,
+                    ("refused",): router.client.figures.refused, ("answered_locally",): router.fallbacks},
+                kind="counter"))
 
 
 class MeasuredApp:
@@ -544,6 +626,7 @@ def create_app(service: Service) -> MeasuredApp:
         Route("/v1/streams/{id}", service.get_stream, methods=["GET"]),
         Route("/v1/streams/{id}", service.delete_stream, methods=["DELETE"]),
         Route("/v1/streams/{id}/events", service.stream_events, methods=["GET"]),
+        Route("/v1/status", service.status, methods=["GET"]),
         Route("/healthz", service.healthz, methods=["GET"]),
         Route("/readyz", service.readyz, methods=["GET"]),
         Route("/metrics", service.metrics_text, methods=["GET"]),

@@ -11,7 +11,7 @@ import yaml
 
 from edgemm.config import (
     BackendConfig, CacheConfig, Config, ConfigError, GenerationConfig, LimitsConfig, ModelConfig,
-    PlacementConfig, SchedulerConfig, ServerConfig, StreamConfig,
+    OffloadConfig, PlacementConfig, PowerConfig as PowerSection, SchedulerConfig, ServerConfig, StreamConfig,
     config_from_dict, config_to_dict, load_config,
 )
 
@@ -76,6 +76,31 @@ streams:
   change_threshold: 4.0
   tier: low
   max_new_tokens: 8
+power:
+  root: /srv/recording
+  sample_period_s: 0.5
+  history: 10
+  budget_w: 15.0
+  throttle_c: 80.0
+  critical_c: 90.0
+  slo_ms: 250.0
+  hysteresis_c: 3.0
+  hysteresis_pct: 5.0
+  nvpmodel_query: true
+offload:
+  enabled: true
+  url: https://llm.example/v1
+  model: big-vlm
+  api_key_env: EDGEMM_KEY
+  api_key_file: /etc/edgemm/key
+  timeout_s: 5.0
+  retries: 1
+  backoff_s: 0.2
+  breaker_threshold: 2
+  breaker_cooldown_s: 10.0
+  allow: [critical]
+  fallback_local: false
+  max_concurrent: 2
 """
 
 
@@ -158,6 +183,12 @@ def test_full_yaml_file_loads_every_field(tmp_path):
                             remote_timeout_s=2.0, max_streams=2),
         streams=[StreamConfig(id="door", source="rtsp://10.0.0.5/stream", prompt="is the door open ?", fps=0.5,
                               every=2, change_threshold=4.0, tier="low", max_new_tokens=8)],
+        power=PowerSection(root="/srv/recording", sample_period_s=0.5, history=10, budget_w=15.0, throttle_c=80.0,
+                          critical_c=90.0, slo_ms=250.0, hysteresis_c=3.0, hysteresis_pct=5.0, nvpmodel_query=True),
+        offload=OffloadConfig(enabled=True, url="https://llm.example/v1", model="big-vlm", api_key_env="EDGEMM_KEY",
+                              api_key_file="/etc/edgemm/key", timeout_s=5.0, retries=1, backoff_s=0.2,
+                              breaker_threshold=2, breaker_cooldown_s=10.0, allow=["critical"],
+                              fallback_local=False, max_concurrent=2),
     )
 
 
@@ -201,7 +232,7 @@ def test_unknown_top_level_key_names_it_and_the_known_sections():
     message = error({"modle": {}})
     known = ", ".join(sorted(f.name for f in dataclasses.fields(Config)))
     assert message == f"config: unknown key 'modle' (known: {known})"
-    assert known.startswith("backend, cache, generation, limits, model, placement, scheduler")
+    assert known.startswith("backend, cache, generation, limits, model, offload, placement, power, scheduler")
 
 
 def test_unknown_nested_key_names_full_path_and_known_keys():

@@ -1,0 +1,157 @@
+"""`edgemm status` and `edgemm doctor` on fake Jetson roots (and status against a running daemon)."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from click.testing import CliRunner
+from fake_jetson import agx_orin, orin_nano, orin_nx
+from test_server import running, sock_path
+
+import edgemm.doctor
+from edgemm.cli import main
+
+LINE = re.compile(r"^(ok|warn|fail) +[^:]+: \S.*$")
+
+
+def invoke(*args: str, config: dict | None = None, tmp_path=None):
+    if config is not None:
+        path = tmp_path / "edgemm.yaml"
+        path.write_text(json.dumps(config))  # JSON is YAML
+        args = (*args, "--config", str(path))
+    return CliRunner().invoke(main, list(args))
+
+
+@pytest.fixture
+def socket_config(tmp_path) -> dict:
+    return {"server": {"socket": str(tmp_path / "run" / "edgemm.sock")}}
+
+
+# ---- status --------------------------------------------------------------------------------------
+
+
+def test_status_json_without_a_daemon(tmp_path, socket_config):
+    orin_nx(tmp_path / "root")
+    result = invoke("status", "--json", "--root", str(tmp_path / "root"), config=socket_config, tmp_path=tmp_path)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["daemon"] == "not running"
+    assert report["telemetry"]["total_w"] == 5.0 and report["telemetry"]["nvpmodel"] == "MAXN (0)"
+    assert report["placement"]["stages"] == {"vision_encoder": "cpu", "embed_tokens": "cpu", "decoder": "cpu"}
+    assert report["offload"] == {"enabled": False, "breaker": "off"}
+    assert report["components"] is None and report["queue"] is None
+
+
+def test_status_text_on_a_hot_agx(tmp_path, socket_config):
+    jetson = agx_orin(tmp_path / "root")
+    jetson.set_temp("tj-thermal", 88)
+    config = {**socket_config, "placement": {"vision_encoder": ["gpu", "dla0"]}}
+    result = invoke("status", "--root", str(tmp_path / "root"), config=config, tmp_path=tmp_path)
+    assert result.exit_code == 0, result.output
+    assert "vision_encoder=dla0" in result.output and "hot: tj-thermal at 88.0 °C" in result.output
+    assert "10.00 W (VDD_GPU_SOC 4.00" in result.output and "power mode  15W (2)" in result.output
+
+
+def test_status_on_a_machine_without_sensors(tmp_path, socket_config):
+    result = invoke("status", "--root", str(tmp_path), config=socket_config, tmp_path=tmp_path)
+    assert result.exit_code == 0
+    assert "power       absent" in result.output and "thermal     absent" in result.output
+    assert "gpu load    absent" in result.output and "no thermal readings" in result.output
+
+
+def test_status_never_shows_the_key(tmp_path, socket_config):
+    key = tmp_path / "key"
+    key.write_text("sk-status-SECRET")
+    key.chmod(0o644)
+    config = {**socket_config, "offload": {"enabled": True, "url": "https://user:pw@llm.example/v1",
+                                           "model": "m", "api_key_file": str(key)}}
+    result = invoke("status", "--json", "--root", str(tmp_path), config=config, tmp_path=tmp_path)
+    assert result.exit_code == 0, result.output
+    offload = json.loads(result.output)["offload"]
+    assert offload["endpoint"] == "llm.example" and offload["key"].startswith("problem: offload.api_key_file")
+    assert "sk-status-SECRET" not in result.output and "pw" not in result.output
+    key.chmod(0o600)
+    report = json.loads(invoke("status", "--json", config=config, tmp_path=tmp_path).output)
+    assert report["offload"]["key"] == "set"
+
+
+def test_status_asks_the_running_daemon(runtime, tmp_path):
+    orin_nx(tmp_path)
+    with running(runtime, {"power": {"root": str(tmp_path)}}) as daemon:
+        result = CliRunner().invoke(main, ["status", "--json", "--socket", sock_path(daemon)])
+        assert result.exit_code == 0, result.output
+        report = json.loads(result.output)
+        assert report["daemon"] == "serving" and report["model"] == "tiny-vlm"
+        assert report["components"]["decoder"]["device"] == "cpu"
+        assert report["queue"]["limit"] == 8 and report["telemetry"]["total_w"] == 5.0
+        text = CliRunner().invoke(main, ["status", "--socket", sock_path(daemon)]).output
+        assert "serving tiny-vlm (fp32)" in text and "queue       0 in flight of 8" in text
+
+
+# ---- doctor --------------------------------------------------------------------------------------
+
+
+def test_doctor_on_an_orin_nx(tmp_path, socket_config):
+    orin_nx(tmp_path / "root").add_camera("video0")
+    (tmp_path / "run").mkdir()
+    result = invoke("doctor", "--root", str(tmp_path / "root"), "--engines", str(tmp_path / "engines"),
+                    config=socket_config, tmp_path=tmp_path)
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert all(LINE.match(line) for line in lines), lines
+    checks = {line.split(":")[0].split(None, 1)[1]: line.split(None, 1)[0] for line in lines}
+    for name in ("python", "dla", "power rails", "thermal zones", "GPU load", "power mode", "camera",
+                 "socket directory"):
+        assert checks[name] == "ok", (name, result.output)
+    assert {"tensorrt", "cuda", "pycuda", "opencv gstreamer", "engines"} <= set(checks)
+    assert "ok    dla: 2 cores" in lines
+
+
+def test_doctor_fails_when_placement_needs_a_dla_the_module_lacks(tmp_path, socket_config):
+    orin_nano(tmp_path / "root")
+    config = {**socket_config, "placement": {"vision_encoder": ["dla0", "gpu"]}}
+    result = invoke("doctor", "--root", str(tmp_path / "root"), config=config, tmp_path=tmp_path)
+    assert result.exit_code == 3
+    assert "fail  dla: placement lists dla0 but this module has 0 DLA cores" in result.output
+
+
+def test_doctor_reports_unreadable_telemetry(tmp_path, socket_config):
+    jetson = orin_nx(tmp_path / "root")
+    temp = jetson.zone_file("gpu-thermal")
+    temp.unlink()
+    temp.mkdir()  # unreadable even for root
+    result = invoke("doctor", "--json", "--root", str(tmp_path / "root"), config=socket_config, tmp_path=tmp_path)
+    assert result.exit_code == 3
+    checks = {c["name"]: c for c in json.loads(result.output)}
+    assert checks["thermal zones"]["level"] == "fail" and str(temp) in checks["thermal zones"]["detail"]
+
+
+def test_doctor_without_a_jetson_only_warns(tmp_path, socket_config):
+    result = invoke("doctor", "--root", str(tmp_path), config=socket_config, tmp_path=tmp_path)
+    assert result.exit_code == 0, result.output
+    assert "warn  power rails: none found" in result.output
+    assert "warn  socket directory:" in result.output and "warn  cameras:" in result.output
+
+
+def test_doctor_compares_engines_with_the_running_tensorrt(tmp_path, socket_config, monkeypatch):
+    (tmp_path / "engines/tiny-vlm").mkdir(parents=True)
+    # the layout edgemm/engines/manifest.py writes: the TensorRT version is per engine
+    (tmp_path / "engines/tiny-vlm/manifest.yaml").write_text(
+        "model: tiny-vlm\nengines:\n- {component: decoder, device: gpu, tensorrt: 8.6.2}\n"
+        "- {component: vision_encoder, device: dla0, tensorrt: 8.6.2}\n")
+    real = edgemm.doctor.module_version
+    monkeypatch.setattr(edgemm.doctor, "module_version", lambda name: "10.3.0" if name == "tensorrt" else real(name))
+    result = invoke("doctor", "--root", str(tmp_path), "--engines", str(tmp_path / "engines"),
+                    config=socket_config, tmp_path=tmp_path)
+    assert result.exit_code == 3
+    assert "ok    tensorrt: 10.3.0" in result.output
+    assert "fail  engines: TensorRT here is 10.3.0; rebuild with tools/build_engines.py: tiny-vlm (built with 8.6.2)" \
+        in result.output
+
+
+def test_doctor_camera_permission(tmp_path, socket_config, monkeypatch):
+    orin_nx(tmp_path / "root").add_camera("video0")
+    monkeypatch.setattr(edgemm.doctor.os, "access", lambda path, mode: "video" not in str(path))
+    result = invoke("doctor", "--root", str(tmp_path / "root"), config=socket_config, tmp_path=tmp_path)
+    assert result.exit_code == 3 and "fail  camera: /dev/video0: permission denied" in result.output
