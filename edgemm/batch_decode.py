@@ -25,7 +25,7 @@ from edgemm.generate import Generation, GenerationOptions, Generator, PrefixReus
 class BatchItem:
     features: np.ndarray  # [1,N,D]
     input_ids: np.ndarray  # [1,S]
-    image_start: int
+    image_start: int | np.ndarray  # first placeholder, or all of them (Prompt.image_positions)
     options: GenerationOptions
     on_token: Callable[[int], None] | None = None
     reuse: PrefixReuse | None = None

@@ -80,7 +80,7 @@ def expand(beams: Beams, logp: np.ndarray, width: int, stop_ids: set[int],
     return Beams(tokens, scores_arr, finished), np.asarray(parents, np.intp)
 
 
-def beam_search(gen: Generator, features: np.ndarray, input_ids: np.ndarray, image_start: int,
+def beam_search(gen: Generator, features: np.ndarray, input_ids: np.ndarray, image_start: int | np.ndarray,
                 budget: int, options: GenerationOptions,
                 on_token: Callable[[int], None] | None = None) -> Generation:
     """Decode up to `budget` tokens with options.num_beams beams, gated by options.beam_gate."""

@@ -82,6 +82,24 @@ def _run_length(ids: np.ndarray, start: int) -> int:
     return int(different[0]) if len(different) else len(ids) - start
 
 
+def image_positions(input_ids: np.ndarray, image: int | np.ndarray, features: int) -> np.ndarray:
+    """Indices in input_ids[0] that the `features` encoder tokens replace, in order.
+
+    `image` is the start of one contiguous placeholder run (the built-in family) or the
+    positions themselves (tiled families, whose placeholders come in runs per tile)."""
+    if np.ndim(image) == 0:
+        placeholders = _run_length(input_ids[0], int(image))
+        positions = np.arange(int(image), int(image) + placeholders)
+    else:
+        positions = np.asarray(image)
+        placeholders = len(positions)
+    if placeholders != features:
+        raise ModelError(f"the encoder gave {features} image tokens but the prompt has {placeholders} "
+                         "image placeholders: the tier's image_tokens (model.yaml) or the family's "
+                         "image expansion is wrong")
+    return positions
+
+
 def sample_token(logits: np.ndarray, options: GenerationOptions, rng: np.random.Generator) -> int:
     if options.temperature == 0:
         return int(logits.argmax())
@@ -118,23 +136,36 @@ class Generator:
         self.mask_dtype = decoder.inputs["attention_mask"].dtype
         self.position_dtype = decoder.inputs["position_ids"].dtype
         self.past_names = [f"past_key_values.{i}.{kind}" for i in range(self.layers) for kind in ("key", "value")]
+        self.pixel_dtype = encoder.inputs["pixel_values"].dtype  # e.g. float16 in _fp16 exports
+        spec = encoder.inputs.get("pixel_attention_mask")
+        self.pixel_mask_dtype = spec.dtype if spec is not None else None
 
     def encode(self, pixel_values: np.ndarray) -> np.ndarray:
-        return self.encoder.run({"pixel_values": pixel_values})["image_features"]
+        """[B,3,H,W] → [B,N,D]; tiled [B,T,3,H,W] → [B,T*n,D], each image's tiles in order.
+
+        A tiled encoder takes the tiles flattened into its batch (image_features
+        [B*T,n,D], as transformers.js exports SmolVLM) and, if it declares it, a
+        pixel_attention_mask: all ones, since edgemm never pads a tile."""
+        feeds = {"pixel_values": pixel_values.astype(self.pixel_dtype, copy=False)}
+        if self.pixel_mask_dtype is not None:
+            mask_shape = pixel_values.shape[:-3] + pixel_values.shape[-2:]
+            feeds["pixel_attention_mask"] = np.ones(mask_shape, self.pixel_mask_dtype)
+        features = self.encoder.run(feeds)["image_features"]
+        if pixel_values.ndim == 5:
+            features = features.reshape(pixel_values.shape[0], -1, features.shape[-1])
+        return features
 
     def empty_past(self, batch: int) -> dict[str, np.ndarray]:
         empty = np.zeros((batch, self.kv_shape[0], 0, self.kv_shape[1]), self.kv_dtype)
         return {f"past_key_values.{i}.{kind}": empty
                 for i in range(self.layers) for kind in ("key", "value")}
 
-    def embed_prompt(self, input_ids: np.ndarray, features: np.ndarray, image_start: int) -> np.ndarray:
-        n = features.shape[1]
-        placeholders = _run_length(input_ids[0], image_start)
-        if placeholders != n:
-            raise ModelError(f"the encoder gave {n} image tokens but the prompt has {placeholders} "
-                             "image placeholders: model.yaml's image_tokens for this tier is wrong")
+    def embed_prompt(self, input_ids: np.ndarray, features: np.ndarray, image: int | np.ndarray) -> np.ndarray:
+        """Token embeddings with the image placeholders replaced by `features` [1,N,D], in order.
+        `image`: the first placeholder's index, or all their indices (see image_positions)."""
+        positions = image_positions(input_ids, image, features.shape[1])
         embeds = self.embed.run({"input_ids": input_ids})["inputs_embeds"]
-        embeds[:, image_start:image_start + n] = features.astype(embeds.dtype)
+        embeds[:, positions] = features.astype(embeds.dtype)
         return embeds.astype(self.embed_dtype, copy=False)
 
     def step(self, embeds: np.ndarray, mask: np.ndarray, past: dict[str, np.ndarray],
@@ -154,11 +185,12 @@ class Generator:
                    for i in range(self.layers) for kind in ("key", "value")}
         return out["logits"][:, -1], present
 
-    def prefill(self, features: np.ndarray, input_ids: np.ndarray, image_start: int, mask: np.ndarray,
-                reuse: PrefixReuse | None) -> tuple[np.ndarray, dict, np.ndarray | None, bool]:
+    def prefill(self, features: np.ndarray, input_ids: np.ndarray, image_start: int | np.ndarray,
+                mask: np.ndarray, reuse: PrefixReuse | None) -> tuple[np.ndarray, dict, np.ndarray | None, bool]:
         """Run the prompt through the decoder: logits, cache, the prompt's embeddings
         (None when a stored prefix was reused) and whether it was."""
-        split = image_start + features.shape[1]  # the prefix ends with the image block
+        # the prefix ends with the last image placeholder
+        split = int(image_positions(input_ids, image_start, features.shape[1])[-1]) + 1
         key = None
         if reuse is not None and split < input_ids.shape[1]:
             key = reuse.image_key + b"\0prefix\0" + input_ids[0, :split].astype(np.int64).tobytes()
@@ -174,7 +206,7 @@ class Generator:
             reuse.store.put(key, np.stack([past[name][:, :, :split] for name in self.past_names]))
         return logits, past, embeds, False
 
-    def generate(self, features: np.ndarray, input_ids: np.ndarray, image_start: int,
+    def generate(self, features: np.ndarray, input_ids: np.ndarray, image_start: int | np.ndarray,
                  options: GenerationOptions, on_token: Callable[[int], None] | None = None,
                  reuse: PrefixReuse | None = None) -> Generation:
         prompt_len = input_ids.shape[1]

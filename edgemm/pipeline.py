@@ -206,7 +206,9 @@ class Pipeline:
                 break
             if nxt is _STOP:
                 return batch, True
-            if nxt.reuse or nxt.prepared.tier.name != first.prepared.tier.name:
+            # one encoder batch needs one pixel shape: same tier (and, for tiled families, same tiles)
+            if (nxt.reuse or nxt.prepared.tier.name != first.prepared.tier.name
+                    or nxt.prepared.pixel_values.shape != first.prepared.pixel_values.shape):
                 self._held.append(nxt)  # keeps its place: it goes next
                 break
             batch.append(nxt)

@@ -28,7 +28,6 @@ from edgemm.model.contract import check_component
 from edgemm.model.family import Prompt, adapter_for
 from edgemm.model.image import load_image
 from edgemm.model.manifest import COMPONENTS, ModelManifest, ResolutionTier, load_manifest
-from edgemm.model.preprocess import to_pixel_values
 from edgemm.placement import Placement, place
 from edgemm.scheduler import POLICY_FILE, Decision, Scheduler, TierPolicy
 
@@ -73,7 +72,7 @@ class InferenceResult:
 @dataclass
 class PreparedRequest:
     """A request after stage 1, ready for the encoder."""
-    pixel_values: np.ndarray  # [1,3,H,W] float32
+    pixel_values: np.ndarray  # [1,3,H,W] float32; [1,tiles,3,H,W] for tiled families
     tier: ResolutionTier
     prompt: Prompt
     options: GenerationOptions
@@ -208,8 +207,8 @@ class Runtime:
         return load_image(image, max_pixels=self.config.limits.max_pixels)
 
     def pixels(self, rgb: np.ndarray, tier: ResolutionTier) -> np.ndarray:
-        pre = self.manifest.preprocessing
-        return to_pixel_values(rgb, tier.height, tier.width, pre.mean, pre.std)
+        """[1,3,H,W], or [1,tiles,3,H,W] for a tiled family: the adapter decides."""
+        return self.adapter.pixels(rgb, tier)
 
     def preprocess(self, image, tier: str | None = None) -> tuple[np.ndarray, str]:
         """Pixel values at `tier` (else the configured or default tier; no scheduling)."""
@@ -241,7 +240,7 @@ class Runtime:
         decision = self.scheduler.decide(rgb, prompt, self.manifest.tier(pinned).name if pinned else None)
         chosen = self.manifest.tiers[decision.tier]
         pixel_values = self.pixels(rgb, chosen)
-        prompt_ids = self.adapter.build_prompt(prompt, chosen)
+        prompt_ids = self.adapter.build_prompt(prompt, chosen, rgb.shape[:2])  # tiling depends on the size
         # keyed here, on the caller's (or the pipeline's prepare) thread, not the encoder's
         key = self.feature_key(pixel_values[0], chosen.name) if self.cache is not None else None
         timings = {"preprocess": (time.perf_counter() - t0) * 1e3}
@@ -275,7 +274,7 @@ class Runtime:
     def decode(self, request: PreparedRequest, features: np.ndarray, on_token=None) -> InferenceResult:
         """Stage 3: prefill + token-by-token decode for one request; its features [1,N,D]."""
         prompt = request.prompt
-        generation = self.generator.generate(features, prompt.input_ids, prompt.image_start,
+        generation = self.generator.generate(features, prompt.input_ids, prompt.image_positions,
                                              request.options, self._token_callback(on_token),
                                              self._prefix_reuse(request))
         return self._result(request, generation)
@@ -293,7 +292,7 @@ class Runtime:
                 out[i] = self.decode(requests[i], features[i], on_tokens[i])
             except Exception as e:
                 out[i] = e
-        items = [BatchItem(features[i], requests[i].prompt.input_ids, requests[i].prompt.image_start,
+        items = [BatchItem(features[i], requests[i].prompt.input_ids, requests[i].prompt.image_positions,
                            requests[i].options, self._token_callback(on_tokens[i]),
                            self._prefix_reuse(requests[i])) for i in together]
         for i, generation in zip(together, generate_batch(self.generator, items)):

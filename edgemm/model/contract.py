@@ -16,6 +16,7 @@ REQUIRED = {
     "decoder": (("inputs_embeds", "attention_mask", "position_ids"), ("logits",)),
 }
 OPTIONAL_DECODER_INPUTS = ("use_cache_branch", "num_logits_to_keep")
+OPTIONAL_ENCODER_INPUTS = ("pixel_attention_mask",)  # tiled families (idefics3); fed all ones
 _PAST = re.compile(r"past_key_values\.(\d+)\.(key|value)$")
 
 
@@ -35,6 +36,11 @@ def check_component(kind: str, component: Component, path: str) -> None:
         if name not in component.outputs:
             raise ModelError(f"{path}: {kind} graph lacks output '{name}' required by the model "
                              f"contract (it declares: {', '.join(component.outputs)})")
+    if kind == "vision_encoder":
+        extra = [n for n in component.inputs if n not in (*want_in, *OPTIONAL_ENCODER_INPUTS)]
+        if extra:
+            raise ModelError(f"{path}: vision_encoder graph has inputs the runtime does not know how to "
+                             f"feed: {', '.join(extra)}")
     if kind != "decoder":
         return
     layers = decoder_layers(component)

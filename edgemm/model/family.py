@@ -1,9 +1,11 @@
-"""Family adapters: how a model family turns a user prompt into input ids.
+"""Family adapters: how a model family turns an image into pixel values and a user
+prompt into input ids.
 
-The adapter fills the manifest's prompt format, tokenizes it with the model's
-Hugging Face tokenizer and expands the single image token into one placeholder
-per image feature of the chosen tier. Families that tile images or use chat
-templates plug in here behind the same two methods.
+Every adapter has the same methods: `pixels(rgb, tier)`, `build_prompt(prompt, tier,
+image_size)`, `decode(ids)` and `stop_ids`. The built-in family fills the manifest's
+prompt format and expands its single image token into one placeholder per image
+feature of the tier; idefics3 (edgemm/model/idefics3.py) tiles the image and
+expands the chat template's image into tiles of placeholders.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from tokenizers import Tokenizer
 
 from edgemm.errors import InputError, ModelError
 from edgemm.model.manifest import ModelManifest, ResolutionTier
+from edgemm.model.preprocess import to_pixel_values
 
 
 @dataclass
@@ -23,6 +26,12 @@ class Prompt:
     image_start: int  # index of the first image placeholder
     image_tokens: int  # how many placeholders (= encoder output tokens)
     unknown_words: int  # words the vocabulary does not have
+    # where the encoder's output tokens go, in order; one contiguous run unless given
+    image_positions: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if self.image_positions is None:
+            self.image_positions = np.arange(self.image_start, self.image_start + self.image_tokens)
 
 
 class TinyVLMAdapter:
@@ -45,7 +54,13 @@ class TinyVLMAdapter:
             raise ModelError(f"{self.manifest.path}: token {token!r} from model.yaml is not in the tokenizer")
         return token_id
 
-    def build_prompt(self, prompt: str, tier: ResolutionTier) -> Prompt:
+    def pixels(self, rgb: np.ndarray, tier: ResolutionTier) -> np.ndarray:
+        """RGB8 → float32 [1, 3, H, W] at the tier's size."""
+        pre = self.manifest.preprocessing
+        return to_pixel_values(rgb, tier.height, tier.width, pre.mean, pre.std)
+
+    def build_prompt(self, prompt: str, tier: ResolutionTier, image_size: tuple[int, int] | None = None) -> Prompt:
+        """`image_size` is unused: every image gives the tier's number of placeholders."""
         text = self.manifest.prompt_format.replace("{prompt}", " ".join(prompt.split()))
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids
         if ids.count(self.image_id) != 1:
@@ -59,12 +74,14 @@ class TinyVLMAdapter:
         return self.tokenizer.decode([i for i in ids if i not in self.stop_ids], skip_special_tokens=True)
 
 
-FAMILIES = {"tiny-vlm": TinyVLMAdapter}
+def families() -> dict[str, type]:
+    from edgemm.model.idefics3 import Idefics3Adapter  # it builds on Prompt, above
+    return {"tiny-vlm": TinyVLMAdapter, "idefics3": Idefics3Adapter}
 
 
-def adapter_for(manifest: ModelManifest) -> TinyVLMAdapter:
-    try:
-        return FAMILIES[manifest.family](manifest)
-    except KeyError:
+def adapter_for(manifest: ModelManifest):
+    known = families()
+    if manifest.family not in known:
         raise ModelError(f"{Path(manifest.path) / 'model.yaml'}: unknown family {manifest.family!r} "
-                         f"(known: {', '.join(FAMILIES)})") from None
+                         f"(known: {', '.join(known)})")
+    return known[manifest.family](manifest)

@@ -54,6 +54,8 @@ class ModelManifest:
     max_context: int
     precisions: list[str] = field(default_factory=lambda: ["fp32"])
     decoder: dict = field(default_factory=dict)
+    chat_template: str | None = None  # Jinja chat template (Hugging Face folders)
+    family_config: dict = field(default_factory=dict)  # what the family adapter needs beyond this
 
     def tier(self, name: str | None) -> ResolutionTier:
         name = name or self.default_tier
@@ -101,10 +103,14 @@ def _tiers(raw: dict, where: str) -> dict[str, ResolutionTier]:
 
 
 def load_manifest(model_dir: str | Path) -> ModelManifest:
+    """model.yaml, else a Hugging Face folder (config.json + preprocessor_config.json + onnx/)."""
     path = Path(model_dir)
     yaml_path = path / "model.yaml"
     if not path.is_dir():
         raise ModelError(f"model folder not found: {path}")
+    if not yaml_path.is_file() and (path / "config.json").is_file():
+        from edgemm.model.hf_folder import load_hf_manifest  # it builds on this module's types
+        return load_hf_manifest(path)
     if not yaml_path.is_file():
         raise ModelError(f"{path} is not a model folder: model.yaml not found")
     where = str(yaml_path)

@@ -1,0 +1,159 @@
+"""The idefics3 family (SmolVLM): tiled images, chat template, image-token expansion.
+
+One image becomes rows x cols tiles plus a global image (edgemm.model.tiling);
+each tile is `image_seq_len` encoder tokens. The prompt is the folder's chat
+template with the user's text after one `<image>`, and that `<image>` expands as
+Idefics3Processor expands it:
+
+    <fake_token_around_image><row_1_col_1><image>*n ... <fake_token_around_image><row_1_col_C><image>*n \\n
+    ...                                                                  (one line per tile row)
+    \\n<fake_token_around_image><global-img><image>*n<fake_token_around_image>
+
+(a single tile is just the last line, without the newline). The encoder's output,
+tile by tile, fills the `<image>` positions in order.
+
+Resolution tiers turn the longest edge the image is resized to: `global` (one
+tile), `2x2`, up to the model's `size.longest_edge` (e.g. `4x4` for SmolVLM).
+"""
+from __future__ import annotations
+
+import math
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from edgemm.errors import InputError, ModelError
+from edgemm.model.family import Prompt
+from edgemm.model.manifest import ModelManifest, ResolutionTier
+from edgemm.model.tiling import tile_layout, tile_pixels
+
+IMAGE_TOKEN = "<image>"
+FAKE_TOKEN = "<fake_token_around_image>"
+GLOBAL_TOKEN = "<global-img>"
+END_OF_UTTERANCE = "<end_of_utterance>"
+PIL_LANCZOS = 1  # preprocessor_config.json "resample": the only filter implemented (as SmolVLM uses)
+
+
+def family_config(path: Path, config: dict, preprocessor: dict, processor: dict, generation: dict) -> dict:
+    """What the adapter needs from the folder's JSON files, checked, in one flat dict."""
+    where = path / "preprocessor_config.json"
+
+    def edge(key: str) -> int:
+        value = (preprocessor.get(key) or {}).get("longest_edge")
+        if not isinstance(value, int) or value <= 0:
+            raise ModelError(f"{where}: needs {key}.longest_edge, a positive integer")
+        return value
+
+    if not preprocessor.get("do_image_splitting", True):
+        raise ModelError(f"{where}: do_image_splitting false is not supported (edgemm tiles as SmolVLM does)")
+    if preprocessor.get("resample", PIL_LANCZOS) != PIL_LANCZOS:
+        raise ModelError(f"{where}: resample {preprocessor['resample']} is not supported (only 1, Lanczos)")
+    vision = config.get("vision_config", {})
+    seq_len = processor.get("image_seq_len")
+    if seq_len is None:  # as the processor computes it: patches per tile over the pixel shuffle
+        seq_len = (vision.get("image_size", 512) // vision.get("patch_size", 16)) ** 2 // config.get(
+            "scale_factor", 2) ** 2
+    eos = generation.get("eos_token_id", [])
+    return {
+        "tile": edge("max_image_size"), "longest_edge": edge("size"), "image_seq_len": int(seq_len),
+        "rescale_factor": float(preprocessor.get("rescale_factor", 1 / 255)),
+        "image_mean": list(preprocessor.get("image_mean", [0.5] * 3)),
+        "image_std": list(preprocessor.get("image_std", [0.5] * 3)),
+        "eos_token_ids": eos if isinstance(eos, list) else [eos],
+    }
+
+
+def tiers(cfg: dict) -> dict[str, ResolutionTier]:
+    """Cheapest first: the global image only, 2x2 tiles, then the configured maximum."""
+    tile, top, seq_len = cfg["tile"], cfg["longest_edge"], cfg["image_seq_len"]
+    most = math.ceil(top / tile)
+    out = {"global": ResolutionTier("global", tile, tile, seq_len)}
+    for n in sorted({min(2, most), most} - {1}):
+        edge = top if n == most else n * tile
+        out[f"{n}x{n}"] = ResolutionTier(f"{n}x{n}", edge, edge, (n * n + 1) * seq_len)
+    return out
+
+
+def expand_image(rows: int, cols: int, seq_len: int) -> str:
+    """The text that replaces one `<image>`, exactly as Idefics3Processor writes it."""
+    tokens = IMAGE_TOKEN * seq_len
+    global_image = f"{FAKE_TOKEN}{GLOBAL_TOKEN}{tokens}{FAKE_TOKEN}"
+    if rows == 0:
+        return global_image
+    lines = "".join("".join(f"{FAKE_TOKEN}<row_{r + 1}_col_{c + 1}>{tokens}" for c in range(cols)) + "\n"
+                    for r in range(rows))
+    return f"{lines}\n{global_image}"
+
+
+def _compile_template(source: str, where: Path):
+    """The chat template in a sandbox, with the settings transformers renders it with."""
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise InputError(f"chat template: {message}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
+    env.globals.update(raise_exception=raise_exception,
+                       strftime_now=lambda fmt: datetime.now().strftime(fmt))
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateError as e:
+        raise ModelError(f"{where}: chat template does not compile ({e})") from None
+
+
+class Idefics3Adapter:
+    """Prompt building and pixels for Idefics3 / SmolVLM folders (see the module docstring)."""
+
+    def __init__(self, manifest: ModelManifest):
+        self.manifest = manifest
+        self.cfg = manifest.family_config
+        path = manifest.path / manifest.files["tokenizer"]
+        try:
+            self.tokenizer = Tokenizer.from_file(str(path))
+        except Exception as e:
+            raise ModelError(f"cannot read tokenizer {path}: {str(e).splitlines()[0] if str(e) else e}") from None
+        self.image_id = self._id(IMAGE_TOKEN)
+        for token in (FAKE_TOKEN, GLOBAL_TOKEN, END_OF_UTTERANCE):
+            self._id(token)
+        self.stop_ids = {self._id(END_OF_UTTERANCE), *self.cfg["eos_token_ids"]}
+        self.template = _compile_template(manifest.chat_template or "", manifest.path)
+
+    def _id(self, token: str) -> int:
+        token_id = self.tokenizer.token_to_id(token)
+        if token_id is None:
+            raise ModelError(f"{self.manifest.path}: token {token!r} is not in tokenizer.json")
+        return token_id
+
+    def pixels(self, rgb: np.ndarray, tier: ResolutionTier) -> np.ndarray:
+        """RGB8 → float32 [1, tiles, 3, tile, tile] at this tier's longest edge."""
+        x, _ = tile_pixels(rgb, tier.height, self.cfg["tile"], self.cfg["rescale_factor"],
+                           self.cfg["image_mean"], self.cfg["image_std"])
+        return x[None]
+
+    def chat_text(self, prompt: str) -> str:
+        """The chat template around one image and the user's text, ready for the answer."""
+        if IMAGE_TOKEN in prompt:
+            raise InputError(f"the prompt must not contain the image token {IMAGE_TOKEN}")
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
+        text = self.template.render(messages=messages, add_generation_prompt=True)
+        if text.count(IMAGE_TOKEN) != 1:
+            raise ModelError(f"{self.manifest.path}: the chat template gave {text.count(IMAGE_TOKEN)} "
+                             f"{IMAGE_TOKEN} tokens for one image")
+        return text
+
+    def build_prompt(self, prompt: str, tier: ResolutionTier, image_size: tuple[int, int] | None = None) -> Prompt:
+        """Input ids with the image expanded for an image of `image_size` (h, w) at `tier`."""
+        height, width = image_size or (tier.height, tier.width)
+        layout = tile_layout(height, width, tier.height, self.cfg["tile"])
+        expanded = expand_image(layout.rows, layout.cols, self.cfg["image_seq_len"])
+        text = self.chat_text(prompt).replace(IMAGE_TOKEN, expanded)
+        ids = np.asarray([self.tokenizer.encode(text).ids], np.int64)
+        positions = np.flatnonzero(ids[0] == self.image_id)
+        return Prompt(ids, int(positions[0]), len(positions), 0, positions)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode([i for i in ids if i not in self.stop_ids], skip_special_tokens=True)
