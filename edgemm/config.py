@@ -201,7 +201,7 @@ class ServerConfig:
     tcp_port: int | None = None  # also listen on TCP at this port; null = no TCP (the default: the API stays off the network)
     tcp_host: str = "127.0.0.1"  # TCP address; loopback unless you really mean to expose the API
     queue_size: int = 8  # requests admitted at once (queued or running); more get 503 + Retry-After
-    max_batch: int = 4  # encoder batch: up to this many images of concurrent requests in one call
+    max_batch: int = 4  # up to this many images per encoder call, and requests stepped together by the decoder
     batch_timeout_ms: float = 5.0  # how long the encoder waits for more images to fill a batch
     request_timeout_s: float = 60.0  # a request not answered within this gets 504
     retry_after_s: int = 1  # the Retry-After header sent with 503
