@@ -239,6 +239,18 @@ def post_infer(http: httpx.Client, png: bytes) -> dict:
     return out
 
 
+def launch(threads: list[threading.Thread], start: threading.Barrier, failures: list, who: str) -> None:
+    """Start the client threads and wait until all are connected (they meet at `start`)."""
+    for t in threads:
+        t.start()
+    try:
+        start.wait(60)
+    except threading.BrokenBarrierError:
+        for t in threads:
+            t.join(10)
+        raise SystemExit(f"{who} could not connect: {failures[:3]}") from None
+
+
 def concurrent_requests(sock: str, bodies: list[bytes], clients: int) -> tuple[list[dict], float]:
     """`clients` threads with their own connection share `bodies` (each one request, in order
     taken); all connect first, then start together. Returns the records and the wall time."""
@@ -273,14 +285,7 @@ def concurrent_requests(sock: str, bodies: list[bytes], clients: int) -> tuple[l
                 ends.append(time.perf_counter())
 
     threads = [threading.Thread(target=worker, name=f"client-{i}", daemon=True) for i in range(clients)]
-    for t in threads:
-        t.start()
-    try:
-        start.wait(60)
-    except threading.BrokenBarrierError:
-        for t in threads:
-            t.join(10)
-        raise SystemExit(f"clients could not connect: {failures[:3]}") from None
+    launch(threads, start, failures, "clients")
     t0 = time.perf_counter()
     for t in threads:
         t.join(CLIENT_TIMEOUT_S * (len(bodies) // clients + 2))
@@ -358,14 +363,7 @@ def raw_burst(sock: str, bodies: list[bytes]) -> list[dict]:
 
     threads = [threading.Thread(target=worker, args=(r,), name=f"raw-{i}", daemon=True)
                for i, r in enumerate(requests)]
-    for t in threads:
-        t.start()
-    try:
-        start.wait(60)
-    except threading.BrokenBarrierError:
-        for t in threads:
-            t.join(10)
-        raise SystemExit(f"raw clients could not connect: {failures[:3]}") from None
+    launch(threads, start, failures, "raw clients")
     for t in threads:
         t.join(CLIENT_TIMEOUT_S + 10)
     if any(t.is_alive() for t in threads) or len(records) != len(bodies):
