@@ -108,7 +108,6 @@ def test_bad_generation_option_is_an_input_error(runtime, sample):
 
 # ---- accuracy (needs the trained model) ----------------------------------------------------
 
-@pytest.mark.xfail(reason="issue 2: the shipped tiny-vlm is below its accuracy targets (models/tiny-vlm/README.md); this test passes once a model that meets them is trained", strict=False)
 @pytest.mark.parametrize("name", SAMPLE_NAMES)
 def test_sample_answers_match_ground_truth(runtime, ground_truth, model_dir, top_tier, name):
     wrong = []
@@ -119,7 +118,6 @@ def test_sample_answers_match_ground_truth(runtime, ground_truth, model_dir, top
     assert not wrong, "\n".join(wrong)
 
 
-@pytest.mark.xfail(reason="issue 2: the shipped tiny-vlm is below its accuracy targets (models/tiny-vlm/README.md); this test passes once a model that meets them is trained", strict=False)
 def test_smoke_accuracy_on_generated_scenes(runtime, top_tier):
     right, total = defaultdict(int), defaultdict(int)
     for seed in SMOKE_SEEDS:

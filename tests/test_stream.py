@@ -399,9 +399,7 @@ def test_cli_stream_csi_without_gstreamer(cli):
 
 # ---- end to end: needs the trained model ------------------------------------------------------------
 
-@pytest.mark.xfail(reason="issue 2: the shipped tiny-vlm is below its accuracy targets (models/tiny-vlm/README.md); this test passes once a model that meets them is trained", strict=False)
 def test_end_to_end_counts_shapes_in_a_video(cli, tmp_path):
-    """Fails while models/tiny-vlm is the untrained placeholder; passes with the trained model."""
     path = tmp_path / "clip.avi"
     scenes = [make_scene(200 + i, n_shapes=n) for i, n in enumerate((1, 2, 3, 4, 2))]
     writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"MJPG"), 5.0, (256, 256))

@@ -25,8 +25,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
 from edgemm.scenes import make_scene, questions_for  # noqa: E402
-from tiny_vlm_model import EmbedTokens, MergedDecoder, TinyVLM, TinyVLMConfig  # noqa: E402
-from train_tiny_vlm import MEAN, STD, TIERS, build_tokenizer  # noqa: E402
+from tiny_vlm_model import (EmbedTokens, MergedDecoder, TinyVLM, TinyVLMConfig,  # noqa: E402
+                            calibrate_tier_norms, load_checkpoint_state)
+from train_tiny_vlm import MEAN, STD, TIERS, build_tokenizer, tier_norm_batches  # noqa: E402
 
 OPSET = 17
 SAMPLE_SEEDS = (11, 12, 15, 21)  # eval seeds (< 1e6): never seen in training
@@ -34,8 +35,12 @@ SAMPLE_SEEDS = (11, 12, 15, 21)  # eval seeds (< 1e6): never seen in training
 
 def load_trained(checkpoint_dir: Path) -> TinyVLM:
     ckpt = torch.load(checkpoint_dir / "checkpoint.pt", map_location="cpu")
-    model = TinyVLM(TinyVLMConfig(**ckpt["config"]))
-    model.load_state_dict(ckpt["state_dict"])
+    config = dict(ckpt["config"])
+    config.setdefault("learned_positions", "decoder.pos.weight" in ckpt["state_dict"])  # older checkpoints
+    model = TinyVLM(TinyVLMConfig(**config))
+    load_checkpoint_state(model, ckpt["state_dict"])
+    # the encoder's per-tier normalisation statistics, measured on fixed scenes (see TierBatchNorm)
+    calibrate_tier_norms(model.encoder, tier_norm_batches())
     return model.eval()
 
 
