@@ -17,7 +17,6 @@ import os
 import signal
 import socket
 import stat
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -273,14 +272,7 @@ class Daemon:
             await asyncio.sleep(interval or 10.0)
 
 
-# The event loop shares the GIL with the pipeline's Python loops (token sampling, batching).
-# At CPython's default 5 ms switch interval a burst of 64 connections waits up to 5 ms per
-# hand-over; 0.5 ms keeps accepts and 503s prompt at a negligible cost in throughput.
-GIL_SWITCH_INTERVAL_S = 0.0005
-
-
 def serve(config: Config, socket_path: str | None = None) -> None:
     """`edgemm serve`: run the daemon in this process until SIGTERM/SIGINT."""
-    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     Daemon(config, socket_path).run()
 
