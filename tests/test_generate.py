@@ -93,9 +93,9 @@ def test_greedy_is_deterministic(runtime, request_inputs):
 def test_seeded_sampling_is_reproducible_and_differs_from_greedy(runtime, sample):
     greedy = runtime.infer(sample, PROMPT).tokens
     sampled = []
-    for seed in range(5):
-        first = runtime.infer(sample, PROMPT, temperature=1.5, seed=seed).tokens
-        assert runtime.infer(sample, PROMPT, temperature=1.5, seed=seed).tokens == first
+    for seed in range(5):  # the trained model is confident: it takes a hot temperature to stray
+        first = runtime.infer(sample, PROMPT, temperature=3.0, seed=seed).tokens
+        assert runtime.infer(sample, PROMPT, temperature=3.0, seed=seed).tokens == first
         sampled.append(first)
     assert any(tokens != greedy for tokens in sampled)
 
