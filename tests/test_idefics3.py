@@ -169,8 +169,27 @@ def test_missing_file_is_named(broken, missing):
 
 
 def test_missing_precision_variant_is_named(broken):
+    (broken / "onnx" / "vision_encoder_int8.onnx").unlink()
     with pytest.raises(ModelError, match="has no int8 graph"):
         make_runtime(broken, model={"precision": "int8"})
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c['image']}-{c['longest_edge']}")
+def test_int8_variant_runs_through_the_same_family_path(runtime, case):
+    """The *_int8.onnx graphs (made by tools/quantize.py from this folder) load by suffix and
+    take exactly the inputs fp32 takes; their QDQ nodes are really in the graphs."""
+    int8 = make_runtime(model={"precision": "int8"}, cache={"max_bytes": 0})
+    assert int8.precision == "int8"
+    for component in ("vision_encoder", "decoder_model_merged"):
+        ops = {n.op_type for n in onnx.load(FIXTURE / "onnx" / f"{component}_int8.onnx").graph.node}
+        assert {"QuantizeLinear", "DequantizeLinear"} <= ops
+    tier = tier_of(runtime, case)
+    a = runtime.prepare(FIXTURE / case["image"], case["prompt"], tier=tier)
+    b = int8.prepare(FIXTURE / case["image"], case["prompt"], tier=tier)
+    assert b.prompt.input_ids.tolist() == a.prompt.input_ids.tolist()
+    np.testing.assert_array_equal(b.pixel_values, a.pixel_values)
+    result = int8.infer(FIXTURE / case["image"], case["prompt"], tier=tier, max_new_tokens=4)
+    assert result.precision == "int8" and 1 <= len(result.tokens) <= 4
 
 
 def test_graph_with_a_wrong_tensor_name_is_refused(broken):

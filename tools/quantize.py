@@ -61,9 +61,11 @@ class ListReader(CalibrationDataReader):
         return next(self.items, None)
 
 
-def collect(model_dir: Path, scenes: int) -> tuple[list[dict], list[dict]]:
-    """Encoder and decoder feeds from running fp32 on scenes at every tier and task."""
-    rt = Runtime(load_config({"model": {"path": str(model_dir)}, "backend": {"warmup": False}}))
+def collect(model_dir: Path, scenes: int) -> tuple[Runtime, list[dict], list[dict]]:
+    """Encoder and decoder feeds from running fp32 on scenes at every tier and task
+    (the built-in model's folder or a Hugging Face folder such as SmolVLM's)."""
+    rt = Runtime(load_config({"model": {"path": str(model_dir)}, "backend": {"warmup": False},
+                              "cache": {"max_bytes": 0}}))
     enc = rt.generator.encoder = Recorder(rt.generator.encoder)
     dec = rt.generator.decoder = Recorder(rt.generator.decoder, keep_every=3)
     rng = np.random.default_rng(CALIBRATION_SEED_BASE)
@@ -72,7 +74,7 @@ def collect(model_dir: Path, scenes: int) -> tuple[list[dict], list[dict]]:
         scene = make_scene(CALIBRATION_SEED_BASE + i)
         question = sample_question(scene, rng)
         rt.infer(scene.image, question.prompt, tier=tiers[i % len(tiers)])
-    return enc.feeds, dec.feeds
+    return rt, enc.feeds, dec.feeds
 
 
 def quantize_graph(src: Path, dst: Path, feeds: list[dict], method: str) -> None:
@@ -110,16 +112,16 @@ def main() -> None:
     args = ap.parse_args()
     t0 = time.time()
     print(f"calibrating on {args.scenes} generated scenes …", file=sys.stderr)
-    enc_feeds, dec_feeds = collect(args.model_dir, args.scenes)
-    manifest_files = {"vision_encoder": "vision_encoder.onnx", "decoder": "decoder_model_merged.onnx"}
+    rt, enc_feeds, dec_feeds = collect(args.model_dir, args.scenes)
     for name, feeds in (("vision_encoder", enc_feeds), ("decoder", dec_feeds)):
-        src = args.model_dir / manifest_files[name]
+        src = rt.manifest.graph_path(name, "fp32")  # onnx/ in a Hugging Face folder
         dst = src.with_name(f"{src.stem}_int8{src.suffix}")
         print(f"quantizing {src.name} on {len(feeds)} calibration inputs …", file=sys.stderr)
         quantize_graph(src, dst, feeds, args.method)
     # a lookup table has no Conv/MatMul/Gemm: the int8 variant is the same graph
-    shutil.copy(args.model_dir / "embed_tokens.onnx", args.model_dir / "embed_tokens_int8.onnx")
-    sizes = {p.name: p.stat().st_size for p in sorted(args.model_dir.glob("*_int8.onnx"))}
+    embed = rt.manifest.graph_path("embed_tokens", "fp32")
+    shutil.copy(embed, embed.with_name(f"{embed.stem}_int8{embed.suffix}"))
+    sizes = {p.name: p.stat().st_size for p in sorted(embed.parent.glob("*_int8.onnx"))}
     print(json.dumps({"seconds": round(time.time() - t0, 1), "method": args.method,
                       "int8_bytes": sizes}, indent=1))
 
