@@ -8,8 +8,9 @@ What gets built, per device and precision:
 - GPU INT8: explicit quantisation, straight from the `_int8` QDQ graph (BuilderFlag.INT8 and
   FP16 for the layers left in float). GPU FP16: the fp32 graph with BuilderFlag.FP16.
   One plan per component covering every tier with optimisation profiles; the decoder gets
-  two: prefill (past length 0, up to max_context tokens) and single-token decode with the
-  KV cache (past length 1 … max_context-1).
+  two: prefill (past length 0, up to max_context tokens) and decode with the KV cache
+  (past length 1 … max_context-1; one new token, or up to 64 for a question that
+  continues from a cached image prefix).
 - DLA (vision encoder only; AGX Orin and Orin NX): static shapes, so one plan per tier,
   with GPU_FALLBACK (the layers that fall back are listed in the manifest).
   INT8 on TensorRT <= 10.7 (JetPack 6): implicit quantisation from the QDQ graph translated
@@ -112,7 +113,8 @@ def embed_profiles(dims: dict[str, list], max_beams: int, max_context: int) -> l
 
 
 def decoder_profiles(dims: dict[str, list], max_beams: int, max_context: int) -> list[Profile]:
-    """Prefill (no past, 1..max_context new tokens) and decode (one new token, 1..max_context-1 past)."""
+    """Prefill (no past, 1..max_context new tokens) and decode (1..max_context-1 past; one new
+    token, or up to 64 when a question continues from a cached image prefix)."""
     def ranges(new: tuple[int, int, int], past: tuple[int, int, int]) -> dict:
         batch = (1, 1, max_beams)
         out = {}
@@ -127,7 +129,7 @@ def decoder_profiles(dims: dict[str, list], max_beams: int, max_context: int) ->
                 out[name] = ({}, {}, {})
         return out
     prefill = ranges(new=(1, min(64, max_context), max_context), past=(0, 0, 0))
-    decode = ranges(new=(1, 1, 1), past=(1, max_context // 2, max_context - 1))
+    decode = ranges(new=(1, 1, min(64, max_context - 1)), past=(1, max_context // 2, max_context - 1))
     return [_profile(dims, prefill), _profile(dims, decode)]
 
 
