@@ -147,7 +147,7 @@ def test_folder_without_model_yaml_is_detected():
     assert manifest.family == "idefics3" and not (FIXTURE / "model.yaml").exists()
     assert list(manifest.tiers) == ["global", "2x2", "3x3"] and manifest.default_tier == "3x3"
     assert manifest.graph_path("decoder", "fp32") == FIXTURE / "onnx" / "decoder_model_merged.onnx"
-    assert manifest.precisions == ["fp32"]
+    assert manifest.precisions == ["fp32", "int8"]  # found by the files' suffixes
 
 
 def test_scheduler_works_with_tiling_tiers():
