@@ -136,6 +136,7 @@ class Generator:
         self.mask_dtype = decoder.inputs["attention_mask"].dtype
         self.position_dtype = decoder.inputs["position_ids"].dtype
         self.past_names = [f"past_key_values.{i}.{kind}" for i in range(self.layers) for kind in ("key", "value")]
+        self.present_names = [name.replace("past_key_values.", "present.") for name in self.past_names]
         self.pixel_dtype = encoder.inputs["pixel_values"].dtype  # e.g. float16 in _fp16 exports
         spec = encoder.inputs.get("pixel_attention_mask")
         self.pixel_mask_dtype = spec.dtype if spec is not None else None
@@ -157,8 +158,7 @@ class Generator:
 
     def empty_past(self, batch: int) -> dict[str, np.ndarray]:
         empty = np.zeros((batch, self.kv_shape[0], 0, self.kv_shape[1]), self.kv_dtype)
-        return {f"past_key_values.{i}.{kind}": empty
-                for i in range(self.layers) for kind in ("key", "value")}
+        return dict.fromkeys(self.past_names, empty)
 
     def embed_prompt(self, input_ids: np.ndarray, features: np.ndarray, image: int | np.ndarray) -> np.ndarray:
         """Token embeddings with the image placeholders replaced by `features` [1,N,D], in order.
@@ -181,8 +181,7 @@ class Generator:
         if "num_logits_to_keep" in self.decoder.inputs:
             feeds["num_logits_to_keep"] = np.array(1, np.int64)
         out = self.decoder.run(feeds)
-        present = {f"past_key_values.{i}.{kind}": out[f"present.{i}.{kind}"]
-                   for i in range(self.layers) for kind in ("key", "value")}
+        present = {past: out[name] for past, name in zip(self.past_names, self.present_names)}
         return out["logits"][:, -1], present
 
     def prefill(self, features: np.ndarray, input_ids: np.ndarray, image_start: int | np.ndarray,

@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from edgemm.config import load_config  # noqa: E402
+from edgemm.errors import EdgemmError  # noqa: E402
 from edgemm.runtime import Runtime  # noqa: E402
 from edgemm.scenes import PROMPTS, make_scene  # noqa: E402
 
@@ -43,7 +44,10 @@ def main() -> None:
     ap.add_argument("--precision", default="int8", help="the variant compared with fp32")
     ap.add_argument("--max-new-tokens", type=int, default=16)
     args = ap.parse_args()
-    reference, variant = runtime(args.model, "fp32"), runtime(args.model, args.precision)
+    try:  # a missing folder or variant: one line (e.g. "… has no int8 graph; make it with …"), exit 1
+        reference, variant = runtime(args.model, "fp32"), runtime(args.model, args.precision)
+    except EdgemmError as e:
+        sys.exit(f"error: {e}")
     tiers = list(reference.manifest.tiers)
     exact, leading = [], []
     for i in range(args.n):

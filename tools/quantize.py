@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from edgemm.config import load_config  # noqa: E402
+from edgemm.errors import EdgemmError  # noqa: E402
 from edgemm.runtime import Runtime  # noqa: E402
 from edgemm.scenes import make_scene, sample_question  # noqa: E402
 
@@ -112,7 +113,10 @@ def main() -> None:
     args = ap.parse_args()
     t0 = time.time()
     print(f"calibrating on {args.scenes} generated scenes …", file=sys.stderr)
-    rt, enc_feeds, dec_feeds = collect(args.model_dir, args.scenes)
+    try:
+        rt, enc_feeds, dec_feeds = collect(args.model_dir, args.scenes)
+    except EdgemmError as e:  # no such folder, not a model folder …: one line
+        sys.exit(f"error: {e}")
     for name, feeds in (("vision_encoder", enc_feeds), ("decoder", dec_feeds)):
         src = rt.manifest.graph_path(name, "fp32")  # onnx/ in a Hugging Face folder
         dst = src.with_name(f"{src.stem}_int8{src.suffix}")

@@ -74,6 +74,19 @@ def aux_targets(scene, grid: int) -> np.ndarray:
     return t.reshape(grid * grid, 5)
 
 
+def pad_sequences(seqs: list[list[int]], starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded inputs (each sequence minus its last id) and targets: the next id inside
+    the answer (from `start` on), -100 elsewhere."""
+    length = max(map(len, seqs))
+    inp = torch.zeros(len(seqs), length - 1, dtype=torch.long)
+    tgt = torch.full((len(seqs), length - 1), -100, dtype=torch.long)
+    for i, (ids, start) in enumerate(zip(seqs, starts)):
+        ids_t = torch.tensor(ids)
+        inp[i, : len(ids) - 1] = ids_t[:-1]
+        tgt[i, start - 1: len(ids) - 1] = ids_t[start:]
+    return inp, tgt
+
+
 def make_batch(tok: Tokenizer, rng: np.random.Generator, batch: int, side: int,
                cfg: TinyVLMConfig, task: str | None = None):
     """pixel_values, input ids, target ids (-100 outside the answer), aux targets, tasks."""
@@ -90,13 +103,7 @@ def make_batch(tok: Tokenizer, rng: np.random.Generator, batch: int, side: int,
         seqs.append(ids + prompt_ids(tok, q.answer) + [eos])
         tasks.append(q.task)
         aux.append(aux_targets(scene, side // cfg.patch))
-    length = max(map(len, seqs))
-    inp = torch.zeros(batch, length - 1, dtype=torch.long)
-    tgt = torch.full((batch, length - 1), -100, dtype=torch.long)
-    for i, (ids, start) in enumerate(zip(seqs, starts)):
-        ids_t = torch.tensor(ids)
-        inp[i, : len(ids) - 1] = ids_t[:-1]
-        tgt[i, start - 1: len(ids) - 1] = ids_t[start:]
+    inp, tgt = pad_sequences(seqs, starts)
     return torch.from_numpy(np.stack(pixels)), inp, tgt, torch.from_numpy(np.stack(aux)), tasks
 
 
@@ -125,13 +132,7 @@ def make_multi_batch(tok: Tokenizer, rng: np.random.Generator, batch: int, side:
             seqs.append(ids + prompt_ids(tok, q.answer) + [eos])
             owner.append(row)
             weights.append(QUESTION_WEIGHTS[q.task])
-    length = max(map(len, seqs))
-    inp = torch.zeros(len(seqs), length - 1, dtype=torch.long)
-    tgt = torch.full((len(seqs), length - 1), -100, dtype=torch.long)
-    for i, (ids, start) in enumerate(zip(seqs, starts)):
-        ids_t = torch.tensor(ids)
-        inp[i, : len(ids) - 1] = ids_t[:-1]
-        tgt[i, start - 1: len(ids) - 1] = ids_t[start:]
+    inp, tgt = pad_sequences(seqs, starts)
     return (torch.from_numpy(np.stack(pixels)), inp, tgt, torch.tensor(owner),
             torch.tensor(weights), torch.from_numpy(np.stack(aux)),
             torch.tensor(grounding, dtype=torch.long).reshape(-1, 3))

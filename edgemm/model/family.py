@@ -20,6 +20,14 @@ from edgemm.model.manifest import ModelManifest, ResolutionTier
 from edgemm.model.preprocess import to_pixel_values
 
 
+def token_id(tokenizer: Tokenizer, token: str, what: str) -> int:
+    """The id of a token the family needs, or a ModelError naming it (`what`)."""
+    found = tokenizer.token_to_id(token)
+    if found is None:
+        raise ModelError(f"{what} is not in the tokenizer")
+    return found
+
+
 @dataclass
 class Prompt:
     input_ids: np.ndarray  # int64 [1, S], image placeholders expanded
@@ -49,10 +57,7 @@ class TinyVLMAdapter:
         self.unk_id = self.tokenizer.token_to_id(manifest.special_tokens.get("unk", "<unk>"))
 
     def _id(self, token: str) -> int:
-        token_id = self.tokenizer.token_to_id(token)
-        if token_id is None:
-            raise ModelError(f"{self.manifest.path}: token {token!r} from model.yaml is not in the tokenizer")
-        return token_id
+        return token_id(self.tokenizer, token, f"{self.manifest.path}: token {token!r} from model.yaml")
 
     def pixels(self, rgb: np.ndarray, tier: ResolutionTier) -> np.ndarray:
         """RGB8 → float32 [1, 3, H, W] at the tier's size."""

@@ -25,7 +25,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from edgemm.errors import InputError, ModelError
-from edgemm.model.family import Prompt
+from edgemm.model.family import Prompt, token_id
 from edgemm.model.manifest import ModelManifest, ResolutionTier
 from edgemm.model.tiling import tile_layout, tile_pixels
 
@@ -123,10 +123,7 @@ class Idefics3Adapter:
         self.template = _compile_template(manifest.chat_template or "", manifest.path)
 
     def _id(self, token: str) -> int:
-        token_id = self.tokenizer.token_to_id(token)
-        if token_id is None:
-            raise ModelError(f"{self.manifest.path}: token {token!r} is not in tokenizer.json")
-        return token_id
+        return token_id(self.tokenizer, token, f"{self.manifest.path}: token {token!r}")
 
     def pixels(self, rgb: np.ndarray, tier: ResolutionTier) -> np.ndarray:
         """RGB8 → float32 [1, tiles, 3, tile, tile] at this tier's longest edge."""
