@@ -182,6 +182,10 @@ class PlacementConfig:
     vision_encoder: list[str] = field(default_factory=lambda: ["cpu"])  # e.g. [dla0, gpu, cpu]
     embed_tokens: list[str] = field(default_factory=lambda: ["cpu"])  # a table lookup: cpu is fine
     decoder: list[str] = field(default_factory=lambda: ["cpu"])  # e.g. [gpu, cpu] (no DLA: dynamic shapes)
+    # also load each component on the other devices the power policy may move it to (its
+    # first DLA when hot or over budget, the GPU when latency is at risk), so it can; false:
+    # only the first device that loads (less memory, and the policy's choice is only reported)
+    keep_alternatives: bool = True
 
     def validate(self, path: str) -> None:
         for name in ("vision_encoder", "embed_tokens", "decoder"):

@@ -173,7 +173,7 @@ class Pipeline:
             started = time.perf_counter()
             try:
                 pixels = np.concatenate([r.prepared.pixel_values for r in batch])
-                features = self.runtime.encode(pixels, [r.prepared.cache_key for r in batch])
+                features = self.runtime.encode(pixels, [r.prepared.cache_key for r in batch], first.prepared.route)
                 for i, r in enumerate(batch):
                     r.features = features[i:i + 1]
             except Exception as e:
@@ -206,9 +206,11 @@ class Pipeline:
                 break
             if nxt is _STOP:
                 return batch, True
-            # one encoder batch needs one pixel shape: same tier (and, for tiled families, same tiles)
+            # one encoder batch needs one pixel shape: same tier (and, for tiled families, same
+            # tiles), and one encoder: the same devices from the power policy
             if (nxt.reuse or nxt.prepared.tier.name != first.prepared.tier.name
-                    or nxt.prepared.pixel_values.shape != first.prepared.pixel_values.shape):
+                    or nxt.prepared.pixel_values.shape != first.prepared.pixel_values.shape
+                    or self.runtime.resolve(nxt.prepared.route) != self.runtime.resolve(first.prepared.route)):
                 self._held.append(nxt)  # keeps its place: it goes next
                 break
             batch.append(nxt)

@@ -26,9 +26,10 @@ class Placement:
     device: str  # the placement entry that loaded: gpu | dla0 | dla1 | cpu
     backend: str  # tensorrt | onnxruntime (what the loader produced)
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (device, why it did not load), in order
+    standby: list[str] = field(default_factory=list)  # also loaded there, for the power policy to move it to
 
     def to_dict(self) -> dict:
-        return {"device": self.device, "backend": self.backend,
+        return {"device": self.device, "backend": self.backend, "standby": list(self.standby),
                 "skipped": [{"device": d, "reason": why} for d, why in self.skipped]}
 
 

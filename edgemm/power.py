@@ -389,6 +389,14 @@ def pick_device(candidates: list[str], mode: str, dla_cores: int | None) -> str:
     return usable[0]
 
 
+def reachable_devices(candidates: list[str]) -> list[str]:
+    """Every device `pick_device` can give a stage with this list, in list order, on any
+    module (0–2 DLA cores) in any mode: what is worth loading so the policy can move it."""
+    picked = {pick_device(candidates, mode, cores) for mode in ("preferred", "efficient", "fast")
+              for cores in (0, 1, 2)}
+    return [d for d in candidates if d in picked]
+
+
 # ---- the daemon's side: memory for hysteresis, latency and energy --------------------------------
 
 class Governor:

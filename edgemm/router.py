@@ -4,7 +4,8 @@
         placement "cloud" ─► an offload worker ─► OffloadClient.chat ─► InferenceResult
             the endpoint failed ─► offload.fallback_local: the local pipeline
                                    otherwise: the error (502; 504 on timeout; 503 breaker open)
-        anything else ─► the local pipeline, exactly as without a router
+        anything else ─► the local pipeline, each stage on the device the placement names
+                         (where that component is loaded: placement.keep_alternatives)
 
 The policy only says "cloud" when offload is enabled, allowed for the condition at hand
 and the breaker lets requests through; so with offload off (the default) every request
@@ -48,6 +49,7 @@ class Router:
         """Run `request` where the policy says; Overloaded (503) if the local pipeline is full."""
         placement = self.governor.decide(queue_depth, self.offload_state())
         if not placement.cloud or self.workers is None:
+            request.options["route"] = placement
             return pipeline.submit(request, block=False)
         return self.workers.submit(self._cloud, request, pipeline, placement)
 
@@ -60,10 +62,17 @@ class Router:
                 raise
             self.fallbacks += 1
             log.warning("%s; answering locally (offload.fallback_local)", e)
+            request.options["route"] = self.local_placement()
             return pipeline.submit(request, block=False).result()
         if request.on_token is not None:
             request.on_token(-1, reply.text)  # streams get the whole answer as one piece; a gone client stops here
         return cloud_result(reply, placement)
+
+    def local_placement(self, queue_depth: int = 0) -> Placement:
+        """Where a request that must run here goes now (the policy with the cloud ruled out)."""
+        telemetry = self.sampler.latest() if self.sampler else None
+        return self.governor.policy.decide(telemetry, Load(queue_depth, self.governor.latency_ms), "open",
+                                           self.governor.last)
 
     def answered(self, result: InferenceResult) -> float | None:
         """Account one answer: latency (local ones) and energy in J, if the rails are readable."""

@@ -21,7 +21,7 @@ from edgemm.backends.base import Component, LoadedComponents
 from edgemm.backends.onnxruntime import OnnxRuntimeBackend
 from edgemm.cache import FeatureCache, feature_key
 from edgemm.config import Config, ConfigError, load_config
-from edgemm.errors import BackendError, InputError
+from edgemm.errors import BackendError, EdgemmError, InputError
 from edgemm.batch_decode import BatchItem, batchable, generate_batch
 from edgemm.generate import GenerationOptions, Generator, PrefixReuse
 from edgemm.model.contract import check_component
@@ -29,6 +29,7 @@ from edgemm.model.family import Prompt, adapter_for
 from edgemm.model.image import load_image
 from edgemm.model.manifest import COMPONENTS, ModelManifest, ResolutionTier, load_manifest
 from edgemm.placement import Placement, place
+from edgemm.power import Placement as PowerPlacement, reachable_devices
 from edgemm.scheduler import POLICY_FILE, Decision, Scheduler, TierPolicy
 
 log = logging.getLogger("edgemm")
@@ -79,6 +80,7 @@ class PreparedRequest:
     timings_ms: dict[str, float] = field(default_factory=dict)
     decision: Decision | None = None
     cache_key: bytes | None = None  # feature-cache key of the pixels (None with the cache off)
+    route: PowerPlacement | None = None  # where the power policy wants each stage (None: the first device loaded)
 
 
 class Runtime:
@@ -92,6 +94,7 @@ class Runtime:
         self.generator = Generator(self.components.vision_encoder, self.components.embed_tokens,
                                    self.components.decoder, self.manifest.max_context,
                                    self.adapter.stop_ids)
+        self._generators = {self.resolve(None): self.generator}  # (encoder, embed, decoder device) → Generator
         self.scheduler = self._make_scheduler()
         self._tier_by_shape = {(t.height, t.width): t.name for t in self.manifest.tiers.values()}
         self.cache: FeatureCache | None = None  # made after the warm-up, so blank frames don't fill it
@@ -106,21 +109,43 @@ class Runtime:
         return cls(source if isinstance(source, Config) else load_config(source))
 
     def _load_components(self) -> LoadedComponents:
-        """Each component on the first device of its placement list that loads it."""
+        """Each component on the first device of its placement list that loads it; with
+        placement.keep_alternatives, also on the other devices the power policy may give it."""
         if self.config.backend.name != "onnxruntime":
             raise BackendError(f"backend {self.config.backend.name!r} is not available in this build "
                                "(TensorRT engines are chosen per component with placement: gpu | dla0 | dla1)")
         self._ort: OnnxRuntimeBackend | None = None
         self._trt = None  # TensorRTBackend, made on the first gpu/dla placement
         self.placements: dict[str, Placement] = {}
+        self.standby: dict[str, dict[str, Component]] = {}  # component → device → loaded, first device first
         loaded: dict[str, Component] = {}
         for kind in COMPONENTS:
-            loaded[kind], self.placements[kind] = place(kind, getattr(self.config.placement, kind),
-                                                        self._load_on)
+            devices = getattr(self.config.placement, kind)
+            loaded[kind], self.placements[kind] = place(kind, devices, self._load_on)
+            self.standby[kind] = {self.placements[kind].device: loaded[kind]}
+            if self.config.placement.keep_alternatives:
+                self._load_alternatives(kind, devices)
         missing = self._ort.missing if self._ort is not None else []
         return LoadedComponents(loaded["vision_encoder"], loaded["embed_tokens"], loaded["decoder"],
                                 extra={"missing_providers": missing,
                                        "placement": {k: p.to_dict() for k, p in self.placements.items()}})
+
+    def _load_alternatives(self, kind: str, devices: list[str]) -> None:
+        """Load `kind` on the devices after the first that the power policy could move it to
+        (the first DLA when hot or over budget, the GPU when latency is at risk). The CPU
+        stays a fallback for a missing engine, not a power choice, unless it is listed first."""
+        placement = self.placements[kind]
+        tried = {placement.device} | {d for d, _ in placement.skipped}
+        for device in reachable_devices(devices):
+            if device in tried:
+                continue
+            try:
+                self.standby[kind][device] = self._load_on(kind, device)
+            except EdgemmError as e:
+                placement.skipped.append((device, str(e)))
+                log.warning("%s: no standby on %s: %s", kind, device, e)
+                continue
+            placement.standby.append(device)
 
     def _load_on(self, kind: str, device: str) -> Component:
         """One component on one device: onnxruntime for cpu, a TensorRT engine otherwise."""
@@ -170,9 +195,12 @@ class Runtime:
     def warmup(self) -> None:
         """One tiny request per tier and one look by the scheduler, so the first real
         request doesn't pay for allocation."""
-        for tier in self.manifest.tiers.values():
-            blank = np.zeros((tier.height, tier.width, 3), np.uint8)
-            self.infer(blank, "warm up", tier=tier.name, max_new_tokens=1)
+        routes = [None] + [PowerPlacement({kind: device}, "warm-up") for kind, loaded in self.standby.items()
+                           for device in list(loaded)[1:]]  # each standby component once too
+        for route in routes:
+            for tier in self.manifest.tiers.values():
+                blank = np.zeros((tier.height, tier.width, 3), np.uint8)
+                self.infer(blank, "warm up", tier=tier.name, max_new_tokens=1, route=route)
         self.scheduler.decide(blank, "warm up")
 
     @property
@@ -187,7 +215,24 @@ class Runtime:
 
     def backend_seconds(self) -> float:
         """Total time spent inside raw backend run calls so far (for overhead accounting)."""
-        return sum(c.stats.seconds for c in self.components.all())
+        return sum(c.stats.seconds for by_device in self.standby.values() for c in by_device.values())
+
+    def resolve(self, route: PowerPlacement | None) -> tuple[str, str, str]:
+        """The devices that run (encoder, embedding, decoder) for a wished placement: the
+        wished device where that component is loaded on it, else its first device."""
+        wished = route.stages if route is not None else {}
+        return tuple(wished[kind] if wished.get(kind) in self.standby[kind] else self.placements[kind].device
+                     for kind in COMPONENTS)
+
+    def generator_for(self, route: PowerPlacement | None) -> Generator:
+        """A Generator over the components `route` resolves to (made once per combination)."""
+        devices = self.resolve(route)
+        generator = self._generators.get(devices)
+        if generator is None:
+            parts = [self.standby[kind][device] for kind, device in zip(COMPONENTS, devices)]
+            generator = self._generators[devices] = Generator(*parts, self.manifest.max_context,
+                                                              self.adapter.stop_ids)
+        return generator
 
     def check_size(self, image) -> None:
         """Refuse oversized encoded images before reading or decoding them."""
@@ -218,10 +263,11 @@ class Runtime:
     def prepare(self, image, prompt: str, *, tier: str | None = None, max_new_tokens: int | None = None,
                 temperature: float | None = None, top_p: float | None = None,
                 seed: int | None = None, num_beams: int | None = None,
-                beam_gate: float | None = None) -> PreparedRequest:
+                beam_gate: float | None = None, route: PowerPlacement | None = None) -> PreparedRequest:
         """Stage 1: check and decode the image, pick the tier, build the prompt ids.
 
         The tier is `tier`, else generation.tier from the config, else the scheduler's choice.
+        `route` is the power policy's placement; the later stages follow it where they can.
         """
         t0 = time.perf_counter()
         gen = self.config.generation
@@ -246,26 +292,29 @@ class Runtime:
         timings = {"preprocess": (time.perf_counter() - t0) * 1e3}
         if decision.stats is not None:
             timings["schedule"] = decision.stats.ms
-        return PreparedRequest(pixel_values, chosen, prompt_ids, options, timings, decision, key)
+        return PreparedRequest(pixel_values, chosen, prompt_ids, options, timings, decision, key, route)
 
     def feature_key(self, pixel_values: np.ndarray, tier: str) -> bytes:
         return feature_key(pixel_values, tier, self.manifest.name, self.precision)
 
-    def encode(self, pixel_values: np.ndarray, keys: list[bytes | None] | None = None) -> np.ndarray:
-        """Stage 2: image features for a batch of same-tier images [B,3,H,W] → [B,N,D].
+    def encode(self, pixel_values: np.ndarray, keys: list[bytes | None] | None = None,
+               route: PowerPlacement | None = None) -> np.ndarray:
+        """Stage 2: image features for a batch of same-tier images [B,3,H,W] → [B,N,D],
+        on the encoder `route` resolves to.
 
         With the feature cache on, only the images it doesn't hold reach the encoder.
         `keys` are the images' cache keys when already computed (PreparedRequest.cache_key).
         """
+        generator = self.generator_for(route)
         if self.cache is None:
-            return self.generator.encode(pixel_values)
+            return generator.encode(pixel_values)
         if keys is None or any(k is None for k in keys):
             tier = self._tier_by_shape.get(tuple(pixel_values.shape[2:]), "")  # the shape is in the key too
             keys = [self.feature_key(image, tier) for image in pixel_values]
         found = [self.cache.get(key) for key in keys]
         missing = [i for i, features in enumerate(found) if features is None]
         if missing:
-            fresh = self.generator.encode(pixel_values[missing])
+            fresh = generator.encode(pixel_values[missing])
             for row, i in enumerate(missing):
                 found[i] = fresh[row]
                 self.cache.put(keys[i], fresh[row])
@@ -274,10 +323,11 @@ class Runtime:
     def decode(self, request: PreparedRequest, features: np.ndarray, on_token=None) -> InferenceResult:
         """Stage 3: prefill + token-by-token decode for one request; its features [1,N,D]."""
         prompt = request.prompt
-        generation = self.generator.generate(features, prompt.input_ids, prompt.image_positions,
-                                             request.options, self._token_callback(on_token),
-                                             self._prefix_reuse(request))
-        return self._result(request, generation)
+        generator = self.generator_for(request.route)
+        generation = generator.generate(features, prompt.input_ids, prompt.image_positions,
+                                        request.options, self._token_callback(on_token),
+                                        self._prefix_reuse(request))
+        return self._result(request, generation, generator)
 
     def decode_batch(self, requests: list[PreparedRequest], features: list[np.ndarray],
                      on_tokens: list | None = None) -> list[InferenceResult | Exception]:
@@ -292,11 +342,17 @@ class Runtime:
                 out[i] = self.decode(requests[i], features[i], on_tokens[i])
             except Exception as e:
                 out[i] = e
-        items = [BatchItem(features[i], requests[i].prompt.input_ids, requests[i].prompt.image_positions,
-                           requests[i].options, self._token_callback(on_tokens[i]),
-                           self._prefix_reuse(requests[i])) for i in together]
-        for i, generation in zip(together, generate_batch(self.generator, items)):
-            out[i] = generation if isinstance(generation, Exception) else self._result(requests[i], generation)
+        groups: dict[tuple, list[int]] = {}  # one batch per set of devices (the policy rarely splits them)
+        for i in together:
+            groups.setdefault(self.resolve(requests[i].route), []).append(i)
+        for rows in groups.values():
+            generator = self.generator_for(requests[rows[0]].route)
+            items = [BatchItem(features[i], requests[i].prompt.input_ids, requests[i].prompt.image_positions,
+                               requests[i].options, self._token_callback(on_tokens[i]),
+                               self._prefix_reuse(requests[i])) for i in rows]
+            for i, generation in zip(rows, generate_batch(generator, items)):
+                out[i] = generation if isinstance(generation, Exception) else \
+                    self._result(requests[i], generation, generator)
         return out  # type: ignore[return-value]
 
     def _token_callback(self, on_token):
@@ -315,30 +371,32 @@ class Runtime:
             return None
         return PrefixReuse(self.cache, request.cache_key)
 
-    def _result(self, request: PreparedRequest, generation) -> InferenceResult:
+    def _result(self, request: PreparedRequest, generation, generator: Generator) -> InferenceResult:
         prompt = request.prompt
+        schedule = request.decision.to_dict() if request.decision else {}
+        if request.route is not None:
+            schedule["placement"] = request.route.reason
         return InferenceResult(
             text=self.adapter.decode(generation.tokens), tokens=generation.tokens,
             finish_reason=generation.finish_reason, prompt_tokens=int(prompt.input_ids.shape[1]),
             tier=request.tier.name, image_tokens=prompt.image_tokens, precision=self.precision,
-            devices={"encode": self.components.vision_encoder.device,
-                     "decode": self.components.decoder.device},
+            devices={"encode": generator.encoder.device, "decode": generator.decoder.device},
             timings_ms={**request.timings_ms, **generation.timings_ms}, model=self.manifest.name,
-            schedule=request.decision.to_dict() if request.decision else {},
+            schedule=schedule,
             prefix_reused=bool(generation.stats.get("prefix_reused")),
             decode_batch=int(generation.stats.get("decode_batch", 1)))
 
     def infer(self, image, prompt: str, *, tier: str | None = None, max_new_tokens: int | None = None,
               temperature: float | None = None, top_p: float | None = None, seed: int | None = None,
               num_beams: int | None = None, beam_gate: float | None = None,
-              on_token=None) -> InferenceResult:
+              on_token=None, route: PowerPlacement | None = None) -> InferenceResult:
         """Answer `prompt` about `image` (a path, encoded bytes or an RGB array)."""
         t0 = time.perf_counter()
         request = self.prepare(image, prompt, tier=tier, max_new_tokens=max_new_tokens,
                                temperature=temperature, top_p=top_p, seed=seed,
-                               num_beams=num_beams, beam_gate=beam_gate)
+                               num_beams=num_beams, beam_gate=beam_gate, route=route)
         t1 = time.perf_counter()
-        features = self.encode(request.pixel_values, [request.cache_key])
+        features = self.encode(request.pixel_values, [request.cache_key], route)
         request.timings_ms["encode"] = (time.perf_counter() - t1) * 1e3
         result = self.decode(request, features, on_token)
         result.timings_ms["total"] = (time.perf_counter() - t0) * 1e3

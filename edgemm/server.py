@@ -151,7 +151,8 @@ class Service:
         self.admission = Admission(self.server.queue_size)
         self.images = ImagePolicy(self.server.image_dirs, self.server.remote_images,
                                   self.server.remote_timeout_s, config.limits.max_image_bytes)
-        self.streams = StreamManager(runtime, config.streams, self.server.max_streams)
+        self.streams = StreamManager(runtime, config.streams, self.server.max_streams,
+                                     route=self.router.local_placement)
         self.draining = False
         self.metrics = ServiceMetrics(self)
 
@@ -421,8 +422,10 @@ class Service:
 
 
 def components(runtime: Runtime) -> dict:
-    """Loaded graphs: stage → device, precision and what runs them."""
-    return {c.name: {"device": c.device, "precision": c.precision, "provider": c.provider}
+    """Loaded graphs: stage → device, precision, what runs them and the standby devices
+    the power policy can move the stage to (placement.keep_alternatives)."""
+    return {c.name: {"device": c.device, "precision": c.precision, "provider": c.provider,
+                     "standby": list(runtime.placements[c.name].standby)}
             for c in runtime.components.all()}
 
 

@@ -69,8 +69,10 @@ def render(report: dict) -> list[str]:
     lines += [("placement", " ".join(f"{k}={v}" for k, v in placement["stages"].items())),
               ("  why", placement["reason"])]
     if report.get("components"):
-        lines.append(("components", ", ".join(f"{k}: {v['device']} ({v['precision']}, {v['provider']})"
-                                              for k, v in report["components"].items())))
+        lines.append(("components", ", ".join(
+            f"{k}: {v['device']} ({v['precision']}, {v['provider']})"
+            + (f" + standby {'/'.join(v['standby'])}" if v.get("standby") else "")
+            for k, v in report["components"].items())))
     lines.append(("offload", offload_line(report["offload"])))
     if report.get("cache"):
         c = report["cache"]

@@ -16,6 +16,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 from dataclasses import dataclass, field
 
 import cv2
@@ -39,6 +40,7 @@ class StreamOptions:
     queue_size: int = 2
     live_inflight: int = 2  # live sources: frames in the pipeline at once (one encoding, one decoding)
     generation: dict = field(default_factory=dict)  # tier, max_new_tokens, … for every frame
+    route: Callable[[], Any] | None = None  # the daemon's power policy: where this frame's stages run
 
 
 @dataclass
@@ -147,6 +149,8 @@ def run_stream(runtime: Runtime, source: Source, options: StreamOptions,
             stop.set()
             return False
         request = Request(frame.image, options.prompt, dict(options.generation), tag=frame)
+        if options.route is not None:
+            request.options["route"] = options.route()
         future = pipeline.submit(request)
         if slot is not None:
             future.add_done_callback(lambda _: inflight.release())

@@ -16,7 +16,9 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from edgemm.config import ConfigError, StreamConfig, config_from_dict
 from edgemm.errors import EdgemmError, InputError
@@ -76,8 +78,9 @@ class StreamFigures:
 
 
 class ManagedStream:
-    def __init__(self, spec: StreamConfig, runtime: Runtime, loop: asyncio.AbstractEventLoop):
-        self.spec, self.runtime, self.loop = spec, runtime, loop
+    def __init__(self, spec: StreamConfig, runtime: Runtime, loop: asyncio.AbstractEventLoop,
+                 route: Callable[[], Any] | None = None):
+        self.spec, self.runtime, self.loop, self.route = spec, runtime, loop, route
         self.figures = StreamFigures()
         self.listeners: set[asyncio.Queue] = set()  # touched only from the event loop
         self.lagged = 0  # results a slow listener missed
@@ -161,7 +164,8 @@ class ManagedStream:
             generation = {k: v for k, v in (("tier", spec.tier), ("max_new_tokens", spec.max_new_tokens))
                           if v is not None}
             options = StreamOptions(prompt=spec.prompt, every=spec.every, fps=spec.fps,
-                                    change_threshold=spec.change_threshold, generation=generation)
+                                    change_threshold=spec.change_threshold, generation=generation,
+                                    route=self.route)
             run_stream(self.runtime, self._source, options, lambda record: self._emit(record, failure), run_stop)
         except Exception as e:  # a camera that won't open, a bad URI: the stream's problem only
             return str(e) or type(e).__name__
@@ -207,9 +211,11 @@ def check_configured(specs: list[StreamConfig], limit: int) -> None:
 class StreamManager:
     """The daemon's streams by id. Add and remove from the event loop."""
 
-    def __init__(self, runtime: Runtime, specs: list[StreamConfig], limit: int):
+    def __init__(self, runtime: Runtime, specs: list[StreamConfig], limit: int,
+                 route: Callable[[], Any] | None = None):
         check_configured(specs, limit)
         self.runtime, self.specs, self.limit = runtime, specs, limit
+        self.route = route  # the power policy's local placement, asked per frame (Router.local_placement)
         self.streams: dict[str, ManagedStream] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
 
@@ -231,7 +237,7 @@ class StreamManager:
         if from_api and kind not in API_SOURCE_KINDS:
             raise StreamForbidden(f"a {kind} source can only be configured in the config file's streams: "
                                   f"the API starts {', '.join(API_SOURCE_KINDS)} sources")
-        stream = ManagedStream(spec, self.runtime, self.loop)
+        stream = ManagedStream(spec, self.runtime, self.loop, self.route)
         self.streams[spec.id] = stream
         stream.start()
         return stream

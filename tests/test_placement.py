@@ -9,6 +9,8 @@ from edgemm.backends.onnxruntime import OnnxRuntimeBackend
 from edgemm.config import ConfigError, PlacementConfig, config_from_dict, load_config
 from edgemm.engines.platform import MISSING
 from edgemm.errors import EngineError, ModelError
+from edgemm.pipeline import Pipeline, Request
+from edgemm.power import Placement as PowerPlacement, reachable_devices
 from edgemm.placement import place
 from edgemm.runtime import Runtime, default_engines_dir
 
@@ -36,7 +38,7 @@ def test_placement_lists_load():
     ({"placement": {"embed_tokens": []}}, "config: 'placement.embed_tokens' must list at least one device, got []"),
     ({"placement": {"decoder": ["gpu", "gpu"]}}, "config: 'placement.decoder[1]' must not repeat an earlier device, got 'gpu'"),
     ({"placement": {"decoder": "gpu"}}, "config: 'placement.decoder' must be a list of strings, got 'gpu' (str)"),
-    ({"placement": {"encoder": ["gpu"]}}, "config: unknown key 'placement.encoder' (known: decoder, embed_tokens, vision_encoder)"),
+    ({"placement": {"encoder": ["gpu"]}}, "config: unknown key 'placement.encoder' (known: decoder, embed_tokens, keep_alternatives, vision_encoder)"),
     ({"model": {"engines": " "}}, "config: 'model.engines' must be a folder or null, got ' '"),
 ])
 def test_bad_placement_is_refused_with_its_path(data, expected):
@@ -72,7 +74,7 @@ def test_first_device_that_loads_wins_and_later_ones_are_not_tried():
                                  loader({"dla0": "no dla0 engine"}, calls))
     assert calls == ["dla0", "gpu"]
     assert component.device == "gpu" and placement.device == "gpu" and placement.backend == "tensorrt"
-    assert placement.to_dict() == {"device": "gpu", "backend": "tensorrt",
+    assert placement.to_dict() == {"device": "gpu", "backend": "tensorrt", "standby": [],
                                    "skipped": [{"device": "dla0", "reason": "no dla0 engine"}]}
 
 
@@ -111,7 +113,7 @@ def test_unexpected_errors_are_not_swallowed():
 def test_default_runtime_is_onnxruntime_cpu_with_no_fallbacks(runtime):
     assert runtime.devices == {"vision_encoder": "cpu", "embed_tokens": "cpu", "decoder": "cpu"}
     report = runtime.placement_report()
-    assert report["decoder"] == {"device": "cpu", "backend": "onnxruntime", "skipped": [],
+    assert report["decoder"] == {"device": "cpu", "backend": "onnxruntime", "skipped": [], "standby": [],
                                  "provider": "CPUExecutionProvider", "precision": "fp32"}
 
 
@@ -179,3 +181,87 @@ def test_engine_folder_default_and_override(make_runtime, tmp_path, runtime):
     assert runtime.engines_dir == default_engines_dir("tiny-vlm")
     assert runtime.engines_dir.parts[-2:] == ("engines", "tiny-vlm")
     assert make_runtime(model={"engines": str(tmp_path)}).engines_dir == tmp_path
+
+
+# ---- standby components: the power policy moves a stage between devices -------------------
+
+def test_reachable_devices_are_what_the_policy_can_pick():
+    assert reachable_devices(["dla0", "gpu", "cpu"]) == ["dla0", "gpu"]  # cpu: a fallback only
+    assert reachable_devices(["gpu", "dla0", "cpu"]) == ["gpu", "dla0"]
+    assert reachable_devices(["gpu", "cpu"]) == ["gpu"]
+    assert reachable_devices(["cpu", "gpu"]) == ["cpu", "gpu"]
+    assert reachable_devices(["dla1", "gpu"]) == ["dla1", "gpu"]  # dla1 on a 2-core module
+    assert reachable_devices(["cpu"]) == ["cpu"]
+
+
+class AllLoadTensorRT(FakeTensorRT):
+    """Every engine loads (the ONNX graph relabelled), as on an Orin NX with engines for both."""
+
+    def load_component(self, name, device, precision):
+        self.calls.append((name, device))
+        component = self.ort.load(name, self.manifest.graph_path(name, precision), precision)
+        component.device = device
+        return component
+
+
+def standby_runtime(monkeypatch, make_runtime, keep=True):
+    fakes = []
+
+    def fake(self):
+        if not fakes:
+            fakes.append(AllLoadTensorRT(self.manifest))
+        return fakes[0]
+    monkeypatch.setattr(Runtime, "_tensorrt", fake)
+    rt = make_runtime(placement={"vision_encoder": ["gpu", "dla0", "cpu"], "decoder": ["gpu", "cpu"],
+                                 "keep_alternatives": keep})
+    return rt, fakes[0]
+
+
+def test_the_policy_devices_are_loaded_and_followed(monkeypatch, make_runtime, model_dir, runtime):
+    rt, fake = standby_runtime(monkeypatch, make_runtime)
+    assert fake.calls == [("vision_encoder", "gpu"), ("vision_encoder", "dla0"), ("decoder", "gpu")]
+    assert rt.placement_report()["vision_encoder"]["standby"] == ["dla0"]
+    assert rt.devices == {"vision_encoder": "gpu", "embed_tokens": "cpu", "decoder": "gpu"}
+    image = model_dir / "samples" / "scene_11.png"
+    expected = runtime.infer(image, "how many shapes are there ?").text
+
+    hot = PowerPlacement({"vision_encoder": "dla0", "embed_tokens": "cpu", "decoder": "gpu"}, "hot → DLA first")
+    result = rt.infer(image, "how many shapes are there ?", route=hot)
+    assert result.devices == {"encode": "dla0", "decode": "gpu"} and result.text == expected
+    assert result.schedule["placement"] == "hot → DLA first"
+    dla = rt.standby["vision_encoder"]["dla0"]
+    calls = dla.stats.calls
+    rt.infer(image, "what colour is the circle ?", route=hot, tier="low")
+    assert dla.stats.calls == calls + 1  # the encoder really ran on the standby component
+
+    # a device the component is not loaded on: its first device runs it, nothing fails
+    lost = PowerPlacement({"vision_encoder": "dla1", "embed_tokens": "cpu", "decoder": "dla0"}, "x")
+    assert rt.infer(image, "how many shapes are there ?", route=lost).devices == {"encode": "gpu", "decode": "gpu"}
+    assert rt.infer(image, "how many shapes are there ?").devices == {"encode": "gpu", "decode": "gpu"}
+
+
+def test_keep_alternatives_off_loads_only_the_first(monkeypatch, make_runtime):
+    rt, fake = standby_runtime(monkeypatch, make_runtime, keep=False)
+    assert fake.calls == [("vision_encoder", "gpu"), ("decoder", "gpu")]
+    hot = PowerPlacement({"vision_encoder": "dla0", "embed_tokens": "cpu", "decoder": "gpu"}, "hot")
+    assert rt.resolve(hot) == ("gpu", "cpu", "gpu")
+
+
+def test_a_standby_that_fails_to_load_is_reported_not_fatal(monkeypatch, make_runtime):
+    rt, _ = fake_runtime(monkeypatch, make_runtime, vision_encoder=["gpu", "dla0", "cpu"])
+    report = rt.placement_report()["vision_encoder"]
+    assert report["device"] == "gpu" and report["standby"] == []
+    assert report["skipped"] == [{"device": "dla0", "reason": "no int8 engine for vision_encoder on dla0"}]
+
+
+def test_pipeline_batches_only_requests_bound_for_the_same_devices(monkeypatch, make_runtime, model_dir):
+    rt, _ = standby_runtime(monkeypatch, make_runtime)
+    image = model_dir / "samples" / "scene_11.png"
+    routes = [PowerPlacement({"vision_encoder": d, "embed_tokens": "cpu", "decoder": "gpu"}, d)
+              for d in ("gpu", "dla0", "dla0", "gpu")]
+    with Pipeline(rt, queue_size=8, max_batch=4, batch_timeout_ms=50) as pipeline:
+        futures = [pipeline.submit(Request(image, "how many shapes are there ?", {"route": r, "tier": "low"}))
+                   for r in routes]
+        results = [f.result(60) for f in futures]
+    assert [r.devices["encode"] for r in results] == ["gpu", "dla0", "dla0", "gpu"]
+    assert len({r.text for r in results}) == 1

@@ -147,3 +147,20 @@ def test_failed_offload_without_fallback_is_a_clear_502(runtime, tmp_path, endpo
         assert answer.status_code == 502
         error = answer.json()["error"]
         assert error["type"] == "offload_error" and "answered HTTP 500" in error["message"]
+
+
+def test_hot_moves_the_encoder_from_gpu_to_dla(monkeypatch, make_runtime, tmp_path, image_url):
+    from test_placement import standby_runtime
+    rt, _ = standby_runtime(monkeypatch, make_runtime)  # encoder on gpu, dla0 on standby; decoder gpu
+    jetson = orin_nx(tmp_path)
+    sections = {"power": {"root": str(tmp_path), "sample_period_s": 0.05},
+                "placement": {"vision_encoder": ["gpu", "dla0", "cpu"], "decoder": ["gpu", "cpu"]}}
+    with running(rt, sections) as daemon, raw_client(sock_path(daemon)) as http:
+        cool = ask(http, image_url).json()["edgemm"]
+        assert cool["devices"] == {"encode": "gpu", "decode": "gpu"}
+        jetson.set_temp("tj-thermal", 88)
+        wait_hot(http, "hot")
+        hot = ask(http, image_url).json()["edgemm"]
+        assert hot["devices"] == {"encode": "dla0", "decode": "gpu"}
+        assert "DLA first" in hot["schedule"]["placement"]
+        assert http.get("/v1/status").json()["last_placement"]["stages"]["vision_encoder"] == "dla0"
