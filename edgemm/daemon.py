@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import grp
+import importlib.util
 import logging
 import os
 import signal
@@ -19,6 +20,7 @@ import socket
 import stat
 import threading
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass
 
 import uvicorn
@@ -33,6 +35,18 @@ from edgemm.runtime import Runtime
 from edgemm.server import Service, create_app
 from edgemm.streams import check_configured
 from edgemm.systemd import Notifier, listen_sockets, watchdog_interval
+
+HTTPTOOLS = importlib.util.find_spec("httptools") is not None  # a dependency; h11 if a distro lacks it
+
+
+def run_loop(main: Coroutine) -> object:
+    """asyncio.run on uvloop where it is installed (a dependency on Linux): the pipeline's
+    threads hand every answer to the event loop, and libuv's wake-up is the cheaper one."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
 
 log = logging.getLogger("edgemm")
 
@@ -182,7 +196,7 @@ class Daemon:
                     raise
             pipeline = Pipeline(self.runtime, cfg.queue_size, cfg.max_batch, cfg.batch_timeout_ms)
             self.service = Service(self.runtime, pipeline, self.config, router)
-            started_draining = asyncio.run(self._serve())
+            started_draining = run_loop(self._serve())
             self._finish(pipeline, started_draining)
         finally:
             router.sampler.stop()
@@ -204,7 +218,7 @@ class Daemon:
         self._loop = asyncio.get_running_loop()
         self._server = _UvicornServer(uvicorn.Config(
             create_app(self.service), lifespan="off", log_config=None, log_level="warning",
-            access_log=False, http="h11", server_header=False, timeout_keep_alive=5,
+            access_log=False, http="httptools" if HTTPTOOLS else "h11", server_header=False, timeout_keep_alive=5,
             limit_concurrency=cfg.max_connections + 1,  # uvicorn refuses at >= its limit: let max_connections in
             timeout_graceful_shutdown=cfg.grace_period_s))
         if threading.current_thread() is threading.main_thread():

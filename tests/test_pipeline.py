@@ -44,11 +44,11 @@ class BlockedEncode:
         if not block_first:
             self.release.set()
 
-    def __call__(self, pixel_values: np.ndarray, keys=None) -> np.ndarray:
+    def __call__(self, pixel_values: np.ndarray, keys=None, route=None) -> np.ndarray:
         self.shapes.append(tuple(pixel_values.shape))
         self.entered.set()
         assert self.release.wait(WAIT_S), "the test never released the encoder"
-        return self.original(pixel_values, keys)
+        return self.original(pixel_values, keys, route)
 
 
 class RecordingDecode:
@@ -169,11 +169,11 @@ def test_an_encoder_failure_fails_its_batch_and_the_pipeline_goes_on(runtime, im
     original = runtime.encode
     calls = []
 
-    def flaky(pixel_values, keys=None):
+    def flaky(pixel_values, keys=None, route=None):
         calls.append(pixel_values.shape[0])
         if len(calls) == 1:
             raise RuntimeError("encoder fell over")
-        return original(pixel_values, keys)
+        return original(pixel_values, keys, route)
 
     monkeypatch.setattr(runtime, "encode", flaky)
     with Pipeline(runtime, queue_size=2) as pipeline:

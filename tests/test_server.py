@@ -376,9 +376,9 @@ class Gate:
         self._encode = runtime.encode
         runtime.encode = self.encode
 
-    def encode(self, pixels, keys=None):
+    def encode(self, pixels, keys=None, route=None):
         self.opened.wait(30)
-        return self._encode(pixels, keys)
+        return self._encode(pixels, keys, route)
 
 
 @pytest.fixture(scope="module")
@@ -662,9 +662,9 @@ SLOW_ENCODER = """
 import os, sys, time
 from edgemm.runtime import Runtime
 encode = Runtime.encode
-def slow(self, pixels, keys=None):
+def slow(self, pixels, keys=None, route=None):
     time.sleep(float(os.environ["SLOW_ENCODE_S"]))
-    return encode(self, pixels, keys)
+    return encode(self, pixels, keys, route)
 Runtime.encode = slow
 from edgemm.cli import main
 main(sys.argv[1:], prog_name="edgemm")
