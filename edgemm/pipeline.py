@@ -10,7 +10,8 @@ cores are. Every queue is bounded: when the pipeline is full, `submit` waits
 (lossless sources) or refuses with `Overloaded` (the daemon answers 503).
 
 The encoder stage batches: it takes up to `max_batch` requests of the same tier
-that are already waiting (or arrive within `batch_timeout_ms`) into one call.
+that are already waiting into one call, and waits up to `batch_timeout_ms` for more
+only while other requests are still being prepared (a lone request never waits).
 The decoder stage takes every request already waiting (up to `max_batch`) and steps
 them together, one decoder call per token for all (edgemm/batch_decode.py); it never
 waits for a batch to fill. Results come back through `concurrent.futures.Future`s.
@@ -87,6 +88,7 @@ class Pipeline:
         self._held: deque = deque()  # taken from to_encode but not batchable with the current tier
         self._held_decode: deque = deque()  # a reuse request taken while gathering a decode batch
         self._last_result: InferenceResult | None = None
+        self._preparing = False  # the prepare stage holds a request (written by its thread only)
         self._closed = False
         self._admission = threading.Lock()  # no request may slip in behind the stop marker
         self._threads = [threading.Thread(target=fn, name=f"edgemm-{name}", daemon=True)
@@ -146,6 +148,7 @@ class Pipeline:
             if not req.future.set_running_or_notify_cancel():
                 continue  # cancelled while waiting (its client went away): costs nothing
             started = time.perf_counter()
+            self._preparing = True
             try:
                 if self.gate is not None and self.gate(req):
                     req.reuse = True
@@ -153,12 +156,14 @@ class Pipeline:
                     req.prepared = self.runtime.prepare(req.image, req.prompt, **req.options)
                 req.image = None  # the decoded pixels are all we need from here on
             except Exception as e:  # a bad request fails alone; the pipeline goes on
+                self._preparing = False
                 self._fail(req, e)
                 continue
             finally:
                 self._account("prepare", started)
             req.marks["prepare"] = time.perf_counter()
             self.to_encode.put(req)
+            self._preparing = False
         self.to_encode.put(_STOP)
 
     def _encode_loop(self) -> None:
@@ -195,11 +200,13 @@ class Pipeline:
         self.to_decode.put(_STOP)
 
     def _gather(self, first: Request) -> tuple[list[Request], bool]:
-        """`first` plus waiting requests of the same tier, up to max_batch (order kept)."""
+        """`first` plus waiting requests of the same tier, up to max_batch (order kept).
+        It waits for more (up to batch_timeout_ms) only while some are being prepared."""
         batch = [first]
         deadline = time.perf_counter() + self.batch_timeout_s
         while len(batch) < self.max_batch and not self._held:
-            wait = deadline - time.perf_counter()
+            coming = self._preparing or self.inbox.qsize() > 0
+            wait = deadline - time.perf_counter() if coming else 0.0
             try:
                 nxt = self.to_encode.get(timeout=wait) if wait > 0 else self.to_encode.get_nowait()
             except queue.Empty:

@@ -162,7 +162,10 @@ class Service:
         with self.admitted() as ticket:
             chat = parse_chat_request(await self.read_json(http))
             self.check_model(chat.model)
-            image = await asyncio.to_thread(load_image_url, chat.image_url, chat.image_param, self.images)
+            if chat.image_url[:5].lower() == "data:":  # in memory: decoding inline (~0.02 ms) beats a thread hop
+                image = load_image_url(chat.image_url, chat.image_param, self.images)
+            else:  # file and http(s) URLs block on I/O: off the event loop
+                image = await asyncio.to_thread(load_image_url, chat.image_url, chat.image_param, self.images)
             job = self.submit(ticket, image, chat.prompt, chat.options, stream=chat.stream)
         request_id, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
         if chat.stream:

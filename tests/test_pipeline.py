@@ -211,6 +211,16 @@ def test_same_tier_requests_are_batched_and_answer_as_unbatched(runtime, images,
     assert pipeline.stats.snapshot()["mean_batch"] > 1
 
 
+def test_a_lone_request_does_not_wait_for_a_batch(runtime, images):
+    # a batch window of 20 s: only a request with others still being prepared may wait in it
+    with Pipeline(runtime, queue_size=4, max_batch=4, batch_timeout_ms=20_000) as pipeline:
+        for i in range(3):
+            started = time.monotonic()
+            pipeline.submit(Request(images[i], PROMPT, options("low"))).result(timeout=WAIT_S)
+            assert time.monotonic() - started < 10, "a lone request sat in the batch window"
+    assert pipeline.stats.batches == [1, 1, 1]
+
+
 def test_waiting_requests_are_decoded_together_and_answer_as_alone(runtime, images, recorded, monkeypatch):
     """While the decoder is busy, finished encodes pile up; the next round steps them all
     at once (up to max_batch), and each answer is the one it would get alone."""
