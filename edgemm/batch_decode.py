@@ -122,10 +122,10 @@ def _decode_together(gen: Generator, rows: list[_Row], logits: np.ndarray, pasts
             keep = np.array(live)
             past = {name: value[keep] for name, value in past.items()}
             mask, rows = mask[keep], [rows[j] for j in live]
-        new = gen.embed.run({"input_ids": np.array(next_tokens, np.int64)[:, None]})["inputs_embeds"]
+        new = gen.embed_next(next_tokens)
         mask = np.concatenate([mask, np.ones((len(rows), 1), np.int64)], axis=1)
         # each row's own next position: its prompt plus the tokens it has so far, minus one
         positions = np.array([[r.length + len(r.tokens) - 1] for r in rows], np.int64)
-        logits, past = gen.step(new.astype(gen.embed_dtype, copy=False), mask, past, positions)
+        logits, past = gen.step(new, mask, past, positions)
         for r in rows:
             r.steps += 1

@@ -110,12 +110,11 @@ def beam_search(gen: Generator, features: np.ndarray, input_ids: np.ndarray, ima
             return _at_length(beams, t0, t_prefill, stats, on_token)
         if not beams.tokens:
             continue  # all continuations stopped: the best finished answer wins above
-        ids = np.asarray([[t[-1]] for t in beams.tokens], np.int64)
-        new = gen.embed.run({"input_ids": ids})["inputs_embeds"].astype(gen.embed_dtype, copy=False)
+        new = gen.embed_next([t[-1] for t in beams.tokens])
         past = {name: v[parents] for name, v in past.items()}
-        mask = np.ones((len(ids), mask.shape[1] + 1), np.int64)
+        mask = np.ones((len(new), mask.shape[1] + 1), np.int64)
         logits, past = gen.step(new, mask, past)
-        stats["decoder_rows"] += len(ids)
+        stats["decoder_rows"] += len(new)
 
 
 def _greedy_from(gen: Generator, tokens: list[int], logits: np.ndarray, past: dict,
@@ -137,9 +136,9 @@ def _greedy_from(gen: Generator, tokens: list[int], logits: np.ndarray, past: di
             on_token(token)
         if len(tokens) >= budget:
             break
-        new = gen.embed.run({"input_ids": np.array([[token]], np.int64)})["inputs_embeds"]
+        new = gen.embed_next([token])
         length = prompt_len + len(tokens)
-        logits, past = gen.step(new.astype(gen.embed_dtype, copy=False), full_mask[:, :length], past,
+        logits, past = gen.step(new, full_mask[:, :length], past,
                                 np.array([[length - 1]], np.int64))
         stats["decoder_rows"] += 1
     return _timed(Generation(tokens, "length"), t0, t_prefill, stats)

@@ -23,6 +23,8 @@ from edgemm.backends.base import Component
 from edgemm.errors import InputError, ModelError
 from edgemm.model.contract import decoder_layers
 
+TOKEN_EMBED_BYTES = 8 << 20  # Generator.embed_next's table: ~3600 tokens of a 576-wide fp32 embedding
+
 TokenCallback = Callable[[int, str], None]  # (token id, text so far) after each new token
 
 
@@ -140,6 +142,7 @@ class Generator:
         self.pixel_dtype = encoder.inputs["pixel_values"].dtype  # e.g. float16 in _fp16 exports
         spec = encoder.inputs.get("pixel_attention_mask")
         self.pixel_mask_dtype = spec.dtype if spec is not None else None
+        self._token_embeds: dict[int, np.ndarray] = {}  # token id → its embedding [1, D] (see embed_next)
 
     def encode(self, pixel_values: np.ndarray) -> np.ndarray:
         """[B,3,H,W] → [B,N,D]; tiled [B,T,3,H,W] → [B,T*n,D], each image's tiles in order.
@@ -167,6 +170,21 @@ class Generator:
         embeds = self.embed.run({"input_ids": input_ids})["inputs_embeds"]
         embeds[:, positions] = features.astype(embeds.dtype)
         return embeds.astype(self.embed_dtype, copy=False)
+
+    def embed_next(self, tokens: list[int]) -> np.ndarray:
+        """Embeddings [B, 1, D] of one new token per row. A token's embedding never changes,
+        so each is computed once: the decode loop then makes one model call per token, not
+        two. Bounded: the table starts afresh past TOKEN_EMBED_BYTES."""
+        missing = [t for t in dict.fromkeys(tokens) if t not in self._token_embeds]
+        if missing:
+            out = self.embed.run({"input_ids": np.array(missing, np.int64)[:, None]})["inputs_embeds"]
+            out = out.astype(self.embed_dtype, copy=False)
+            if (len(self._token_embeds) + len(missing)) * out[0].nbytes > TOKEN_EMBED_BYTES:
+                self._token_embeds = {}
+            for token, embedding in zip(missing, out):
+                self._token_embeds[token] = embedding
+        table = self._token_embeds
+        return np.stack([table[t] for t in tokens])
 
     def step(self, embeds: np.ndarray, mask: np.ndarray, past: dict[str, np.ndarray],
              positions: np.ndarray | None = None) -> tuple[np.ndarray, dict]:
@@ -238,15 +256,15 @@ class Generator:
                 on_token(token)
             if len(tokens) >= budget:
                 break
-            new = self.embed.run({"input_ids": np.array([[token]], np.int64)})["inputs_embeds"]
+            new = self.embed_next([token])
             length = prompt_len + len(tokens)
             mask = full_mask[:, :length]
             if options.use_cache:
                 # no padding in a single request, so the next position is simply length - 1
                 position = np.array([[length - 1]], np.int64)
-                logits, past = self.step(new.astype(self.embed_dtype, copy=False), mask, past, position)
+                logits, past = self.step(new, mask, past, position)
             else:  # use_cache=False never reuses a prefix, so embeds holds the whole prompt
-                embeds = np.concatenate([embeds, new.astype(self.embed_dtype, copy=False)], axis=1)
+                embeds = np.concatenate([embeds, new], axis=1)
                 logits, _ = self.step(embeds, mask, self.empty_past(1))
             steps += 1
         t_end = time.perf_counter()

@@ -212,3 +212,23 @@ def test_a_failing_request_does_not_fail_its_batch(runtime):
     assert isinstance(results[2], ConnectionError)
     alone = runtime.generator.generate(items[1].features, items[1].input_ids, items[1].image_start, items[1].options)
     assert results[1].tokens == alone.tokens
+
+
+# ---- the token-embedding table of the decode loop --------------------------------------
+
+def test_embed_next_matches_the_graph_and_runs_it_once_per_token(runtime, monkeypatch):
+    g = generator_with_stops(runtime, set())
+    tokens = [5, 9, 5, 12]
+    want = g.embed.run({"input_ids": np.array(tokens, np.int64)[:, None]})["inputs_embeds"]
+    calls = g.embed.stats.calls
+    got = g.embed_next(tokens)
+    assert got.shape == (4, 1, want.shape[-1])
+    np.testing.assert_array_equal(got, want)
+    assert g.embed.stats.calls == calls + 1  # one call for the 3 distinct tokens
+    np.testing.assert_array_equal(g.embed_next([12, 9]), want[[3, 1]])
+    assert g.embed.stats.calls == calls + 1  # all known: no call
+
+    import edgemm.generate as generate
+    monkeypatch.setattr(generate, "TOKEN_EMBED_BYTES", want[0].nbytes * 3)  # room for 3 tokens
+    np.testing.assert_array_equal(g.embed_next([7]), g.embed.run({"input_ids": np.array([[7]])})["inputs_embeds"])
+    assert len(g._token_embeds) == 1  # the table started afresh instead of growing past its bound
