@@ -33,7 +33,10 @@ httpx.Client over the UNIX socket, so they share the machine's cores with the da
              /v1/chat/completions, at top level for /v1/infer); median over `overhead-n`
              sequential requests per endpoint, on both daemons of the batching pair, each
              request with its own image; GET /healthz round trips beside them are the
-             floor of one HTTP exchange between the two processes.
+             floor of one HTTP exchange between the two processes. /v1/infer is timed
+             twice: with httpx (what the openai client uses) and with the standard
+             library's http.client on a kept-alive UNIX socket ("infer_raw"), whose own
+             Python work is small, so it shows the socket round trip more nearly.
 Paste the printed Markdown into docs/BENCHMARKS.md together with the command.
 """
 from __future__ import annotations
@@ -41,6 +44,7 @@ from __future__ import annotations
 import argparse
 import base64
 import contextlib
+import http.client
 import json
 import os
 import queue
@@ -413,6 +417,19 @@ def bench_batching(pair: dict[str, ServeProcess], scenes: Scenes, rounds: int, r
     return out
 
 
+class UnixHTTPConnection(http.client.HTTPConnection):
+    """The standard library's HTTP/1.1 client (keep-alive) over a UNIX socket."""
+
+    def __init__(self, unix_path: str, timeout: float = CLIENT_TIMEOUT_S):
+        super().__init__("edgemm", timeout=timeout)
+        self.unix_path = unix_path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self.unix_path)
+
+
 def bench_overhead(pair: dict[str, ServeProcess], scenes: Scenes, n: int) -> dict:
     """Sequential requests, endpoints and daemons interleaved: round trip − pipeline total.
 
@@ -422,15 +439,25 @@ def bench_overhead(pair: dict[str, ServeProcess], scenes: Scenes, n: int) -> dic
     exchange between these two processes on this machine.
     """
     names = list(pair)
-    endpoints = ("chat", "infer", "healthz")
+    endpoints = ("chat", "infer", "infer_raw", "healthz")
     rows = {(name, ep): {"rtt": [], "pipeline": [], "overhead": []} for name in names for ep in endpoints}
     clients = {name: client(pair[name].sock) for name in names}
+    lean = {name: UnixHTTPConnection(pair[name].sock) for name in names}
+    infer_path = "/v1/infer?" + urllib.parse.urlencode({"prompt": PROMPT})
     json_headers = {"Content-Type": "application/json"}
     png_headers = {"Content-Type": "image/png"}
 
-    def timed(http: httpx.Client, ep: str, png: bytes) -> tuple[float, float | None]:
+    def timed(http: httpx.Client, ep: str, png: bytes, conn: UnixHTTPConnection) -> tuple[float, float | None]:
         body = json.dumps(chat_body(png)).encode() if ep == "chat" else png
         t0 = time.perf_counter()
+        if ep == "infer_raw":
+            conn.request("POST", infer_path, body=body, headers=png_headers)
+            reply = conn.getresponse()
+            data = reply.read()
+            rtt = (time.perf_counter() - t0) * 1e3
+            if reply.status != 200:
+                raise RuntimeError(f"/v1/infer answered {reply.status}: {data[:200]!r}")
+            return rtt, json.loads(data)["timings_ms"]["total"]
         if ep == "chat":
             r = http.post("/v1/chat/completions", content=body, headers=json_headers)
         elif ep == "infer":
@@ -447,12 +474,13 @@ def bench_overhead(pair: dict[str, ServeProcess], scenes: Scenes, n: int) -> dic
     try:
         for name in names:  # one of each, untimed
             for ep in endpoints:
-                timed(clients[name], ep, scenes.take(1)[0] if ep != "healthz" else b"")
+                timed(clients[name], ep, scenes.take(1)[0] if ep != "healthz" else b"", lean[name])
         before = {name: duration_sums(pair[name].metrics()) for name in names}
         for _ in range(n):
             for name in names:
                 for ep in endpoints:
-                    rtt, total = timed(clients[name], ep, scenes.take(1)[0] if ep != "healthz" else b"")
+                    rtt, total = timed(clients[name], ep, scenes.take(1)[0] if ep != "healthz" else b"",
+                                       lean[name])
                     row = rows[(name, ep)]
                     row["rtt"].append(rtt)
                     if total is not None:
@@ -462,10 +490,17 @@ def bench_overhead(pair: dict[str, ServeProcess], scenes: Scenes, n: int) -> dic
     finally:
         for http in clients.values():
             http.close()
+        for conn in lean.values():
+            conn.close()
     out: dict = {"requests": n}
     paths = {"chat": "/v1/chat/completions", "infer": "/v1/infer", "healthz": "/healthz"}
     for (name, ep), row in rows.items():
         x = out.setdefault(name, {})[ep] = {"rtt_ms_median": round(statistics.median(row["rtt"]), 2)}
+        if ep == "infer_raw":  # shares /v1/infer's duration histogram with the httpx requests: no means
+            x.update(pipeline_ms_median=round(statistics.median(row["pipeline"]), 2),
+                     overhead_ms_median=round(statistics.median(row["overhead"]), 3),
+                     overhead_ms_p90=round(percentile(row["overhead"], 90), 3))
+            continue
         if row["overhead"]:
             x.update(pipeline_ms_median=round(statistics.median(row["pipeline"]), 2),
                      overhead_ms_median=round(statistics.median(row["overhead"]), 3),
@@ -473,8 +508,10 @@ def bench_overhead(pair: dict[str, ServeProcess], scenes: Scenes, n: int) -> dic
         # where the time goes, in means: the daemon's own duration of the request (its ASGI app,
         # from the parsed request to the last byte handed to uvicorn) against the round trip
         # and the pipeline; (round trip − daemon) is the client, the socket and uvicorn's parsing
+        # (/v1/infer's histogram counts both of its clients' requests: the daemon's mean is over both)
         (s0, c0), (s1, c1) = before[name].get(paths[ep], (0.0, 0)), after[name].get(paths[ep], (0.0, 0))
-        if c1 - c0 == len(row["rtt"]):
+        sent = len(row["rtt"]) + (len(rows[(name, "infer_raw")]["rtt"]) if ep == "infer" else 0)
+        if c1 - c0 == sent:
             x["means_ms"] = {"rtt": round(statistics.fmean(row["rtt"]), 2),
                              "daemon": round((s1 - s0) / (c1 - c0) * 1e3, 2)}
             if row["pipeline"]:
@@ -609,7 +646,8 @@ def serve_markdown(r: dict) -> str:
         f"{r['rss_mb_idle']['batch1']} MB |",
     ]
     for name in ("batched", "batch1"):
-        for ep, label in (("chat", "/v1/chat/completions"), ("infer", "/v1/infer")):
+        for ep, label in (("chat", "/v1/chat/completions"), ("infer", "/v1/infer"),
+                          ("infer_raw", "/v1/infer, http.client")):
             x = h[name][ep]
             means = x.get("means_ms", {})
             split = (f"; means: round trip {means['rtt']}, in the daemon's app {means['daemon']}, pipeline "
