@@ -150,7 +150,7 @@ class GenerationConfig:
 class SchedulerConfig:
     """Which resolution tier each request is encoded at, when no tier is pinned (edgemm/scheduler.py)."""
     policy: str = "top"  # top | thresholds | calibrated (top = the model's default tier, its top tier unless model.yaml says otherwise)
-    statistic: str = "edge_density"  # what `thresholds` compare: mean_saliency | salient_fraction | high_freq | edge_density
+    statistic: str = "edge_density"  # what `thresholds` compare: mean_saliency | salient_fraction | high_freq | edge_density | fine_strokes
     thresholds: list[float] = field(default_factory=lambda: [0.008, 0.014])  # rising, one per tier above the cheapest: reaching the i-th lifts a frame to tier i+1
     detail_words: list[str] = field(default_factory=lambda: list(DETAIL_WORDS))  # prompts with one of these words ask for detail ...
     detail_tier: str | None = None  # ... and never go below this tier; null = the model's top tier

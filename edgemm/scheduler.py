@@ -42,6 +42,8 @@ POLICY_FILE = "scheduler.yaml"  # in the model folder, written by tools/calibrat
 SALIENCY_WIDTH = 64  # the frame size spectral residual was designed for
 ANALYSIS_WIDTH = 128  # edges and spectrum: enough to see digits a few pixels tall at the top tier
 EDGE_LOW, EDGE_HIGH = 40, 100  # Canny hysteresis in grey levels: above sensor noise, below object edges
+STROKE_CONTRAST = 30  # grey levels a stroke stands out from its 3x3 surroundings (top-hat / black-hat)
+_STROKE = cv2.getStructuringElement(cv2.MORPH_RECT, (3, 3))
 
 
 # ---- statistics ---------------------------------------------------------------------------
@@ -53,13 +55,14 @@ class SaliencyStats:
     salient_fraction: float  # area above 3x the mean saliency (Hou & Zhang's object threshold)
     high_freq: float  # share of the spectrum's (non-DC) power in the upper half of frequencies
     edge_density: float  # share of pixels on a strong edge (Canny)
+    fine_strokes: float = 0.0  # share of pixels on thin strokes, dark or light (text, fine print)
     ms: float = 0.0  # what computing these cost
 
     def to_dict(self) -> dict[str, float]:
         return {k: round(v, 5) for k, v in asdict(self).items()}
 
 
-STATISTICS = ("mean_saliency", "salient_fraction", "high_freq", "edge_density")
+STATISTICS = ("mean_saliency", "salient_fraction", "high_freq", "edge_density", "fine_strokes")
 
 
 def analysis_grey(rgb: np.ndarray, width: int = ANALYSIS_WIDTH) -> np.ndarray:
@@ -105,6 +108,16 @@ def high_frequency_share(grey: np.ndarray) -> float:
     return float(power[_high_band(*grey.shape)].sum()) / total
 
 
+def fine_stroke_share(grey: np.ndarray) -> float:
+    """Share of pixels on strokes thinner than the 3x3 window, darker or lighter than
+    their surroundings by STROKE_CONTRAST: the marks of text and fine print. Object
+    outlines and flat regions hardly respond; on generated scenes it tells a frame
+    with a label from one without almost perfectly, where edge density cannot."""
+    dark = cv2.morphologyEx(grey, cv2.MORPH_BLACKHAT, _STROKE)
+    light = cv2.morphologyEx(grey, cv2.MORPH_TOPHAT, _STROKE)
+    return float(np.count_nonzero(np.maximum(dark, light) > STROKE_CONTRAST)) / grey.size
+
+
 @lru_cache(maxsize=16)
 def _high_band(height: int, width: int) -> np.ndarray:
     """DFT bins whose radial frequency is above half Nyquist (cycles per pixel > 0.25)."""
@@ -126,7 +139,7 @@ def saliency_stats(rgb: np.ndarray) -> SaliencyStats:
     return SaliencyStats(mean_saliency=mean, salient_fraction=salient,
                          high_freq=high_frequency_share(grey),
                          edge_density=float(np.count_nonzero(edges)) / edges.size,
-                         ms=(time.perf_counter() - t0) * 1e3)
+                         fine_strokes=fine_stroke_share(grey), ms=(time.perf_counter() - t0) * 1e3)
 
 
 # ---- policy -------------------------------------------------------------------------------
@@ -146,6 +159,9 @@ class TierPolicy:
     i+1 (tiers counted from the cheapest), so there is one threshold per tier above
     the cheapest; `.inf` never lifts. A prompt containing one of `detail_words`
     never goes below `detail_floor`; any other never below `floor` (None = cheapest).
+    Detail prompts may have a rule of their own (`detail_statistic`, `detail_thresholds`):
+    e.g. a reading prompt stays cheap on a frame without fine strokes and goes to the top
+    tier on one with them. Without it they share `statistic` and `thresholds`.
     """
     statistic: str
     thresholds: list[float]
@@ -153,19 +169,30 @@ class TierPolicy:
     detail_floor: str | None = None  # None = the model's top tier
     floor: str | None = None
     source: str = "thresholds"  # where the values come from, shown in every decision's reason
+    detail_statistic: str | None = None  # None: detail prompts use `statistic` ...
+    detail_thresholds: list[float] | None = None  # ... and `thresholds`
 
     def __post_init__(self) -> None:
-        if self.statistic not in STATISTICS:
-            raise ValueError(f"unknown statistic {self.statistic!r} (known: {', '.join(STATISTICS)})")
-        if any(b < a for a, b in zip(self.thresholds, self.thresholds[1:])):
-            raise ValueError(f"thresholds must not decrease: {self.thresholds}")
+        for statistic, thresholds in ((self.statistic, self.thresholds),
+                                      (self.detail_statistic or self.statistic, self.detail_thresholds or [])):
+            if statistic not in STATISTICS:
+                raise ValueError(f"unknown statistic {statistic!r} (known: {', '.join(STATISTICS)})")
+            if any(b < a for a, b in zip(thresholds, thresholds[1:])):
+                raise ValueError(f"thresholds must not decrease: {thresholds}")
         self.detail_words = tuple(w.lower() for w in self.detail_words)
+
+    def rule(self, detail: bool) -> tuple[str, list[float]]:
+        """(statistic, thresholds) for ordinary or detail prompts."""
+        if detail and self.detail_thresholds is not None:
+            return self.detail_statistic or self.statistic, self.detail_thresholds
+        return self.statistic, self.thresholds
 
     def check_tiers(self, tiers: list[str]) -> None:
         """Refuse a policy that doesn't fit this model's tiers, naming what is wrong."""
-        if len(self.thresholds) != len(tiers) - 1:
-            raise ValueError(f"{len(self.thresholds)} thresholds for {len(tiers)} tiers "
-                             f"({', '.join(tiers)}): give one per tier above the cheapest")
+        for thresholds in (self.thresholds, self.detail_thresholds):
+            if thresholds is not None and len(thresholds) != len(tiers) - 1:
+                raise ValueError(f"{len(thresholds)} thresholds for {len(tiers)} tiers "
+                                 f"({', '.join(tiers)}): give one per tier above the cheapest")
         for name in (self.floor, self.detail_floor):
             if name is not None and name not in tiers:
                 raise ValueError(f"floor tier {name!r} is not one of {', '.join(tiers)}")
@@ -173,7 +200,11 @@ class TierPolicy:
     @property
     def uses_statistics(self) -> bool:
         """False when every threshold is infinite: only the floors decide, so skip the analysis."""
-        return any(math.isfinite(t) for t in self.thresholds)
+        return any(math.isfinite(t) for t in self.thresholds + (self.detail_thresholds or []))
+
+    def needs_statistics(self, prompt: str) -> bool:
+        """Whether deciding for this prompt looks at the frame at all."""
+        return any(math.isfinite(t) for t in self.rule(self.is_detail_prompt(prompt) is not None)[1])
 
     def is_detail_prompt(self, prompt: str) -> str | None:
         """The first detail word the prompt contains, if any."""
@@ -183,19 +214,20 @@ class TierPolicy:
     def choose(self, stats: SaliencyStats | None, prompt: str, tiers: list[str]) -> tuple[str, str]:
         """(tier, reason) for a frame with `stats` asked `prompt`; tiers cheapest first.
 
-        `stats` may be None when the policy doesn't use statistics (see uses_statistics).
+        `stats` may be None when this prompt's rule doesn't use statistics (needs_statistics).
         """
-        if stats is None or not self.uses_statistics:
+        word = self.is_detail_prompt(prompt)
+        statistic, thresholds = self.rule(word is not None)
+        if stats is None or not any(math.isfinite(t) for t in thresholds):
             reached, measured = 0, "no threshold to reach"
         else:
-            value = getattr(stats, self.statistic)
-            reached = sum(value >= t for t in self.thresholds)  # thresholds rise, so this is a level
-            measured = f"{self.statistic} {value:.4g}"  # ASCII: reasons end up in logs and JSON
+            value = getattr(stats, statistic)
+            reached = sum(value >= t for t in thresholds)  # thresholds rise, so this is a level
+            measured = f"{statistic} {value:.4g}"  # ASCII: reasons end up in logs and JSON
             if reached:
-                measured += f" >= {self.thresholds[reached - 1]:.4g}"
-            elif self.thresholds:
-                measured += f" < {self.thresholds[0]:.4g}"
-        word = self.is_detail_prompt(prompt)
+                measured += f" >= {thresholds[reached - 1]:.4g}"
+            elif thresholds:
+                measured += f" < {thresholds[0]:.4g}"
         floor_name = (self.detail_floor or tiers[-1]) if word else (self.floor or tiers[0])
         floor = tiers.index(floor_name)
         if reached > floor:
@@ -213,7 +245,11 @@ class TierPolicy:
     def save(self, path: Path, comment: str = "", extra: dict | None = None) -> None:
         data = {"statistic": self.statistic, "thresholds": [float(t) for t in self.thresholds],
                 "detail_words": list(self.detail_words), "detail_floor": self.detail_floor,
-                "floor": self.floor, **(extra or {})}
+                "floor": self.floor}
+        if self.detail_thresholds is not None:
+            data["detail_statistic"] = self.detail_statistic or self.statistic
+            data["detail_thresholds"] = [float(t) for t in self.detail_thresholds]
+        data.update(extra or {})
         header = "".join(f"# {line}\n" for line in comment.splitlines())
         path.write_text(header + yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
 
@@ -227,7 +263,9 @@ class TierPolicy:
             return cls(statistic=data["statistic"], thresholds=[float(t) for t in data["thresholds"]],
                        detail_words=tuple(data.get("detail_words", DETAIL_WORDS)),
                        detail_floor=data.get("detail_floor"), floor=data.get("floor"),
-                       source=f"calibrated ({path.name})")
+                       source=f"calibrated ({path.name})", detail_statistic=data.get("detail_statistic"),
+                       detail_thresholds=[float(t) for t in data["detail_thresholds"]]
+                       if data.get("detail_thresholds") is not None else None)
         except (yaml.YAMLError, TypeError, KeyError, ValueError) as e:
             raise ModelError(f"{path}: not a valid scheduler policy ({type(e).__name__}: {e})") from None
 
@@ -260,6 +298,6 @@ class Scheduler:
             return Decision(pinned, "pinned")
         if self.policy is None:
             return Decision(self.default_tier, "policy top: the model's default tier")
-        stats = saliency_stats(rgb) if self.policy.uses_statistics else None
+        stats = saliency_stats(rgb) if self.policy.needs_statistics(prompt) else None
         tier, reason = self.policy.choose(stats, prompt, self.tiers)
         return Decision(tier, reason, stats)

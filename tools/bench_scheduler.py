@@ -86,8 +86,10 @@ def bench_policies(rt: Runtime, model: Path, n: int) -> tuple[dict, Table]:
     for name, r in results.items():
         r["encoder_saving_vs_top"] = round(1 - r["encoder_ms_mean"] / top, 4)
         policy = policies_used[name]
-        if isinstance(policy, TierPolicy) and policy.uses_statistics:  # these pay for the statistics too
-            r["saving_net_of_saliency"] = round(1 - (r["encoder_ms_mean"] + saliency_ms) / top, 4)
+        if isinstance(policy, TierPolicy) and policy.uses_statistics:  # these pay for the statistics too,
+            looked = np.mean([policy.needs_statistics(p) for p in table.prompts])  # for the prompts whose rule looks
+            r["statistics_share_of_requests"] = round(float(looked), 3)
+            r["saving_net_of_saliency"] = round(1 - (r["encoder_ms_mean"] + looked * saliency_ms) / top, 4)
     meta = {"scenes": n, "requests": len(table.prompts), "seeds": f"{EVAL_SEED_BASE}..{EVAL_SEED_BASE + n - 1}",
             "saliency_ms_mean_per_scene_256px": round(saliency_ms, 3),
             "encoder_ms_median_per_tier": {t: round(float(v), 3) for t, v in
