@@ -49,6 +49,7 @@ placement:
   vision_encoder: [dla0, gpu, cpu]
   embed_tokens: [gpu, cpu]
   decoder: [gpu]
+  keep_alternatives: false
 server:
   socket: /tmp/edgemm.sock
   socket_mode: "0600"
@@ -175,7 +176,8 @@ def test_full_yaml_file_loads_every_field(tmp_path):
         scheduler=SchedulerConfig(policy="thresholds", statistic="high_freq", thresholds=[0.1, 0.25],
                                   detail_words=["read", "plate"], detail_tier="mid"),
         cache=CacheConfig(max_bytes=1048576),
-        placement=PlacementConfig(vision_encoder=["dla0", "gpu", "cpu"], embed_tokens=["gpu", "cpu"], decoder=["gpu"]),
+        placement=PlacementConfig(vision_encoder=["dla0", "gpu", "cpu"], embed_tokens=["gpu", "cpu"], decoder=["gpu"],
+                                  keep_alternatives=False),
         server=ServerConfig(socket="/tmp/edgemm.sock", socket_mode="0600", socket_group="robots", tcp_port=8080,
                             tcp_host="127.0.0.2", queue_size=3, max_batch=2, batch_timeout_ms=2.5,
                             request_timeout_s=5.0, retry_after_s=3, grace_period_s=1.0, max_body_bytes=1000,
@@ -341,7 +343,7 @@ def test_null_allowed_only_for_optional_fields():
     ({"scheduler": {"policy": "fast"}},
      "config: 'scheduler.policy' must be one of top, thresholds, calibrated, got 'fast'"),
     ({"scheduler": {"statistic": "blur"}}, "config: 'scheduler.statistic' must be one of mean_saliency, "
-                                            "salient_fraction, high_freq, edge_density, got 'blur'"),
+                                            "salient_fraction, high_freq, edge_density, fine_strokes, got 'blur'"),
     ({"scheduler": {"thresholds": [0.2, 0.1]}}, "config: 'scheduler.thresholds' must not decrease, got [0.2, 0.1]"),
     ({"cache": {"max_bytes": -1}}, "config: 'cache.max_bytes' must be >= 0, got -1"),
     ({"server": {"socket_mode": "rw-rw----"}},
