@@ -176,7 +176,7 @@ def stream(source_uri, prompt, fps, every, max_frames, out, change_threshold, ti
     cfg = build_config(config_path, model_dir, precision)
     source = open_source(source_uri, latency_ms=latency_ms, max_pixels=cfg.limits.max_pixels)
     source.open()  # a missing camera or file is reported before the model loads
-    runtime = Runtime(cfg)
+    runtime = Runtime(cfg, concurrent=True)
     generation = {k: v for k, v in (("tier", tier), ("max_new_tokens", max_new_tokens)) if v is not None}
     options = StreamOptions(prompt=prompt, every=every, fps=fps, max_frames=max_frames,
                             change_threshold=change_threshold, generation=generation)

@@ -99,7 +99,10 @@ class ModelConfig:
 class BackendConfig:
     name: str = "onnxruntime"  # onnxruntime | tensorrt
     providers: list[str] = field(default_factory=lambda: ["cpu"])  # onnxruntime execution providers, most preferred first: cpu | cuda | tensorrt
-    intra_op_threads: int = 0  # threads per onnxruntime session; 0 = onnxruntime decides
+    # threads per onnxruntime session; 0 = edgemm decides: onnxruntime's default for one request
+    # at a time (edgemm infer), half the usable cores each where the encoder and the decoder run
+    # at once (serve, stream), which also turns off spin-waiting so the two don't steal cores
+    intra_op_threads: int = 0
     warmup: bool = True  # run each graph once at load so the first request isn't slow
 
     def validate(self, path: str) -> None:

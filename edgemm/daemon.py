@@ -190,7 +190,7 @@ class Daemon:
             if self.runtime is None:
                 self.notifier.status("loading and warming up the model")
                 try:
-                    self.runtime = Runtime(self.config)
+                    self.runtime = Runtime(self.config, concurrent=True)
                 except Exception as e:
                     self.notifier.status(f"failed to load the model: {e}")
                     raise

@@ -38,6 +38,14 @@ SOURCE_TREE = Path(__file__).resolve().parent.parent
 BUILTIN_MODEL = SOURCE_TREE / "models" / "tiny-vlm"
 
 
+def usable_cpus() -> int:
+    """CPUs this process may run on (systemd's CPUAffinity, taskset, cgroups), else all."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def default_model_dir() -> Path:
     """$EDGEMM_MODEL, else the built-in tiny VLM next to the package."""
     return Path(os.environ.get("EDGEMM_MODEL", BUILTIN_MODEL))
@@ -84,8 +92,11 @@ class PreparedRequest:
 
 
 class Runtime:
-    def __init__(self, config: Config | None = None):
+    def __init__(self, config: Config | None = None, concurrent: bool = False):
+        """`concurrent`: the encoder and the decoder will run at the same time (the pipeline
+        of `serve` and `stream`); backend.intra_op_threads 0 then splits the cores between them."""
         self.config = config or load_config(None)
+        self.concurrent = concurrent
         model_dir = Path(self.config.model.path) if self.config.model.path else default_model_dir()
         self.manifest: ModelManifest = load_manifest(model_dir)
         self.precision = self.config.model.precision
@@ -165,7 +176,10 @@ class Runtime:
     def _onnxruntime(self) -> OnnxRuntimeBackend:
         if self._ort is None:
             cfg = self.config.backend
-            self._ort = OnnxRuntimeBackend(cfg.providers, cfg.intra_op_threads)
+            threads, spin = cfg.intra_op_threads, True
+            if self.concurrent:  # two stages at once: half the cores each, no spinning on the other's cores
+                threads, spin = threads or max(1, usable_cpus() // 2), False
+            self._ort = OnnxRuntimeBackend(cfg.providers, threads, spin)
             if self._ort.missing:
                 log.warning("onnxruntime here lacks %s; running on %s", ", ".join(self._ort.missing),
                             ", ".join(self._ort.providers))

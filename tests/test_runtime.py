@@ -131,3 +131,21 @@ def test_smoke_accuracy_on_generated_scenes(runtime, top_tier):
     low = {task: f"{accuracy[task]:.0%} < {floor:.0%}"
            for task, floor in SMOKE_MIN_ACCURACY.items() if accuracy[task] < floor}
     assert not low, f"accuracy per task {accuracy}; below the floor: {low}"
+
+
+def test_concurrent_stages_split_the_cores_and_do_not_spin(make_runtime, monkeypatch):
+    import edgemm.runtime as runtime_module
+    monkeypatch.setattr(runtime_module, "usable_cpus", lambda: 6)
+    cfg = make_runtime().config
+    cfg.backend.intra_op_threads = 0
+    pipelined = runtime_module.Runtime(cfg, concurrent=True)
+    options = pipelined.components.decoder.session.get_session_options()
+    assert options.intra_op_num_threads == 3
+    assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    alone = runtime_module.Runtime(cfg)  # edgemm infer: onnxruntime's own choice, spinning allowed
+    options = alone.components.decoder.session.get_session_options()
+    assert options.intra_op_num_threads == 0
+    cfg.backend.intra_op_threads = 2  # an explicit count is kept, the spinning still goes
+    options = runtime_module.Runtime(cfg, concurrent=True).components.vision_encoder.session.get_session_options()
+    assert options.intra_op_num_threads == 2
+    assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"

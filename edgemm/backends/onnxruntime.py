@@ -54,7 +54,7 @@ class OrtComponent:
 class OnnxRuntimeBackend:
     name = "onnxruntime"
 
-    def __init__(self, providers: list[str] | None = None, intra_op_threads: int = 0):
+    def __init__(self, providers: list[str] | None = None, intra_op_threads: int = 0, spin: bool = True):
         providers = providers or ["cpu"]
         unknown = [p for p in providers if p not in PROVIDERS]
         if unknown:
@@ -67,6 +67,7 @@ class OnnxRuntimeBackend:
             raise BackendError(f"none of the configured providers {providers} is available in this "
                                f"onnxruntime build (available: {', '.join(sorted(available))})")
         self.intra_op_threads = intra_op_threads
+        self.spin = spin  # False: idle intra-op threads sleep instead of spinning (stages share the cores)
 
     def load(self, name: str, path: Path, precision: str) -> OrtComponent:
         options = ort.SessionOptions()
@@ -74,6 +75,8 @@ class OnnxRuntimeBackend:
         options.inter_op_num_threads = 1
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         options.log_severity_level = 3
+        if not self.spin:
+            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         try:
             session = ort.InferenceSession(str(path), options, providers=self.providers)
         except Exception as e:  # onnxruntime raises its own exception types, all alike to us
