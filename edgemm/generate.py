@@ -175,6 +175,8 @@ class Generator:
         """Embeddings [B, 1, D] of one new token per row. A token's embedding never changes,
         so each is computed once: the decode loop then makes one model call per token, not
         two. Bounded: the table starts afresh past TOKEN_EMBED_BYTES."""
+        if len(tokens) == 1 and (known := self._token_embeds.get(tokens[0])) is not None:
+            return known[None]  # the common case: one row, a token seen before
         missing = [t for t in dict.fromkeys(tokens) if t not in self._token_embeds]
         if missing:
             out = self.embed.run({"input_ids": np.array(missing, np.int64)[:, None]})["inputs_embeds"]

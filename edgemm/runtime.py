@@ -34,6 +34,7 @@ from edgemm.scheduler import POLICY_FILE, Decision, Scheduler, TierPolicy
 
 log = logging.getLogger("edgemm")
 
+PROMPT_CACHE_SIZE = 256  # distinct (prompt, tier, image size) whose ids are kept
 SOURCE_TREE = Path(__file__).resolve().parent.parent
 BUILTIN_MODEL = SOURCE_TREE / "models" / "tiny-vlm"
 
@@ -106,6 +107,7 @@ class Runtime:
                                    self.components.decoder, self.manifest.max_context,
                                    self.adapter.stop_ids)
         self._generators = {self.resolve(None): self.generator}  # (encoder, embed, decoder device) → Generator
+        self._prompts: dict[tuple, Prompt] = {}  # (prompt, tier, image size) → ids (prompt_ids)
         self.scheduler = self._make_scheduler()
         self._tier_by_shape = {(t.height, t.width): t.name for t in self.manifest.tiers.values()}
         self.cache: FeatureCache | None = None  # made after the warm-up, so blank frames don't fill it
@@ -300,13 +302,28 @@ class Runtime:
         decision = self.scheduler.decide(rgb, prompt, self.manifest.tier(pinned).name if pinned else None)
         chosen = self.manifest.tiers[decision.tier]
         pixel_values = self.pixels(rgb, chosen)
-        prompt_ids = self.adapter.build_prompt(prompt, chosen, rgb.shape[:2])  # tiling depends on the size
+        prompt_ids = self.prompt_ids(prompt, chosen, rgb.shape[:2])
         # keyed here, on the caller's (or the pipeline's prepare) thread, not the encoder's
         key = self.feature_key(pixel_values[0], chosen.name) if self.cache is not None else None
         timings = {"preprocess": (time.perf_counter() - t0) * 1e3}
         if decision.stats is not None:
             timings["schedule"] = decision.stats.ms
         return PreparedRequest(pixel_values, chosen, prompt_ids, options, timings, decision, key, route)
+
+    def prompt_ids(self, prompt: str, tier: ResolutionTier, image_size: tuple[int, int]) -> Prompt:
+        """The adapter's prompt ids, remembered: cameras, kiosks and scripts ask the same few
+        questions again and again. Keyed by the image size too (tiling families depend on it).
+        The arrays are shared, so they are made read-only."""
+        key = (prompt, tier.name, tuple(image_size))
+        built = self._prompts.get(key)
+        if built is None:
+            built = self.adapter.build_prompt(prompt, tier, image_size)
+            for array in (built.input_ids, built.image_positions):
+                array.flags.writeable = False
+            if len(self._prompts) >= PROMPT_CACHE_SIZE:
+                self._prompts.pop(next(iter(self._prompts)))  # the oldest: good enough for a few hot prompts
+            self._prompts[key] = built
+        return built
 
     def feature_key(self, pixel_values: np.ndarray, tier: str) -> bytes:
         return feature_key(pixel_values, tier, self.manifest.name, self.precision)

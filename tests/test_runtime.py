@@ -149,3 +149,14 @@ def test_concurrent_stages_split_the_cores_and_do_not_spin(make_runtime, monkeyp
     options = runtime_module.Runtime(cfg, concurrent=True).components.vision_encoder.session.get_session_options()
     assert options.intra_op_num_threads == 2
     assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+
+
+def test_prompt_ids_are_built_once_and_shared_read_only(runtime):
+    low, high = runtime.manifest.tiers["low"], runtime.manifest.tiers["high"]
+    first = runtime.prompt_ids("how many shapes are there ?", high, (256, 256))
+    assert runtime.prompt_ids("how many shapes are there ?", high, (256, 256)) is first
+    assert not first.input_ids.flags.writeable and not first.image_positions.flags.writeable
+    other = runtime.prompt_ids("how many shapes are there ?", low, (256, 256))
+    assert other is not first and other.image_tokens == low.image_tokens
+    fresh = runtime.adapter.build_prompt("how many shapes are there ?", high, (256, 256))
+    assert (fresh.input_ids == first.input_ids).all()
