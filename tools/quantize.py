@@ -78,7 +78,7 @@ def collect(model_dir: Path, scenes: int) -> tuple[Runtime, list[dict], list[dic
     return rt, enc.feeds, dec.feeds
 
 
-def quantize_graph(src: Path, dst: Path, feeds: list[dict], method: str) -> None:
+def quantize_graph(src: Path, dst: Path, feeds: list[dict], method: str, moving_average: bool = False) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         prepared = Path(tmp) / "prepared.onnx"
         # symbolic shape inference gives up on the dynamic image-token axis; onnx shape inference suffices
@@ -90,7 +90,7 @@ def quantize_graph(src: Path, dst: Path, feeds: list[dict], method: str) -> None
             calibrate_method=METHODS[method],
             # float bias: TensorRT has no int32 DequantizeLinear for a quantized bias
             extra_options={"ActivationSymmetric": True, "WeightSymmetric": True,
-                           "QuantizeBias": False, "CalibMovingAverage": False})
+                           "QuantizeBias": False, "CalibMovingAverage": moving_average})
     drop_unused_opsets(dst)
     onnx.checker.check_model(str(dst))
 
@@ -110,6 +110,8 @@ def main() -> None:
     ap.add_argument("model_dir", type=Path)
     ap.add_argument("--scenes", type=int, default=96, help="calibration scenes (spread over tiers)")
     ap.add_argument("--method", choices=list(METHODS), default="minmax")
+    ap.add_argument("--moving-average", action="store_true",
+                    help="minmax: average each calibration input's range instead of the extremes over all")
     args = ap.parse_args()
     t0 = time.time()
     print(f"calibrating on {args.scenes} generated scenes …", file=sys.stderr)
@@ -121,12 +123,13 @@ def main() -> None:
         src = rt.manifest.graph_path(name, "fp32")  # onnx/ in a Hugging Face folder
         dst = src.with_name(f"{src.stem}_int8{src.suffix}")
         print(f"quantizing {src.name} on {len(feeds)} calibration inputs …", file=sys.stderr)
-        quantize_graph(src, dst, feeds, args.method)
+        quantize_graph(src, dst, feeds, args.method, args.moving_average)
     # a lookup table has no Conv/MatMul/Gemm: the int8 variant is the same graph
     embed = rt.manifest.graph_path("embed_tokens", "fp32")
     shutil.copy(embed, embed.with_name(f"{embed.stem}_int8{embed.suffix}"))
     sizes = {p.name: p.stat().st_size for p in sorted(embed.parent.glob("*_int8.onnx"))}
     print(json.dumps({"seconds": round(time.time() - t0, 1), "method": args.method,
+                      "moving_average": args.moving_average,
                       "int8_bytes": sizes}, indent=1))
 
 
