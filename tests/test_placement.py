@@ -129,6 +129,7 @@ def test_without_tensorrt_gpu_and_dla_fall_back_to_cpu(make_runtime, model_dir):
 
 class FakeTensorRT:
     """Stands in for TensorRTBackend: dla0 has no engine; 'gpu' runs the ONNX graph (so answers are real)."""
+    fails = ("dla0",)
 
     def __init__(self, runtime_model):
         self.ort = OnnxRuntimeBackend(["cpu"], 1)
@@ -137,19 +138,19 @@ class FakeTensorRT:
 
     def load_component(self, name, device, precision):
         self.calls.append((name, device))
-        if device == "dla0":
-            raise EngineError("no int8 engine for vision_encoder on dla0")
+        if device in self.fails:
+            raise EngineError(f"no int8 engine for {name} on {device}")
         component = self.ort.load(name, self.manifest.graph_path(name, precision), precision)
         component.device = device
         return component
 
 
-def fake_runtime(monkeypatch, make_runtime, **placement):
+def fake_runtime(monkeypatch, make_runtime, fake_class=None, **placement):
     fakes = []
 
     def fake(self):
         if not fakes:
-            fakes.append(FakeTensorRT(self.manifest))
+            fakes.append((fake_class or FakeTensorRT)(self.manifest))
         return fakes[0]
     monkeypatch.setattr(Runtime, "_tensorrt", fake)
     return make_runtime(placement=placement), fakes
@@ -196,24 +197,12 @@ def test_reachable_devices_are_what_the_policy_can_pick():
 
 class AllLoadTensorRT(FakeTensorRT):
     """Every engine loads (the ONNX graph relabelled), as on an Orin NX with engines for both."""
-
-    def load_component(self, name, device, precision):
-        self.calls.append((name, device))
-        component = self.ort.load(name, self.manifest.graph_path(name, precision), precision)
-        component.device = device
-        return component
+    fails = ()
 
 
 def standby_runtime(monkeypatch, make_runtime, keep=True):
-    fakes = []
-
-    def fake(self):
-        if not fakes:
-            fakes.append(AllLoadTensorRT(self.manifest))
-        return fakes[0]
-    monkeypatch.setattr(Runtime, "_tensorrt", fake)
-    rt = make_runtime(placement={"vision_encoder": ["gpu", "dla0", "cpu"], "decoder": ["gpu", "cpu"],
-                                 "keep_alternatives": keep})
+    rt, fakes = fake_runtime(monkeypatch, make_runtime, AllLoadTensorRT, vision_encoder=["gpu", "dla0", "cpu"],
+                             decoder=["gpu", "cpu"], keep_alternatives=keep)
     return rt, fakes[0]
 
 
