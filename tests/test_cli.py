@@ -64,7 +64,7 @@ def test_max_new_tokens_one(sample):
 
 def test_tier_option(sample):
     out = infer_json(sample, "--tier", "low")
-    assert out["tier"] == "low" and out["image_tokens"] == 16
+    assert out["tier"] == "low" and out["image_tokens"] == 9
 
 
 def test_edgemm_config_env_is_honoured(sample, tmp_path):

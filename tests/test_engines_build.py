@@ -122,7 +122,7 @@ def test_gpu_int8_builds_every_component_from_its_qdq_graph(model_dir):
         ("embed_tokens", None, "embed_tokens_int8.onnx", "embed_tokens.gpu.int8.plan"),
         ("decoder", None, "decoder_model_merged_int8.onnx", "decoder.gpu.int8.plan")]
     encoder = built[0].profiles
-    assert encoder == [{"pixel_values": {"min": [1, 3, 128, 128], "opt": [1, 3, 256, 256], "max": [4, 3, 256, 256]}}]
+    assert encoder == [{"pixel_values": {"min": [1, 3, 96, 96], "opt": [1, 3, 256, 256], "max": [4, 3, 256, 256]}}]
 
 
 def test_decoder_profiles_cover_prefill_and_single_token_decode(model_dir):

@@ -61,7 +61,7 @@ def test_tier_selection_changes_image_tokens(runtime, sample):
         assert result.tier == name
         assert result.image_tokens == runtime.manifest.tiers[name].image_tokens
         assert result.prompt_tokens - result.image_tokens == len(PROMPT.split()) + 2
-    assert [r.image_tokens for r in results.values()] == [16, 36, 64]
+    assert [r.image_tokens for r in results.values()] == [9, 36, 64]
 
 
 def test_configured_tier_is_the_default(make_runtime, sample):

@@ -112,7 +112,7 @@ def test_model_yaml_validates(model_dir):
     m = load_manifest(model_dir)
     assert m.family == "tiny-vlm"
     assert list(m.tiers) == ["low", "mid", "high"] and m.default_tier == "high"
-    assert [t.image_tokens for t in m.tiers.values()] == [16, 36, 64]
+    assert [t.image_tokens for t in m.tiers.values()] == [9, 36, 64]
     assert m.image_token in m.prompt_format and "{prompt}" in m.prompt_format
     assert m.max_context > m.tiers["high"].image_tokens
     for component in ("vision_encoder", "embed_tokens", "decoder"):

@@ -32,7 +32,7 @@ class TinyVLMConfig:
         return asdict(self)
 
 
-TIER_SIDES = (128, 192, 256)  # the tiers' input sides (model.yaml)
+TIER_SIDES = (96, 192, 256)  # the tiers' input sides (model.yaml)
 
 
 class TierBatchNorm(nn.BatchNorm2d):

@@ -34,10 +34,10 @@ from tiny_vlm_model import (AuxHeads, TinyVLM, TinyVLMConfig, calibrate_tier_nor
                             count_parameters)
 
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>", "<image>", "<answer>"]
-TIERS = {"low": 128, "mid": 192, "high": 256}
-TIER_WEIGHTS = {"low": 0.25, "mid": 0.30, "high": 0.45}
+TIERS = {"low": 96, "mid": 192, "high": 256}
+TIER_WEIGHTS = {"low": 0.30, "mid": 0.27, "high": 0.43}
 TASK_WEIGHTS = {"describe": 0.30, "count": 0.15, "colour": 0.20, "read": 0.35}  # eval batches
-QUESTION_WEIGHTS = {"describe": 1.0, "count": 1.0, "colour": 1.0, "read": 1.5}  # loss per question
+QUESTION_WEIGHTS = {"describe": 1.5, "count": 1.0, "colour": 1.0, "read": 1.5}  # loss per question
 MEAN = STD = (0.5, 0.5, 0.5)
 TRAIN_SEED_BASE = 1_000_000  # training scenes use seeds ≥ this; eval uses small seeds
 
@@ -215,8 +215,8 @@ def exact_match(model: TinyVLM, tok, cfg, side: int, n: int, seed: int) -> dict[
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=3400, help="length of the learning-rate schedule")
-    ap.add_argument("--stop-at", type=int, default=2400,
-                    help="end here (with a checkpoint); the schedule still spans --steps")
+    ap.add_argument("--stop-at", type=int, default=0,
+                    help="end early here (with a checkpoint; 0 = run the whole schedule); the schedule still spans --steps")
     ap.add_argument("--batch", type=int, default=24, help="scenes per step; each brings all its questions")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--seed", type=int, default=1234)
