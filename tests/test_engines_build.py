@@ -145,7 +145,7 @@ def test_dla_builds_one_static_encoder_plan_per_tier(model_dir):
     assert [(j.component, j.tier, j.file) for j in built] == [
         ("vision_encoder", "low", "vision_encoder.dla1.int8.low.plan"),
         ("vision_encoder", "high", "vision_encoder.dla1.int8.high.plan")]
-    for job, size in zip(built, (128, 256)):
+    for job, size in zip(built, (96, 256)):
         shape = [1, 3, size, size]
         assert job.profiles == [{"pixel_values": {"min": shape, "opt": shape, "max": shape}}]
 
