@@ -108,7 +108,7 @@ def drop_unused_opsets(path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model_dir", type=Path)
-    ap.add_argument("--scenes", type=int, default=240, help="calibration scenes (spread over tiers)")
+    ap.add_argument("--scenes", type=int, default=480, help="calibration scenes (spread over tiers)")
     ap.add_argument("--method", choices=list(METHODS), default="minmax")
     ap.add_argument("--moving-average", action="store_true",
                     help="minmax: average each calibration input's range instead of the extremes over all")
