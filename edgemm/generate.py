@@ -175,17 +175,17 @@ class Generator:
         """Embeddings [B, 1, D] of one new token per row. A token's embedding never changes,
         so each is computed once: the decode loop then makes one model call per token, not
         two. Bounded: the table starts afresh past TOKEN_EMBED_BYTES."""
-        if len(tokens) == 1 and (known := self._token_embeds.get(tokens[0])) is not None:
+        table = self._token_embeds  # one table throughout, even if another thread starts a new one
+        if len(tokens) == 1 and (known := table.get(tokens[0])) is not None:
             return known[None]  # the common case: one row, a token seen before
-        missing = [t for t in dict.fromkeys(tokens) if t not in self._token_embeds]
+        missing = [t for t in dict.fromkeys(tokens) if t not in table]
         if missing:
             out = self.embed.run({"input_ids": np.array(missing, np.int64)[:, None]})["inputs_embeds"]
             out = out.astype(self.embed_dtype, copy=False)
-            if (len(self._token_embeds) + len(missing)) * out[0].nbytes > TOKEN_EMBED_BYTES:
-                self._token_embeds = {}
+            if (len(table) + len(missing)) * out[0].nbytes > TOKEN_EMBED_BYTES:
+                table = self._token_embeds = {}
             for token, embedding in zip(missing, out):
-                self._token_embeds[token] = embedding
-        table = self._token_embeds
+                table[token] = embedding
         return np.stack([table[t] for t in tokens])
 
     def step(self, embeds: np.ndarray, mask: np.ndarray, past: dict[str, np.ndarray],

@@ -9,6 +9,7 @@ The CLI, the stream pipeline and the daemon all go through this class.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -107,7 +108,8 @@ class Runtime:
                                    self.components.decoder, self.manifest.max_context,
                                    self.adapter.stop_ids)
         self._generators = {self.resolve(None): self.generator}  # (encoder, embed, decoder device) → Generator
-        self._prompts: dict[tuple, Prompt] = {}  # (prompt, tier, image size) → ids (prompt_ids)
+        # (prompt, tier, image size) → ids; lru_cache is thread-safe (daemon and stream pipelines share this runtime)
+        self._cached_prompt = functools.lru_cache(maxsize=PROMPT_CACHE_SIZE)(self._read_only_prompt)
         self.scheduler = self._make_scheduler()
         self._tier_by_shape = {(t.height, t.width): t.name for t in self.manifest.tiers.values()}
         self.cache: FeatureCache | None = None  # made after the warm-up, so blank frames don't fill it
@@ -314,15 +316,12 @@ class Runtime:
         """The adapter's prompt ids, remembered: cameras, kiosks and scripts ask the same few
         questions again and again. Keyed by the image size too (tiling families depend on it).
         The arrays are shared, so they are made read-only."""
-        key = (prompt, tier.name, tuple(image_size))
-        built = self._prompts.get(key)
-        if built is None:
-            built = self.adapter.build_prompt(prompt, tier, image_size)
-            for array in (built.input_ids, built.image_positions):
-                array.flags.writeable = False
-            if len(self._prompts) >= PROMPT_CACHE_SIZE:
-                self._prompts.pop(next(iter(self._prompts)))  # the oldest: good enough for a few hot prompts
-            self._prompts[key] = built
+        return self._cached_prompt(prompt, tier.name, tuple(image_size))
+
+    def _read_only_prompt(self, prompt: str, tier: str, image_size: tuple[int, int]) -> Prompt:
+        built = self.adapter.build_prompt(prompt, self.manifest.tiers[tier], image_size)
+        for array in (built.input_ids, built.image_positions):
+            array.flags.writeable = False
         return built
 
     def feature_key(self, pixel_values: np.ndarray, tier: str) -> bytes:

@@ -147,6 +147,11 @@ def saliency_stats(rgb: np.ndarray) -> SaliencyStats:
 DETAIL_WORDS = ("read", "text", "written", "say", "says", "sign", "label", "number", "digits")
 
 
+def lifts(thresholds: list[float]) -> bool:
+    """Whether any threshold can be reached (`.inf` never lifts)."""
+    return any(math.isfinite(t) for t in thresholds)
+
+
 def prompt_words(prompt: str) -> set[str]:
     return set(re.findall(r"[a-z0-9']+", prompt.lower()))
 
@@ -200,11 +205,11 @@ class TierPolicy:
     @property
     def uses_statistics(self) -> bool:
         """False when every threshold is infinite: only the floors decide, so skip the analysis."""
-        return any(math.isfinite(t) for t in self.thresholds + (self.detail_thresholds or []))
+        return lifts(self.thresholds) or lifts(self.detail_thresholds or [])
 
     def needs_statistics(self, prompt: str) -> bool:
         """Whether deciding for this prompt looks at the frame at all."""
-        return any(math.isfinite(t) for t in self.rule(self.is_detail_prompt(prompt) is not None)[1])
+        return lifts(self.rule(self.is_detail_prompt(prompt) is not None)[1])
 
     def is_detail_prompt(self, prompt: str) -> str | None:
         """The first detail word the prompt contains, if any."""
@@ -218,7 +223,7 @@ class TierPolicy:
         """
         word = self.is_detail_prompt(prompt)
         statistic, thresholds = self.rule(word is not None)
-        if stats is None or not any(math.isfinite(t) for t in thresholds):
+        if stats is None or not lifts(thresholds):
             reached, measured = 0, "no threshold to reach"
         else:
             value = getattr(stats, statistic)
