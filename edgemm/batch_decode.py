@@ -1,6 +1,6 @@
 """Decoding several requests together: one decoder call per step for all of them.
 
-    prefill    each request alone (prompts differ in length; some reuse a cached prefix)
+    prefill    prompts of one length together; a request with a stored prefix alone
     merge      left-pad every KV cache to the longest, mask the padding out
     step       one token for every live row in one decoder call; rows that stop leave
 
@@ -51,7 +51,21 @@ def batchable(options: GenerationOptions) -> bool:
 def generate_batch(gen: Generator, items: list[BatchItem]) -> list[Generation | Exception]:
     """Generations for `items` in order; a request that fails gets its exception instead."""
     results: list[Generation | Exception | None] = [None] * len(items)
+    rows, logits, pasts = _prefill(gen, items, results)
+    if rows:
+        order = sorted(range(len(rows)), key=lambda j: rows[j].index)  # the caller's order
+        _decode_together(gen, [rows[j] for j in order], np.stack([logits[j] for j in order]),
+                         [pasts[j] for j in order], results, len(items))
+    return results  # type: ignore[return-value]
+
+
+def _prefill(gen: Generator, items: list[BatchItem], results: list) -> tuple[list[_Row], list, list]:
+    """Every item's prompt through the decoder. A stored prefix is reused item by item;
+    the other prompts go through together, one decoder call per prompt length (the same
+    question at the same tier has the same length), since a prefill of B short prompts
+    costs less than B prefills where one call's fixed cost dominates."""
     rows, logits, pasts = [], [], []
+    fresh: dict[int, list[tuple[int, np.ndarray, int, bytes | None]]] = {}  # length → (item, embeds, split, key)
     for i, item in enumerate(items):
         started = time.perf_counter()
         try:
@@ -59,19 +73,40 @@ def generate_batch(gen: Generator, items: list[BatchItem]) -> list[Generation | 
             if length >= gen.max_context:
                 raise InputError(f"prompt is {length} tokens (image included); the model's "
                                  f"context is {gen.max_context}")
-            row_logits, past, _, reused = gen.prefill(item.features, item.input_ids, item.image_start,
-                                                      np.ones((1, length), np.int64), item.reuse)
+            split, key = gen.prefix_key(item.features, item.input_ids, item.image_start, item.reuse)
+            stored = gen.from_stored_prefix(item.input_ids, split, key, np.ones((1, length), np.int64), item.reuse)
+            if stored is None:
+                fresh.setdefault(length, []).append(
+                    (i, gen.embed_prompt(item.input_ids, item.features, item.image_start), split, key))
+                continue
         except Exception as e:  # this request fails; the others go on
             results[i] = e
             continue
-        budget = min(item.options.max_new_tokens, gen.max_context - length)
-        rows.append(_Row(i, item, length, budget, np.random.default_rng(item.options.seed),
-                         (time.perf_counter() - started) * 1e3, reused))
-        logits.append(row_logits[0])
-        pasts.append(past)
-    if rows:
-        _decode_together(gen, rows, np.stack(logits), pasts, results, len(items))
-    return results  # type: ignore[return-value]
+        rows.append(_row(gen, i, item, started, reused=True))
+        logits.append(stored[0][0])
+        pasts.append(stored[1])
+    for length, group in fresh.items():
+        started = time.perf_counter()
+        try:
+            out, past = gen.step(np.concatenate([embeds for _, embeds, _, _ in group]),
+                                 np.ones((len(group), length), np.int64), gen.empty_past(len(group)))
+        except Exception as e:  # the shared call failed: so does each of its requests
+            for i, *_ in group:
+                results[i] = e
+            continue
+        for j, (i, _, split, key) in enumerate(group):
+            own = {name: value[j:j + 1] for name, value in past.items()}
+            gen.store_prefix(own, split, key, items[i].reuse)
+            rows.append(_row(gen, i, items[i], started, reused=False))
+            logits.append(out[j])
+            pasts.append(own)
+    return rows, logits, pasts
+
+
+def _row(gen: Generator, i: int, item: BatchItem, started: float, reused: bool) -> _Row:
+    length = item.input_ids.shape[1]
+    return _Row(i, item, length, min(item.options.max_new_tokens, gen.max_context - length),
+                np.random.default_rng(item.options.seed), (time.perf_counter() - started) * 1e3, reused)
 
 
 def _merge(gen: Generator, rows: list[_Row], pasts: list[dict]) -> tuple[dict, np.ndarray]:

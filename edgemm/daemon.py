@@ -28,7 +28,7 @@ import uvicorn
 from edgemm.config import Config, ServerConfig
 from edgemm.errors import EdgemmError
 from edgemm.offload import OffloadClient
-from edgemm.pipeline import Pipeline
+from edgemm.pipeline import Pipeline, encoder_batch_limits
 from edgemm.power import Sampler
 from edgemm.router import Router
 from edgemm.runtime import Runtime
@@ -194,7 +194,10 @@ class Daemon:
                 except Exception as e:
                     self.notifier.status(f"failed to load the model: {e}")
                     raise
-            pipeline = Pipeline(self.runtime, cfg.queue_size, cfg.max_batch, cfg.batch_timeout_ms)
+            self.notifier.status("timing encoder batches")
+            limits = encoder_batch_limits(self.runtime, cfg.max_batch, cfg.encoder_batching)
+            pipeline = Pipeline(self.runtime, cfg.queue_size, cfg.max_batch, cfg.batch_timeout_ms,
+                                encoder_batch=limits)
             self.service = Service(self.runtime, pipeline, self.config, router)
             started_draining = run_loop(self._serve())
             self._finish(pipeline, started_draining)

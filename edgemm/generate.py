@@ -208,22 +208,38 @@ class Generator:
                 mask: np.ndarray, reuse: PrefixReuse | None) -> tuple[np.ndarray, dict, np.ndarray | None, bool]:
         """Run the prompt through the decoder: logits, cache, the prompt's embeddings
         (None when a stored prefix was reused) and whether it was."""
-        # the prefix ends with the last image placeholder
-        split = int(image_positions(input_ids, image_start, features.shape[1])[-1]) + 1
-        key = None
-        if reuse is not None and split < input_ids.shape[1]:
-            key = reuse.image_key + b"\0prefix\0" + input_ids[0, :split].astype(np.int64).tobytes()
-            stored = reuse.store.get(key)
-            if stored is not None:
-                past = dict(zip(self.past_names, stored))
-                rest = self.embed.run({"input_ids": input_ids[:, split:]})["inputs_embeds"]
-                logits, past = self.step(rest.astype(self.embed_dtype, copy=False), mask, past)
-                return logits, past, None, True
+        split, key = self.prefix_key(features, input_ids, image_start, reuse)
+        stored = self.from_stored_prefix(input_ids, split, key, mask, reuse)
+        if stored is not None:
+            return *stored, None, True
         embeds = self.embed_prompt(input_ids, features, image_start)
         logits, past = self.step(embeds, mask, self.empty_past(1))
+        self.store_prefix(past, split, key, reuse)
+        return logits, past, embeds, False
+
+    def prefix_key(self, features: np.ndarray, input_ids: np.ndarray, image_start: int | np.ndarray,
+                   reuse: PrefixReuse | None) -> tuple[int, bytes | None]:
+        """Where the question-independent prefix ends (after the last image placeholder)
+        and its key in the store; no key without a store or without a question after it."""
+        split = int(image_positions(input_ids, image_start, features.shape[1])[-1]) + 1
+        if reuse is None or split >= input_ids.shape[1]:
+            return split, None
+        return split, reuse.image_key + b"\0prefix\0" + input_ids[0, :split].astype(np.int64).tobytes()
+
+    def from_stored_prefix(self, input_ids: np.ndarray, split: int, key: bytes | None, mask: np.ndarray,
+                           reuse: PrefixReuse | None) -> tuple[np.ndarray, dict] | None:
+        """Logits and cache from a stored prefix plus the rest of the prompt, if stored."""
+        stored = reuse.store.get(key) if key is not None else None
+        if stored is None:
+            return None
+        past = dict(zip(self.past_names, stored))
+        rest = self.embed.run({"input_ids": input_ids[:, split:]})["inputs_embeds"]
+        return self.step(rest.astype(self.embed_dtype, copy=False), mask, past)
+
+    def store_prefix(self, past: dict[str, np.ndarray], split: int, key: bytes | None,
+                     reuse: PrefixReuse | None) -> None:
         if key is not None:  # one array [2 x layers, 1, heads, split, head_dim], a copy
             reuse.store.put(key, np.stack([past[name][:, :, :split] for name in self.past_names]))
-        return logits, past, embeds, False
 
     def generate(self, features: np.ndarray, input_ids: np.ndarray, image_start: int | np.ndarray,
                  options: GenerationOptions, on_token: Callable[[int], None] | None = None,

@@ -412,7 +412,10 @@ class Service:
                 "cache": cache,
                 "queue": {"in_flight": self.admission.count, "limit": self.admission.limit,
                           "depths": self.pipeline.depths(), "completed": stats.completed, "failed": stats.failed,
-                          "rejected": stats.rejected},
+                          "rejected": stats.rejected,
+                          "encoder_batch": {tier: self.pipeline.encoder_batch.get(tier, self.pipeline.max_batch)
+                                            for tier in self.runtime.manifest.tiers},
+                          "decoder_batch": self.pipeline.max_batch},
                 "streams": len(self.streams.streams)}
 
     def status_line(self) -> str:

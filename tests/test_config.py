@@ -59,6 +59,7 @@ server:
   queue_size: 3
   max_batch: 2
   batch_timeout_ms: 2.5
+  encoder_batching: "off"
   request_timeout_s: 5.0
   retry_after_s: 3
   grace_period_s: 1.0
@@ -179,7 +180,7 @@ def test_full_yaml_file_loads_every_field(tmp_path):
         placement=PlacementConfig(vision_encoder=["dla0", "gpu", "cpu"], embed_tokens=["gpu", "cpu"], decoder=["gpu"],
                                   keep_alternatives=False),
         server=ServerConfig(socket="/tmp/edgemm.sock", socket_mode="0600", socket_group="robots", tcp_port=8080,
-                            tcp_host="127.0.0.2", queue_size=3, max_batch=2, batch_timeout_ms=2.5,
+                            tcp_host="127.0.0.2", queue_size=3, max_batch=2, batch_timeout_ms=2.5, encoder_batching="off",
                             request_timeout_s=5.0, retry_after_s=3, grace_period_s=1.0, max_body_bytes=1000,
                             max_connections=7, image_dirs=["/srv/edgemm/images"], remote_images=True,
                             remote_timeout_s=2.0, max_streams=2),
@@ -320,6 +321,8 @@ def test_null_allowed_only_for_optional_fields():
     ({"model": {"precision": "int4"}}, "config: 'model.precision' must be one of fp32, int8, fp16, got 'int4'"),
     ({"model": {"path": ""}}, "config: 'model.path' must be a folder or null, got ''"),
     ({"backend": {"name": "tflite"}}, "config: 'backend.name' must be one of onnxruntime, tensorrt, got 'tflite'"),
+    ({"server": {"encoder_batching": "sometimes"}},
+     "config: 'server.encoder_batching' must be one of auto, on, off, got 'sometimes'"),
     ({"backend": {"providers": []}}, "config: 'backend.providers' must list at least one provider, got []"),
     ({"backend": {"providers": ["cpu", "rocm"]}},
      "config: 'backend.providers[1]' must be one of cpu, cuda, tensorrt, got 'rocm'"),

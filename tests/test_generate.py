@@ -197,6 +197,24 @@ def test_batched_decoding_gives_each_request_its_own_tokens(runtime):
             assert got.stats["decode_batch"] == len(items)
 
 
+def test_prompts_of_one_length_are_prefilled_in_one_decoder_call(runtime):
+    """Three requests with the same question (so the same prompt length) and one other:
+    two prefill calls, not four, and each request still gets the logits it gets alone."""
+    from edgemm.batch_decode import generate_batch
+    asks = [("how many shapes ?", 402_020), ("how many shapes ?", 402_021),
+            ("describe the image", 402_022), ("how many shapes ?", 402_023)]
+    items = _batch_items(runtime, asks, max_new_tokens=1)  # no decode step: only prefills call
+    lengths = {item.input_ids.shape[1] for item in items}
+    assert len(lengths) == 2
+    before = runtime.generator.decoder.stats.calls
+    together = generate_batch(runtime.generator, items)
+    assert runtime.generator.decoder.stats.calls - before == len(lengths)
+    for item, got in zip(items, together):
+        mask = np.ones_like(item.input_ids)
+        alone_logits, *_ = runtime.generator.prefill(item.features, item.input_ids, item.image_start, mask, None)
+        assert got.tokens == [int(alone_logits[0].argmax())]
+
+
 def test_a_failing_request_does_not_fail_its_batch(runtime):
     from edgemm.batch_decode import generate_batch
     items = _batch_items(runtime, [("describe the image", 402_010), ("how many shapes ?", 402_011)],

@@ -211,6 +211,40 @@ def test_same_tier_requests_are_batched_and_answer_as_unbatched(runtime, images,
     assert pipeline.stats.snapshot()["mean_batch"] > 1
 
 
+def test_a_tier_without_encoder_batching_encodes_one_image_per_call(runtime, images, blocked):
+    """encoder_batch={"low": 1}: the same pile-up as above, but every encoder call has one
+    image (batching did not pay there), while the answers are unchanged."""
+    n = 6
+    with Pipeline(runtime, queue_size=n, max_batch=4, batch_timeout_ms=50,
+                  encoder_batch={"low": 1}) as pipeline:
+        futures = [pipeline.submit(Request(images[i], PROMPT, options("low")), block=False) for i in range(n)]
+        assert blocked.entered.wait(WAIT_S)
+        wait_until(lambda: pipeline.stats.items["prepare"] == n, "all requests prepared")
+        blocked.release.set()
+        results = [f.result(timeout=WAIT_S) for f in futures]
+    assert pipeline.stats.batches == [1] * n
+    for i, result in enumerate(results):
+        assert result.tokens == expected(runtime, images[i], "low").tokens
+
+
+def test_encoder_batch_limits_follow_the_mode_and_the_timing(runtime, monkeypatch):
+    from edgemm.pipeline import encoder_batch_limits
+    tiers = list(runtime.manifest.tiers)
+    assert encoder_batch_limits(runtime, 4, "off") == dict.fromkeys(tiers, 1)
+    assert encoder_batch_limits(runtime, 4, "on") == dict.fromkeys(tiers, 4)
+    speedups = dict(zip(tiers, [0.8, 1.05, 1.6]))  # as timed on some device
+    monkeypatch.setattr(runtime, "encoder_batch_speedup", lambda tier, batch: speedups[tier])
+    assert encoder_batch_limits(runtime, 4, "auto") == dict(zip(tiers, [1, 1, 4]))
+    assert encoder_batch_limits(runtime, 1, "auto") == dict.fromkeys(tiers, 1)
+
+
+def test_encoder_batch_speedup_is_timed_on_the_real_encoder(runtime):
+    calls_before = runtime.generator.encoder.stats.calls
+    speedup = runtime.encoder_batch_speedup("low", 2, repeats=1)
+    assert 0.1 < speedup < 10
+    assert runtime.generator.encoder.stats.calls - calls_before == 3  # the batch's first run, then one each
+
+
 def test_a_lone_request_does_not_wait_for_a_batch(runtime, images):
     # a batch window of 20 s: only a request with others still being prepared may wait in it
     with Pipeline(runtime, queue_size=4, max_batch=4, batch_timeout_ms=20_000) as pipeline:

@@ -12,6 +12,7 @@ decoder is calibrated on the prefill and KV-cache steps it will really see.
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import shutil
 import sys
@@ -34,6 +35,8 @@ from edgemm.runtime import Runtime  # noqa: E402
 from edgemm.scenes import make_scene, sample_question  # noqa: E402
 
 CALIBRATION_SEED_BASE = 500_000  # disjoint from training (≥ 1e6) and eval (< 1e5) seeds
+QUANTIZED_OPS = ["Conv", "MatMul", "Gemm"]
+KEEP_FLOAT: list[str] = []
 METHODS = {"minmax": CalibrationMethod.MinMax, "percentile": CalibrationMethod.Percentile,
            "entropy": CalibrationMethod.Entropy}
 
@@ -78,14 +81,23 @@ def collect(model_dir: Path, scenes: int) -> tuple[Runtime, list[dict], list[dic
     return rt, enc.feeds, dec.feeds
 
 
-def quantize_graph(src: Path, dst: Path, feeds: list[dict], method: str, moving_average: bool = False) -> None:
+def matching_nodes(path: Path, patterns: list[str]) -> list[str]:
+    """Names of the graph's Conv / MatMul / Gemm nodes that match any glob in `patterns`."""
+    names = [n.name for n in onnx.load(str(path)).graph.node if n.op_type in QUANTIZED_OPS]
+    return [name for name in names if any(fnmatch.fnmatchcase(name, p) for p in patterns)]
+
+
+def quantize_graph(src: Path, dst: Path, feeds: list[dict], method: str, moving_average: bool = False,
+                   keep_float: list[str] = ()) -> list[str]:
+    """Quantize `src` into `dst`; the nodes matching `keep_float` stay float. Returns their names."""
+    excluded = matching_nodes(src, list(keep_float))
     with tempfile.TemporaryDirectory() as tmp:
         prepared = Path(tmp) / "prepared.onnx"
         # symbolic shape inference gives up on the dynamic image-token axis; onnx shape inference suffices
         quant_pre_process(str(src), str(prepared), skip_symbolic_shape=True)
         quantize_static(
             str(prepared), str(dst), ListReader(feeds), quant_format=QuantFormat.QDQ,
-            op_types_to_quantize=["Conv", "MatMul", "Gemm"], per_channel=True,
+            op_types_to_quantize=QUANTIZED_OPS, nodes_to_exclude=excluded, per_channel=True,
             activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
             calibrate_method=METHODS[method],
             # float bias: TensorRT has no int32 DequantizeLinear for a quantized bias
@@ -93,6 +105,7 @@ def quantize_graph(src: Path, dst: Path, feeds: list[dict], method: str, moving_
                            "QuantizeBias": False, "CalibMovingAverage": moving_average})
     drop_unused_opsets(dst)
     onnx.checker.check_model(str(dst))
+    return excluded
 
 
 def drop_unused_opsets(path: Path) -> None:
@@ -112,6 +125,9 @@ def main() -> None:
     ap.add_argument("--method", choices=list(METHODS), default="minmax")
     ap.add_argument("--moving-average", action="store_true",
                     help="minmax: average each calibration input's range instead of the extremes over all")
+    ap.add_argument("--keep-float", action="append", default=None, metavar="GLOB",
+                    help="leave the Conv/MatMul/Gemm nodes whose name matches GLOB in float "
+                         "(repeatable; default: KEEP_FLOAT)")
     args = ap.parse_args()
     t0 = time.time()
     print(f"calibrating on {args.scenes} generated scenes …", file=sys.stderr)
@@ -119,17 +135,19 @@ def main() -> None:
         rt, enc_feeds, dec_feeds = collect(args.model_dir, args.scenes)
     except EdgemmError as e:  # no such folder, not a model folder …: one line
         sys.exit(f"error: {e}")
+    keep_float = KEEP_FLOAT if args.keep_float is None else [p for p in args.keep_float if p]
+    kept: dict[str, list[str]] = {}
     for name, feeds in (("vision_encoder", enc_feeds), ("decoder", dec_feeds)):
         src = rt.manifest.graph_path(name, "fp32")  # onnx/ in a Hugging Face folder
         dst = src.with_name(f"{src.stem}_int8{src.suffix}")
         print(f"quantizing {src.name} on {len(feeds)} calibration inputs …", file=sys.stderr)
-        quantize_graph(src, dst, feeds, args.method, args.moving_average)
+        kept[name] = quantize_graph(src, dst, feeds, args.method, args.moving_average, keep_float)
     # a lookup table has no Conv/MatMul/Gemm: the int8 variant is the same graph
     embed = rt.manifest.graph_path("embed_tokens", "fp32")
     shutil.copy(embed, embed.with_name(f"{embed.stem}_int8{embed.suffix}"))
     sizes = {p.name: p.stat().st_size for p in sorted(embed.parent.glob("*_int8.onnx"))}
     print(json.dumps({"seconds": round(time.time() - t0, 1), "method": args.method,
-                      "moving_average": args.moving_average,
+                      "moving_average": args.moving_average, "kept_float": kept,
                       "int8_bytes": sizes}, indent=1))
 
 
