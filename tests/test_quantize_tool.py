@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnxruntime as ort
+import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
@@ -62,3 +63,42 @@ def test_without_keep_float_every_layer_is_quantized(tmp_path):
     assert quantize_graph(src, dst, feeds, "minmax") == []
     model = onnx.load(str(dst))
     assert weight_is_quantized(model, "/first/MatMul") and weight_is_quantized(model, "/head/MatMul")
+
+
+def test_percentile_clips_the_range_that_one_outlier_would_set(tmp_path):
+    """Feeds of two shapes (onnxruntime's own percentile calibration cannot take them) with one
+    huge outlier: minmax stretches the input's scale to it, percentile does not."""
+    src = tmp_path / "two.onnx"
+    two_matmuls(src)
+    feeds = [{"x": np.random.default_rng(i).normal(size=(3 + i % 2, 8)).astype(np.float32)} for i in range(40)]
+    feeds[5]["x"][0, 0] = 1000.0
+    scales = {}
+    for method in ("minmax", "percentile"):
+        dst = tmp_path / f"{method}.onnx"
+        quantize_graph(src, dst, feeds, method, percentile=99.9)
+        model = onnx.load(str(dst))
+        inits = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+        q = next(n for n in model.graph.node if n.op_type == "QuantizeLinear" and n.input[0] == "x")
+        scales[method] = float(inits[q.input[1]])
+    assert scales["minmax"] > 1000 / 128  # the outlier sets the range
+    assert scales["percentile"] < 10 / 127  # ordinary values (|x| < ~4) set it
+
+
+def test_the_model_folder_names_its_float_layers(tmp_path, model_dir):
+    from quantize import model_keep_float
+    keep = model_keep_float(model_dir)
+    assert keep and matching_nodes(model_dir / "vision_encoder.onnx", keep)  # the globs name real layers
+    assert model_keep_float(tmp_path) == []  # no model.yaml (a Hugging Face folder): nothing kept
+    (tmp_path / "model.yaml").write_text("quantization:\n  keep_float: /body.4/conv/Conv\n")
+    with pytest.raises(SystemExit, match="keep_float must be a list"):
+        model_keep_float(tmp_path)
+
+
+def test_the_shipped_int8_encoder_leaves_exactly_those_layers_float(model_dir):
+    from quantize import model_keep_float
+    kept = set(matching_nodes(model_dir / "vision_encoder.onnx", model_keep_float(model_dir)))
+    model = onnx.load(str(model_dir / "vision_encoder_int8.onnx"))
+    convs = [n.name for n in model.graph.node if n.op_type == "Conv"]
+    assert kept and kept < set(convs)
+    for name in convs:
+        assert weight_is_quantized(model, name) == (name not in kept), name

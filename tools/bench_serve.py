@@ -8,7 +8,7 @@ Every daemon is `edgemm serve --config TMP.yaml --socket TMP.sock` as a subproce
 console script next to sys.executable), waited for on /readyz and stopped with SIGTERM.
 Every request body is a PNG of a generated scene (edgemm.scenes.make_scene, a distinct
 seed per request, so the feature cache never answers for the encoder), sent with the
-prompt "how many shapes are there ?". The config is the shipped default except for
+prompt "how many shapes are there ?" (batching: also "describe the image"). The config is the shipped default except for
 the keys named below; backend.intra_op_threads is onnxruntime's choice (0) unless
 --threads says otherwise. Clients are threads of this process, each with its own
 httpx.Client over the UNIX socket, so they share the machine's cores with the daemon.
@@ -18,6 +18,8 @@ httpx.Client over the UNIX socket, so they share the machine's cores with the da
              batch_timeout_ms=5) vs batch size 1 (max_batch=1), both daemons running,
              rounds alternated A B B A …, `requests` requests per round; ratio of the
              median throughputs. server.queue_size = clients, so none is refused.
+             Run for a one-word answer (count) and a description (describe). The
+             batched daemon keeps server.encoder_batching at its default, auto.
   overload   bursts of `burst` concurrent POST /v1/infer (connections opened first, then
              released together) at a daemon with server.queue_size=2, `rounds` times with
              httpx clients and `rounds` times with raw-socket clients (prebuilt request
@@ -73,6 +75,9 @@ from edgemm.scenes import make_scene  # noqa: E402
 from procstat import rss_mb  # noqa: E402
 
 PROMPT = "how many shapes are there ?"
+# batching is measured for a one-word answer (encoder and prefill bound) and a description
+# (about 12 tokens: the decoder's steps, which batch best, dominate)
+BATCH_PROMPTS = {"count": PROMPT, "describe": "describe the image"}
 SEED_BASE = 600_000  # scenes of this benchmark (other benchmarks use 300 000, 450 000)
 CLIENTS = 8
 BURST = 64
@@ -217,17 +222,26 @@ def encoder_batches(text: str) -> Counter:
     return out
 
 
+def decoder_batches(text: str) -> Counter:
+    """edgemm_decoder_batches_total: batch size → decode rounds, ever."""
+    out: Counter = Counter()
+    for line in text.splitlines():
+        if line.startswith('edgemm_decoder_batches_total{size="'):
+            out[int(line.split('"')[1])] = int(float(line.rsplit(" ", 1)[1]))
+    return out
+
+
 # ---- clients ---------------------------------------------------------------------------------
 
 def percentile(xs: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs, dtype=float), q)) if xs else float("nan")
 
 
-def post_infer(http: httpx.Client, png: bytes) -> dict:
+def post_infer(http: httpx.Client, png: bytes, prompt: str = PROMPT) -> dict:
     """One POST /v1/infer: status (or the transport error), client time, where a 503 came from."""
     t0 = time.perf_counter()
     try:
-        r = http.post("/v1/infer", params={"prompt": PROMPT}, content=png,
+        r = http.post("/v1/infer", params={"prompt": prompt}, content=png,
                       headers={"Content-Type": "image/png"})
     except httpx.TransportError as e:
         return {"status": f"transport:{type(e).__name__}", "ms": (time.perf_counter() - t0) * 1e3}
@@ -255,7 +269,8 @@ def launch(threads: list[threading.Thread], start: threading.Barrier, failures: 
         raise SystemExit(f"{who} could not connect: {failures[:3]}") from None
 
 
-def concurrent_requests(sock: str, bodies: list[bytes], clients: int) -> tuple[list[dict], float]:
+def concurrent_requests(sock: str, bodies: list[bytes], clients: int,
+                        prompt: str = PROMPT) -> tuple[list[dict], float]:
     """`clients` threads with their own connection share `bodies` (each one request, in order
     taken); all connect first, then start together. Returns the records and the wall time."""
     work: queue.SimpleQueue = queue.SimpleQueue()
@@ -282,7 +297,7 @@ def concurrent_requests(sock: str, bodies: list[bytes], clients: int) -> tuple[l
                     body = work.get_nowait()
                 except queue.Empty:
                     break
-                record = post_infer(http, body)
+                record = post_infer(http, body, prompt)
                 with lock:
                     records.append(record)
             with lock:
@@ -378,25 +393,28 @@ def raw_burst(sock: str, bodies: list[bytes]) -> list[dict]:
 # ---- the sections ------------------------------------------------------------------------------
 
 def bench_batching(pair: dict[str, ServeProcess], scenes: Scenes, rounds: int, requests: int,
-                   clients: int) -> dict:
+                   clients: int, prompt: str = PROMPT) -> dict:
     names = list(pair)
     for name in names:  # untimed: first runs of every batch shape, connections, allocator
-        concurrent_requests(pair[name].sock, scenes.take(2 * clients), clients)
+        concurrent_requests(pair[name].sock, scenes.take(2 * clients), clients, prompt)
     before = {name: encoder_batches(pair[name].metrics()) for name in names}
+    decode_before = {name: decoder_batches(pair[name].metrics()) for name in names}
     rps: dict[str, list[float]] = {n: [] for n in names}
     lat: dict[str, list[float]] = {n: [] for n in names}
     statuses: dict[str, Counter] = {n: Counter() for n in names}
     order = []
     for r in range(rounds):
         for name in (names if r % 2 == 0 else names[::-1]):  # A B, B A, A B, …
-            records, wall = concurrent_requests(pair[name].sock, scenes.take(requests), clients)
+            records, wall = concurrent_requests(pair[name].sock, scenes.take(requests), clients, prompt)
             statuses[name].update(str(x["status"]) for x in records)
             ok = [x["ms"] for x in records if x["status"] == 200]
             lat[name] += ok
             rps[name].append(len(ok) / wall)
             order.append(name)
-    out: dict = {"clients": clients, "rounds": rounds, "requests_per_round": requests, "order": order}
+    out: dict = {"prompt": prompt, "clients": clients, "rounds": rounds, "requests_per_round": requests,
+                 "order": order}
     for name in names:
+        decode_rounds = decoder_batches(pair[name].metrics()) - decode_before[name]
         after = encoder_batches(pair[name].metrics())
         calls = after - before[name]
         window_full = sum(after.values()) >= 1000  # the gauge covers the last 1000 calls only
@@ -409,6 +427,8 @@ def bench_batching(pair: dict[str, ServeProcess], scenes: Scenes, rounds: int, r
             "statuses": dict(statuses[name]),
             "encoder_batches": {str(k): v for k, v in sorted(calls.items())},
             "mean_encoder_batch": None if window_full or not calls else round(images / sum(calls.values()), 2),
+            "mean_decoder_batch": round(sum(k * v for k, v in decode_rounds.items())
+                                        / max(1, sum(decode_rounds.values())), 2),
         }
     a, b = out[names[0]], out[names[1]]
     out["throughput_ratio"] = round(a["rps_median"] / b["rps_median"], 3)
@@ -598,7 +618,8 @@ def serve_section(model: Path, rounds: int, requests: int, *, clients: int = CLI
         pair = {name: d for (name, _), d in zip(specs, running)}
         time.sleep(1.0)  # let both settle after warm-up and /readyz
         idle = {name: d.rss_mb() for name, d in pair.items()}
-        batching = bench_batching(pair, scenes, rounds, requests, clients)
+        batching = {kind: bench_batching(pair, scenes, rounds, requests, clients, prompt)
+                    for kind, prompt in BATCH_PROMPTS.items()}
         overhead = bench_overhead(pair, scenes, overhead_n)
         after = {name: d.rss_mb() for name, d in pair.items()}
     exits = {name: d.exit_code for name, d in pair.items()}
@@ -614,18 +635,21 @@ def _statuses(stats: dict) -> str:
 
 
 def serve_markdown(r: dict) -> str:
-    b, o, h = r["batching"], r["overload"], r["overhead"]
-    ba, b1 = b["batched"], b["batch1"]
+    o, h = r["overload"], r["overhead"]
     threads = r["intra_op_threads"] or "onnxruntime's choice"
-    rows = [
-        "| measure | value |", "|---|---|",
-        f"| setup | {r['cpus']} CPUs, intra_op_threads {threads}, clients in the same machine |",
-        f"| {b['clients']} clients, POST /v1/infer, {b['rounds']} × {b['requests_per_round']} requests: "
-        f"max_batch=8 (batch_timeout {ba['server']['batch_timeout_ms']} ms) | {ba['rps_median']} requests/s, "
-        f"P50 {ba['p50_ms']} ms, P99 {ba['p99_ms']} ms (mean encoder batch {ba['mean_encoder_batch']}) |",
-        f"| same, max_batch=1 | {b1['rps_median']} requests/s, P50 {b1['p50_ms']} ms, P99 {b1['p99_ms']} ms |",
-        f"| batching / batch 1 | throughput {b['throughput_ratio']}×, P50 {b['p50_ratio']}×, "
-        f"P99 {b['p99_ratio']}× |",
+    rows = ["| measure | value |", "|---|---|",
+            f"| setup | {r['cpus']} CPUs, intra_op_threads {threads}, clients in the same machine |"]
+    for kind, b in r["batching"].items():
+        ba, b1 = b["batched"], b["batch1"]
+        rows += [
+            f"| {kind}: {b['clients']} clients, POST /v1/infer \"{b['prompt']}\", {b['rounds']} × "
+            f"{b['requests_per_round']} requests: max_batch=8 (batch_timeout {ba['server']['batch_timeout_ms']} ms) | "
+            f"{ba['rps_median']} requests/s, P50 {ba['p50_ms']} ms, P99 {ba['p99_ms']} ms (mean encoder batch "
+            f"{ba['mean_encoder_batch']}, mean decoder batch {ba['mean_decoder_batch']}) |",
+            f"| {kind}: same, max_batch=1 | {b1['rps_median']} requests/s, P50 {b1['p50_ms']} ms, P99 {b1['p99_ms']} ms |",
+            f"| {kind}: batching / batch 1 | throughput {b['throughput_ratio']}×, P50 {b['p50_ratio']}×, "
+            f"P99 {b['p99_ratio']}× |"]
+    rows += [
         f"| overload: {o['bursts_per_client_kind']} + {o['bursts_per_client_kind']} bursts of "
         f"{o['burst_size']} at queue_size={o['server']['queue_size']}: statuses (httpx / raw sockets) | "
         f"{_statuses(o['httpx'])} / {_statuses(o['raw'])} |",

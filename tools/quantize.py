@@ -1,11 +1,14 @@
 #!/usr/bin/env python3
 """Make the `_int8` QDQ variants of a model's graphs, calibrated on generated scenes.
 
-    python tools/quantize.py models/tiny-vlm [--scenes 96] [--method minmax]
+    python tools/quantize.py models/tiny-vlm [--scenes 480] [--method minmax|percentile]
+                                             [--keep-float GLOB ...]
 
 Symmetric int8 (zero points 0), per-channel weights, only Conv / MatMul / Gemm
 quantized: the explicit-quantization form TensorRT's builder consumes directly
 (and that tools/build_engines.py translates to a calibration cache for DLA).
+Layers named by --keep-float (default: `quantization: keep_float:` in the model's
+model.yaml) stay float: TensorRT runs them in FP16, on the GPU and on a DLA core.
 Calibration runs the fp32 graphs through edgemm's own generation loop, so the
 decoder is calibrated on the prefill and KV-cache steps it will really see.
 """
@@ -22,8 +25,11 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import yaml
 from onnxruntime.quantization import (CalibrationDataReader, CalibrationMethod, QuantFormat,
                                       QuantType, quantize_static)
+from onnxruntime.quantization.qdq_loss_debug import (collect_activations,
+                                                     modify_model_output_intermediate_tensors)
 from onnxruntime.quantization.shape_inference import quant_pre_process
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,9 +42,9 @@ from edgemm.scenes import make_scene, sample_question  # noqa: E402
 
 CALIBRATION_SEED_BASE = 500_000  # disjoint from training (≥ 1e6) and eval (< 1e5) seeds
 QUANTIZED_OPS = ["Conv", "MatMul", "Gemm"]
-KEEP_FLOAT: list[str] = []
-METHODS = {"minmax": CalibrationMethod.MinMax, "percentile": CalibrationMethod.Percentile,
-           "entropy": CalibrationMethod.Entropy}
+METHODS = ("minmax", "percentile")
+PERCENTILE = 99.99  # --method percentile: each range is ±(this percentile of |x|)
+SAMPLES_PER_FEED = 4096  # |x| values kept per tensor per calibration input for the percentile
 
 
 class Recorder:
@@ -81,28 +87,63 @@ def collect(model_dir: Path, scenes: int) -> tuple[Runtime, list[dict], list[dic
     return rt, enc.feeds, dec.feeds
 
 
+def model_keep_float(model_dir: Path) -> list[str]:
+    """The model's own choice of layers to leave in float: quantization.keep_float in its
+    model.yaml (the layers its INT8 accuracy is most sensitive to; see its model card)."""
+    path = model_dir / "model.yaml"
+    data = yaml.safe_load(path.read_text(encoding="utf-8")) if path.is_file() else None
+    keep = ((data or {}).get("quantization") or {}).get("keep_float") or []
+    if not isinstance(keep, list) or not all(isinstance(p, str) for p in keep):
+        sys.exit(f"error: {path}: quantization.keep_float must be a list of node-name globs")
+    return keep
+
+
 def matching_nodes(path: Path, patterns: list[str]) -> list[str]:
     """Names of the graph's Conv / MatMul / Gemm nodes that match any glob in `patterns`."""
     names = [n.name for n in onnx.load(str(path)).graph.node if n.op_type in QUANTIZED_OPS]
     return [name for name in names if any(fnmatch.fnmatchcase(name, p) for p in patterns)]
 
 
+def percentile_overrides(src: Path, feeds: list[dict], percentile: float, chunk: int = 32) -> dict:
+    """onnxruntime TensorQuantOverrides giving every tensor it would calibrate the range
+    ±(|x| at `percentile`), pooled over all feeds. onnxruntime's own percentile calibration
+    stacks each tensor's values from every feed into one array, so it needs feeds of one
+    shape; edgemm's have several (three tiers; prefill and one-token decoder steps)."""
+    rng = np.random.default_rng(0)
+    pooled: dict[str, list[np.ndarray]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        augmented = Path(tmp) / "augmented.onnx"  # every Conv/MatMul/Gemm float tensor is an output too
+        modify_model_output_intermediate_tensors(str(src), str(augmented), QUANTIZED_OPS)
+        for start in range(0, len(feeds), chunk):  # a chunk at a time: whole activations are large
+            for name, arrays in collect_activations(str(augmented), iter(feeds[start:start + chunk])).items():
+                for values in arrays:
+                    values = np.abs(values)
+                    if values.size > SAMPLES_PER_FEED:
+                        values = values[rng.integers(0, values.size, SAMPLES_PER_FEED)]
+                    pooled.setdefault(name, []).append(values)
+    ranges = {name: float(np.percentile(np.concatenate(parts), percentile)) for name, parts in pooled.items()}
+    return {name: [{"rmin": np.float32(-r), "rmax": np.float32(r)}] for name, r in ranges.items() if r > 0}
+
+
 def quantize_graph(src: Path, dst: Path, feeds: list[dict], method: str, moving_average: bool = False,
-                   keep_float: list[str] = ()) -> list[str]:
+                   keep_float: list[str] = (), percentile: float = PERCENTILE) -> list[str]:
     """Quantize `src` into `dst`; the nodes matching `keep_float` stay float. Returns their names."""
     excluded = matching_nodes(src, list(keep_float))
     with tempfile.TemporaryDirectory() as tmp:
         prepared = Path(tmp) / "prepared.onnx"
         # symbolic shape inference gives up on the dynamic image-token axis; onnx shape inference suffices
         quant_pre_process(str(src), str(prepared), skip_symbolic_shape=True)
+        # ranges by the prepared graph's tensor names, which its optimisation may have changed
+        overrides = percentile_overrides(prepared, feeds, percentile) if method == "percentile" else {}
         quantize_static(
             str(prepared), str(dst), ListReader(feeds), quant_format=QuantFormat.QDQ,
             op_types_to_quantize=QUANTIZED_OPS, nodes_to_exclude=excluded, per_channel=True,
             activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
-            calibrate_method=METHODS[method],
+            calibrate_method=CalibrationMethod.MinMax,  # the percentile ranges, if any, override it
             # float bias: TensorRT has no int32 DequantizeLinear for a quantized bias
             extra_options={"ActivationSymmetric": True, "WeightSymmetric": True,
-                           "QuantizeBias": False, "CalibMovingAverage": moving_average})
+                           "QuantizeBias": False, "CalibMovingAverage": moving_average,
+                           "TensorQuantOverrides": overrides})
     drop_unused_opsets(dst)
     onnx.checker.check_model(str(dst))
     return excluded
@@ -122,12 +163,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model_dir", type=Path)
     ap.add_argument("--scenes", type=int, default=480, help="calibration scenes (spread over tiers)")
-    ap.add_argument("--method", choices=list(METHODS), default="minmax")
+    ap.add_argument("--method", choices=METHODS, default="minmax",
+                    help="minmax: ranges are the extremes seen; percentile: ±(--percentile of |x|)")
+    ap.add_argument("--percentile", type=float, default=PERCENTILE)
     ap.add_argument("--moving-average", action="store_true",
                     help="minmax: average each calibration input's range instead of the extremes over all")
     ap.add_argument("--keep-float", action="append", default=None, metavar="GLOB",
                     help="leave the Conv/MatMul/Gemm nodes whose name matches GLOB in float "
-                         "(repeatable; default: KEEP_FLOAT)")
+                         "(repeatable; default: quantization.keep_float in the folder's model.yaml, "
+                         "if any; --keep-float '' for none)")
     args = ap.parse_args()
     t0 = time.time()
     print(f"calibrating on {args.scenes} generated scenes …", file=sys.stderr)
@@ -135,13 +179,14 @@ def main() -> None:
         rt, enc_feeds, dec_feeds = collect(args.model_dir, args.scenes)
     except EdgemmError as e:  # no such folder, not a model folder …: one line
         sys.exit(f"error: {e}")
-    keep_float = KEEP_FLOAT if args.keep_float is None else [p for p in args.keep_float if p]
+    keep_float = model_keep_float(args.model_dir) if args.keep_float is None else [p for p in args.keep_float if p]
     kept: dict[str, list[str]] = {}
     for name, feeds in (("vision_encoder", enc_feeds), ("decoder", dec_feeds)):
         src = rt.manifest.graph_path(name, "fp32")  # onnx/ in a Hugging Face folder
         dst = src.with_name(f"{src.stem}_int8{src.suffix}")
         print(f"quantizing {src.name} on {len(feeds)} calibration inputs …", file=sys.stderr)
-        kept[name] = quantize_graph(src, dst, feeds, args.method, args.moving_average, keep_float)
+        kept[name] = quantize_graph(src, dst, feeds, args.method, args.moving_average, keep_float,
+                                    args.percentile)
     # a lookup table has no Conv/MatMul/Gemm: the int8 variant is the same graph
     embed = rt.manifest.graph_path("embed_tokens", "fp32")
     shutil.copy(embed, embed.with_name(f"{embed.stem}_int8{embed.suffix}"))
