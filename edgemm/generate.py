@@ -143,6 +143,10 @@ class Generator:
         spec = encoder.inputs.get("pixel_attention_mask")
         self.pixel_mask_dtype = spec.dtype if spec is not None else None
         self._token_embeds: dict[int, np.ndarray] = {}  # token id → its embedding [1, D] (see embed_next)
+        # optional decoder inputs (optimum's merged exports), made once rather than every step
+        self._cache_branch = "use_cache_branch" in decoder.inputs
+        self._true, self._false = np.array([True]), np.array([False])
+        self._logits_to_keep = np.array(1, np.int64) if "num_logits_to_keep" in decoder.inputs else None
 
     def encode(self, pixel_values: np.ndarray) -> np.ndarray:
         """[B,3,H,W] → [B,N,D]; tiled [B,T,3,H,W] → [B,T*n,D], each image's tiles in order.
@@ -196,10 +200,10 @@ class Generator:
             positions = (np.cumsum(mask, axis=1) - 1)[:, -embeds.shape[1]:]
         feeds = {"inputs_embeds": embeds, "attention_mask": mask.astype(self.mask_dtype, copy=False),
                  "position_ids": positions.astype(self.position_dtype, copy=False), **past}
-        if "use_cache_branch" in self.decoder.inputs:
-            feeds["use_cache_branch"] = np.array([past["past_key_values.0.key"].shape[2] > 0])
-        if "num_logits_to_keep" in self.decoder.inputs:
-            feeds["num_logits_to_keep"] = np.array(1, np.int64)
+        if self._cache_branch:
+            feeds["use_cache_branch"] = self._true if past["past_key_values.0.key"].shape[2] else self._false
+        if self._logits_to_keep is not None:
+            feeds["num_logits_to_keep"] = self._logits_to_keep
         out = self.decoder.run(feeds)
         present = {past: out[name] for past, name in zip(self.past_names, self.present_names)}
         return out["logits"][:, -1], present
@@ -254,8 +258,9 @@ class Generator:
             return beam_search(self, features, input_ids, image_start, budget, options, on_token)
         rng = np.random.default_rng(options.seed)
         t0 = time.perf_counter()
-        # one mask for the whole answer; step n sees its first prompt_len + n columns
+        # one mask and one position row for the whole answer: step n takes views of them
         full_mask = np.ones((1, prompt_len + budget), np.int64)
+        all_positions = np.arange(prompt_len + budget, dtype=np.int64)[None]
         logits, past, embeds, reused = self.prefill(features, input_ids, image_start,
                                                     full_mask[:, :prompt_len],
                                                     reuse if options.use_cache else None)
@@ -279,8 +284,7 @@ class Generator:
             mask = full_mask[:, :length]
             if options.use_cache:
                 # no padding in a single request, so the next position is simply length - 1
-                position = np.array([[length - 1]], np.int64)
-                logits, past = self.step(new, mask, past, position)
+                logits, past = self.step(new, mask, past, all_positions[:, length - 1:length])
             else:  # use_cache=False never reuses a prefix, so embeds holds the whole prompt
                 embeds = np.concatenate([embeds, new], axis=1)
                 logits, _ = self.step(embeds, mask, self.empty_past(1))

@@ -16,6 +16,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import cv2
 import numpy as np
 
 from edgemm.backends.base import Component, LoadedComponents
@@ -99,6 +100,11 @@ class Runtime:
         of `serve` and `stream`); backend.intra_op_threads 0 then splits the cores between them."""
         self.config = config or load_config(None)
         self.concurrent = concurrent
+        if concurrent:
+            # decoding, resizing and the scheduler's statistics run on the pipeline's prepare
+            # thread while onnxruntime keeps the cores busy; OpenCV's own pool would only wait
+            # behind it (and the setting is process-wide: serve and stream own their process)
+            cv2.setNumThreads(1)
         model_dir = Path(self.config.model.path) if self.config.model.path else default_model_dir()
         self.manifest: ModelManifest = load_manifest(model_dir)
         self.precision = self.config.model.precision

@@ -398,3 +398,13 @@ def test_array_over_pixel_limit():
 def test_max_pixels_must_be_positive():
     with pytest.raises(ValueError, match="max_pixels"):
         load_image(np.zeros((2, 2), np.uint8), max_pixels=0)
+
+
+def test_pixel_values_are_normalised_per_channel_in_chw_order():
+    from edgemm.model.preprocess import to_pixel_values
+    rgb = np.random.default_rng(3).integers(0, 256, (40, 30, 3), dtype=np.uint8)
+    mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # ImageNet's: every channel differs
+    got = to_pixel_values(rgb, 40, 30, mean, std)
+    want = ((rgb / 255.0 - np.array(mean)) / np.array(std)).transpose(2, 0, 1)[None]
+    assert got.shape == (1, 3, 40, 30) and got.dtype == np.float32 and got.flags.c_contiguous
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)

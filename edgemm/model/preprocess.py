@@ -24,12 +24,14 @@ def to_pixel_values(rgb: np.ndarray, height: int, width: int,
                     mean: Sequence[float], std: Sequence[float]) -> np.ndarray:
     """RGB8 (H, W, 3) → float32 (1, 3, height, width), normalised per channel:
     (x / 255 - mean) / std, computed as one scale and one offset per channel."""
-    # cv2.dnn.blobFromImage does the HWC→CHW transpose, the float conversion and
-    # (x - mean) * scale in one C++ pass: 1.4x faster than the same steps in numpy
     std = np.asarray(std, np.float32)
-    mean255 = tuple(float(m) * 255 for m in mean)
-    x = cv2.dnn.blobFromImage(resize_rgb(rgb, height, width), 1 / (255 * float(std[0])),
-                              mean=mean255, swapRB=False, crop=False)
-    if not np.all(std == std[0]):  # blobFromImage scales all channels alike
-        x *= (std[0] / std)[None, :, None, None]
-    return x
+    scale = (1 / (255 * std))[:, None, None]
+    offset = (-np.asarray(mean, np.float32) / std)[:, None, None]
+    out = np.empty((1, 3, height, width), np.float32)
+    # numpy's multiply converts, transposes (HWC → CHW) and scales in one pass straight into
+    # the output; the add is a second, in place. cv2.dnn.blobFromImage does it all in one
+    # C++ call but splits it over OpenCV's threads, and when onnxruntime has the other cores
+    # busy those threads wait their turn: 0.9 ms against 0.13 ms on a loaded 2-core machine.
+    np.multiply(resize_rgb(rgb, height, width).transpose(2, 0, 1), scale, out=out[0])
+    out[0] += offset
+    return out
