@@ -37,7 +37,7 @@ class _Row:
     item: BatchItem
     length: int  # prompt tokens
     budget: int
-    rng: np.random.Generator
+    rng: np.random.Generator | None  # None when greedy
     prefill_ms: float
     reused: bool
     tokens: list[int] = field(default_factory=list)
@@ -96,7 +96,7 @@ def _prefill(gen: Generator, items: list[BatchItem], results: list) -> tuple[lis
             continue
         for j, (i, _, split, key) in enumerate(group):
             own = {name: value[j:j + 1] for name, value in past.items()}
-            gen.store_prefix(own, split, key, items[i].reuse)
+            gen.store_prefix(own, split, key, items[i].reuse, copy=len(group) > 1)  # a view would keep the batch
             rows.append(_row(gen, i, items[i], started, reused=False))
             logits.append(out[j])
             pasts.append(own)
@@ -106,7 +106,8 @@ def _prefill(gen: Generator, items: list[BatchItem], results: list) -> tuple[lis
 def _row(gen: Generator, i: int, item: BatchItem, started: float, reused: bool) -> _Row:
     length = item.input_ids.shape[1]
     return _Row(i, item, length, min(item.options.max_new_tokens, gen.max_context - length),
-                np.random.default_rng(item.options.seed), (time.perf_counter() - started) * 1e3, reused)
+                np.random.default_rng(item.options.seed) if item.options.temperature > 0 else None,
+                (time.perf_counter() - started) * 1e3, reused)
 
 
 def _merge(gen: Generator, rows: list[_Row], pasts: list[dict]) -> tuple[dict, np.ndarray]:

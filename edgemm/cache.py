@@ -44,6 +44,11 @@ def feature_key(pixel_values: np.ndarray, tier: str, model: str, precision: str)
     return h.digest()
 
 
+def _retained_bytes(array: np.ndarray) -> int:
+    """Bytes an array keeps alive: its base's, for a view of another array."""
+    return array.base.nbytes if isinstance(array.base, np.ndarray) else array.nbytes
+
+
 class FeatureCache:
     """Thread-safe LRU of feature arrays, holding at most `max_bytes` of array data."""
 
@@ -52,45 +57,55 @@ class FeatureCache:
             raise ValueError(f"max_bytes must be > 0, got {max_bytes}")
         self.max_bytes = max_bytes
         self._entries: OrderedDict[bytes, np.ndarray] = OrderedDict()  # oldest use first
+        self._sizes: dict[bytes, int] = {}  # key → bytes its value keeps alive
         self._bytes = 0
         self._lock = threading.Lock()
         self._hits = self._misses = self._evictions = 0
 
-    def get(self, key: bytes) -> np.ndarray | None:
-        """The cached features (read-only) or None; a hit becomes the most recently used."""
+    def get(self, key: bytes) -> np.ndarray | tuple[np.ndarray, ...] | None:
+        """The cached value (read-only) or None; a hit becomes the most recently used."""
         with self._lock:
-            features = self._entries.get(key)
-            if features is None:
+            value = self._entries.get(key)
+            if value is None:
                 self._misses += 1
                 return None
             self._entries.move_to_end(key)
             self._hits += 1
-            return features
+            return value
 
-    def put(self, key: bytes, features: np.ndarray) -> None:
-        """Store a private read-only copy, evicting the least recently used to fit.
+    def put(self, key: bytes, value: np.ndarray | tuple[np.ndarray, ...], copy: bool = True) -> None:
+        """Store an array (image features) or a tuple of arrays (a prefix's KV cache), read-only,
+        evicting the least recently used to fit: a private copy, or with copy=False the
+        caller's own arrays, which it must not write to afterwards (they may be views; the
+        bytes counted are those the views keep alive).
 
-        An array larger than the whole budget is not stored (it would evict everything
+        A value larger than the whole budget is not stored (it would evict everything
         and then not fit either).
         """
-        if features.nbytes > self.max_bytes:
+        arrays = value if isinstance(value, tuple) else (value,)
+        size = sum(_retained_bytes(a) for a in arrays)
+        if size > self.max_bytes:
             return
-        stored = np.array(features, copy=True)  # the caller may reuse its buffer
-        stored.flags.writeable = False
+        stored = tuple(np.array(a, copy=True) if copy else a.view() for a in arrays)  # the caller may reuse its buffer
+        for a in stored:
+            a.flags.writeable = False
+        stored_value = stored if isinstance(value, tuple) else stored[0]
         with self._lock:
             old = self._entries.pop(key, None)
             if old is not None:
-                self._bytes -= old.nbytes
-            self._entries[key] = stored
-            self._bytes += stored.nbytes
+                self._bytes -= self._sizes.pop(key)
+            self._entries[key] = stored_value
+            self._sizes[key] = size
+            self._bytes += size
             while self._bytes > self.max_bytes:
-                _, evicted = self._entries.popitem(last=False)
-                self._bytes -= evicted.nbytes
+                evicted, _ = self._entries.popitem(last=False)
+                self._bytes -= self._sizes.pop(evicted)
                 self._evictions += 1
 
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+            self._sizes.clear()
             self._bytes = 0
 
     def stats(self) -> CacheStats:

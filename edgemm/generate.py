@@ -54,8 +54,8 @@ class GenerationOptions:
 
 
 class ArrayStore(Protocol):
-    def get(self, key: bytes) -> np.ndarray | None: ...
-    def put(self, key: bytes, value: np.ndarray) -> None: ...
+    def get(self, key: bytes) -> np.ndarray | tuple[np.ndarray, ...] | None: ...
+    def put(self, key: bytes, value: np.ndarray | tuple[np.ndarray, ...], copy: bool = True) -> None: ...
 
 
 @dataclass
@@ -102,7 +102,7 @@ def image_positions(input_ids: np.ndarray, image: int | np.ndarray, features: in
     return positions
 
 
-def sample_token(logits: np.ndarray, options: GenerationOptions, rng: np.random.Generator) -> int:
+def sample_token(logits: np.ndarray, options: GenerationOptions, rng: np.random.Generator | None) -> int:
     if options.temperature == 0:
         return int(logits.argmax())
     z = logits.astype(np.float64) / options.temperature
@@ -172,7 +172,7 @@ class Generator:
         `image`: the first placeholder's index, or all their indices (see image_positions)."""
         positions = image_positions(input_ids, image, features.shape[1])
         embeds = self.embed.run({"input_ids": input_ids})["inputs_embeds"]
-        embeds[:, positions] = features.astype(embeds.dtype)
+        embeds[:, positions] = features.astype(embeds.dtype, copy=False)
         return embeds.astype(self.embed_dtype, copy=False)
 
     def embed_next(self, tokens: list[int]) -> np.ndarray:
@@ -236,14 +236,16 @@ class Generator:
         stored = reuse.store.get(key) if key is not None else None
         if stored is None:
             return None
-        past = dict(zip(self.past_names, stored))
+        past = {name: np.ascontiguousarray(kv) for name, kv in zip(self.past_names, stored)}
         rest = self.embed.run({"input_ids": input_ids[:, split:]})["inputs_embeds"]
         return self.step(rest.astype(self.embed_dtype, copy=False), mask, past)
 
     def store_prefix(self, past: dict[str, np.ndarray], split: int, key: bytes | None,
-                     reuse: PrefixReuse | None) -> None:
-        if key is not None:  # one array [2 x layers, 1, heads, split, head_dim], a copy
-            reuse.store.put(key, np.stack([past[name][:, :, :split] for name in self.past_names]))
+                     reuse: PrefixReuse | None, copy: bool = False) -> None:
+        """Keep the prefix's KV cache: views of the decoder's own outputs (copying 0.4 MB per
+        request cost 0.4 ms of a 25 ms answer), or copies where `past` holds rows of a batch."""
+        if key is not None:
+            reuse.store.put(key, tuple(past[name][:, :, :split] for name in self.past_names), copy=copy)
 
     def generate(self, features: np.ndarray, input_ids: np.ndarray, image_start: int | np.ndarray,
                  options: GenerationOptions, on_token: Callable[[int], None] | None = None,
@@ -256,7 +258,7 @@ class Generator:
         if options.num_beams > 1:
             from edgemm.beams import beam_search  # beams build on this module's steps
             return beam_search(self, features, input_ids, image_start, budget, options, on_token)
-        rng = np.random.default_rng(options.seed)
+        rng = np.random.default_rng(options.seed) if options.temperature > 0 else None  # greedy needs none
         t0 = time.perf_counter()
         # one mask and one position row for the whole answer: step n takes views of them
         full_mask = np.ones((1, prompt_len + budget), np.int64)

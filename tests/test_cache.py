@@ -175,3 +175,19 @@ def test_prefix_is_not_shared_across_tiers_or_sampling_without_cache(make_runtim
     rt.infer(image, "describe the image", tier="high")
     assert not rt.infer(image, "how many shapes ?", tier="low").prefix_reused
     assert rt.infer(image, "how many shapes ?", tier="high").prefix_reused
+
+
+def test_a_tuple_of_views_counts_the_bytes_it_keeps_alive():
+    """Prefixes are stored as views of the decoder's outputs (no copy): the cache counts the
+    arrays they keep alive, keeps them read-only, and still honours its byte bound."""
+    from edgemm.cache import FeatureCache
+    cache = FeatureCache(max_bytes=3 * 4000)
+    whole = [np.zeros((1, 2, 10, 50), np.float32) for _ in range(2)]  # 4000 bytes each
+    cache.put(b"a", tuple(w[:, :, :6] for w in whole), copy=False)
+    assert cache.stats().bytes == 8000
+    stored = cache.get(b"a")
+    assert isinstance(stored, tuple) and stored[0].shape == (1, 2, 6, 50) and not stored[0].flags.writeable
+    assert np.shares_memory(stored[0], whole[0])  # no copy was made
+    cache.put(b"b", np.ones((1000,), np.float32))  # 4000 more: 12000 fits exactly
+    cache.put(b"c", np.ones((10,), np.float32))  # over the bound: the oldest entry goes
+    assert cache.get(b"a") is None and cache.stats().bytes == 4040

