@@ -227,24 +227,26 @@ class Runtime:
                 self.infer(blank, "warm up", tier=tier.name, max_new_tokens=1, route=route)
         self.scheduler.decide(blank, "warm up")
 
-    def encoder_batch_speedup(self, tier: str, batch: int, repeats: int = 3) -> float:
+    def encoder_batch_speedup(self, tier: str, batch: int, repeats: int = 5) -> float:
         """Per-image speed of one encoder call on `batch` images over single-image calls
-        (> 1: batching pays), on the first encoder device, medians of `repeats` timings of
-        blank images. A CPU often gains nothing or loses (bigger activations, same arithmetic);
-        a GPU or DLA, whose per-call cost is mostly fixed, gains."""
+        (> 1: batching pays), on the first encoder device: the median over `repeats` pairs
+        of one batched call and one single call, timed back to back on blank images. A CPU
+        gains little or nothing (bigger activations, the same arithmetic); a GPU or DLA,
+        whose per-call cost is mostly fixed, gains several times."""
         chosen = self.manifest.tiers[tier]
         one = self.pixels(np.zeros((chosen.height, chosen.width, 3), np.uint8), chosen)
         many = np.concatenate([one] * batch)
 
-        def median_seconds(pixels: np.ndarray) -> float:
-            times = []
-            for _ in range(repeats):
-                started = time.perf_counter()
-                self.generator.encode(pixels)
-                times.append(time.perf_counter() - started)
-            return sorted(times)[len(times) // 2]
-        median_seconds(many)  # the batch shape's first run allocates
-        return batch * median_seconds(one) / median_seconds(many)
+        def seconds(pixels: np.ndarray) -> float:
+            started = time.perf_counter()
+            self.generator.encode(pixels)
+            return time.perf_counter() - started
+        seconds(many)  # the batch shape's first run allocates
+        ratios = sorted(batch * seconds(one) / seconds(many) for _ in range(repeats))
+        if hasattr(self.generator.encoder, "shrink_next"):  # onnxruntime: give the batch's memory back
+            self.generator.encoder.shrink_next = True
+            self.generator.encode(one)
+        return ratios[len(ratios) // 2]
 
     @property
     def devices(self) -> dict[str, str]:

@@ -232,7 +232,7 @@ def test_encoder_batch_limits_follow_the_mode_and_the_timing(runtime, monkeypatc
     tiers = list(runtime.manifest.tiers)
     assert encoder_batch_limits(runtime, 4, "off") == dict.fromkeys(tiers, 1)
     assert encoder_batch_limits(runtime, 4, "on") == dict.fromkeys(tiers, 4)
-    speedups = dict(zip(tiers, [0.8, 1.05, 1.6]))  # as timed on some device
+    speedups = dict(zip(tiers, [0.8, 1.15, 1.6]))  # as timed on some device; 1.15 is within the noise margin
     monkeypatch.setattr(runtime, "encoder_batch_speedup", lambda tier, batch: speedups[tier])
     assert encoder_batch_limits(runtime, 4, "auto") == dict(zip(tiers, [1, 1, 4]))
     assert encoder_batch_limits(runtime, 1, "auto") == dict.fromkeys(tiers, 1)
@@ -242,7 +242,9 @@ def test_encoder_batch_speedup_is_timed_on_the_real_encoder(runtime):
     calls_before = runtime.generator.encoder.stats.calls
     speedup = runtime.encoder_batch_speedup("low", 2, repeats=1)
     assert 0.1 < speedup < 10
-    assert runtime.generator.encoder.stats.calls - calls_before == 3  # the batch's first run, then one each
+    # the batch shape's first run, one pair, then one run that hands the arena's memory back
+    assert runtime.generator.encoder.stats.calls - calls_before == 4
+    assert runtime.generator.encoder.shrink_next is False
 
 
 def test_a_lone_request_does_not_wait_for_a_batch(runtime, images):

@@ -160,3 +160,13 @@ def test_prompt_ids_are_built_once_and_shared_read_only(runtime):
     assert other is not first and other.image_tokens == low.image_tokens
     fresh = runtime.adapter.build_prompt("how many shapes are there ?", high, (256, 256))
     assert (fresh.input_ids == first.input_ids).all()
+
+
+def test_an_onnxruntime_component_can_shrink_its_arena_after_one_run(runtime):
+    encoder = runtime.generator.encoder
+    pixels, _ = runtime.preprocess(np.zeros((64, 64, 3), np.uint8), "low")
+    plain = encoder.run({"pixel_values": pixels})["image_features"]
+    encoder.shrink_next = True
+    shrunk = encoder.run({"pixel_values": pixels})["image_features"]
+    assert encoder.shrink_next is False  # for that one run only
+    np.testing.assert_array_equal(plain, shrunk)

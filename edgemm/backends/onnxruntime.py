@@ -43,10 +43,17 @@ class OrtComponent:
         self.outputs = _specs(session.get_outputs())
         self._output_names = list(self.outputs)
         self.stats = RunStats()
+        # set shrink_next before a run to have onnxruntime hand its arena's free memory back
+        # after it (e.g. once a trial of an unusually large batch is over)
+        self.shrink_next = False
+        self._shrink = ort.RunOptions()
+        self._shrink.add_run_config_entry("memory.enable_memory_arena_shrinkage",
+                                          "cpu:0" if self.device == "cpu" else "cpu:0;gpu:0")
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         started = time.perf_counter()
-        values = self.session.run(self._output_names, feeds)
+        options, self.shrink_next = (self._shrink if self.shrink_next else None), False
+        values = self.session.run(self._output_names, feeds, options)
         self.stats.add(started)
         return dict(zip(self._output_names, values))
 
