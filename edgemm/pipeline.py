@@ -324,7 +324,13 @@ def encoder_batch_limits(runtime: Runtime, max_batch: int, mode: str) -> dict[st
         return dict.fromkeys(runtime.manifest.tiers, max_batch)
     limits = {}
     for tier in runtime.manifest.tiers:
-        speedup = runtime.encoder_batch_speedup(tier, max_batch)
+        try:
+            speedup = runtime.encoder_batch_speedup(tier, max_batch)
+        except Exception as e:  # e.g. an engine built for smaller batches: serve, one image per call
+            log.warning("encoder at %s: a batch of %d failed (%s); encoding one image per call",
+                        tier, max_batch, str(e).splitlines()[0] if str(e) else type(e).__name__)
+            limits[tier] = 1
+            continue
         limits[tier] = max_batch if speedup >= ENCODER_BATCH_GAIN else 1
         log.info("encoder at %s: %d images per call run %.2fx the speed of single calls → batch %d",
                  tier, max_batch, speedup, limits[tier])

@@ -237,6 +237,13 @@ def test_encoder_batch_limits_follow_the_mode_and_the_timing(runtime, monkeypatc
     assert encoder_batch_limits(runtime, 4, "auto") == dict(zip(tiers, [1, 1, 4]))
     assert encoder_batch_limits(runtime, 1, "auto") == dict.fromkeys(tiers, 1)
 
+    def too_big(tier, batch):  # as a TensorRT engine built for smaller batches answers
+        if tier == tiers[-1]:
+            raise RuntimeError("batch 4 exceeds the engine's optimisation profile")
+        return 2.0
+    monkeypatch.setattr(runtime, "encoder_batch_speedup", too_big)
+    assert encoder_batch_limits(runtime, 4, "auto") == {**dict.fromkeys(tiers, 4), tiers[-1]: 1}
+
 
 def test_encoder_batch_speedup_is_timed_on_the_real_encoder(runtime):
     calls_before = runtime.generator.encoder.stats.calls
