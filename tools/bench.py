@@ -11,6 +11,8 @@
   kv-cache   tokens/s of a 20-token answer with the KV cache vs recomputing the
              prefix at every step
   cold start `edgemm infer` as a fresh process: wall time to the answer and peak RSS
+  batching   per tier, one call on 8 items vs single calls for the encoder, a prefill and
+             a decode step: the per-item speed-up dynamic batching can get on this backend
 `pipeline` (stream engine):
   throughput pipeline vs a sequential loop over the same folder of generated frames,
              with the bound min(1 / slowest stage, cores / sum of stage times)
@@ -32,6 +34,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -112,6 +116,45 @@ def bench_kv_cache(rt: Runtime, tokens: int = 20, repeats: int = 7) -> dict:
             "speedup": round(cache / recompute, 2)}
 
 
+def bench_batch_scaling(rt: Runtime, batch: int = 8, repeats: int = 15) -> dict:
+    """Per-item speed of one call on `batch` items over single calls, per tier, for the
+    encoder, a prefill ("how many shapes are there ?") and one decode step: what dynamic
+    batching can gain on this backend (> 1) or lose (< 1). Medians of `repeats` timings."""
+    g = rt.generator
+
+    def ms(run) -> float:
+        run()  # the shape's first run allocates
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            run()
+            times.append((time.perf_counter() - started) * 1e3)
+        return median(times)
+    out = {}
+    for tier in rt.manifest.tiers:
+        req = rt.prepare(make_scene(BENCH_SEED_BASE, n_shapes=4).image, "how many shapes are there ?", tier=tier)
+        one, many = req.pixel_values, np.concatenate([req.pixel_values] * batch)
+        features = g.encode(one)
+        embeds = g.embed_prompt(req.prompt.input_ids, features, req.prompt.image_positions)
+        length = embeds.shape[1]
+        mask1, mask_b = np.ones((1, length), np.int64), np.ones((batch, length), np.int64)
+        _, past1 = g.step(embeds, mask1, g.empty_past(1))
+        past_b = {name: np.concatenate([value] * batch) for name, value in past1.items()}
+        new1, new_b = g.embed_next([5]), g.embed_next([5] * batch)
+        step_mask1, step_mask_b = np.ones((1, length + 1), np.int64), np.ones((batch, length + 1), np.int64)
+        pos1, pos_b = np.full((1, 1), length, np.int64), np.full((batch, 1), length, np.int64)
+        timed = {
+            "encoder": (ms(lambda: g.encode(one)), ms(lambda: g.encode(many))),
+            "prefill": (ms(lambda: g.step(embeds, mask1, g.empty_past(1))),
+                        ms(lambda: g.step(np.concatenate([embeds] * batch), mask_b, g.empty_past(batch)))),
+            "decode_step": (ms(lambda: g.step(new1, step_mask1, past1, pos1)),
+                            ms(lambda: g.step(new_b, step_mask_b, past_b, pos_b))),
+        }
+        out[tier] = {name: {"single_ms": round(a, 3), f"batch{batch}_ms": round(b, 3),
+                            "per_item_speedup": round(batch * a / b, 2)} for name, (a, b) in timed.items()}
+    return {"batch": batch, "tiers": out}
+
+
 def bench_cold_start(model: Path, runs: int = 5) -> dict:
     """`edgemm infer` as a new process each time: wall time and peak RSS (ru_maxrss)."""
     exe = shutil.which("edgemm", path=str(Path(sys.executable).parent)) or "edgemm"
@@ -136,7 +179,8 @@ def runtime_section(args) -> dict:
     cold_start = bench_cold_start(args.model)
     rt = Runtime(load_config({"model": {"path": str(args.model)},
                               "backend": {"intra_op_threads": args.threads}}))
-    return {"overhead": bench_overhead(rt, args.n), "kv_cache": bench_kv_cache(rt), "cold_start": cold_start}
+    return {"overhead": bench_overhead(rt, args.n), "kv_cache": bench_kv_cache(rt), "cold_start": cold_start,
+            "batch_scaling": bench_batch_scaling(rt)}
 
 
 def _scene_folder(n: int) -> Path:
@@ -253,6 +297,9 @@ def markdown(results: dict) -> str:
         f"| KV cache speed-up | {k['speedup']}× |",
         f"| cold start `edgemm infer`, median of {c['runs']} | {c['wall_ms_median']} ms |",
         f"| peak RSS of `edgemm infer` (max of {c['runs']}) | {c['peak_rss_mb_max']} MB |",
+        *[f"| batch of {b['batch']} vs single calls at {tier}, per-item speed-up | " +
+          ", ".join(f"{name} {x['per_item_speedup']}×" for name, x in parts.items()) + " |"
+          for b in [results["batch_scaling"]] for tier, parts in b["tiers"].items()],
     ])
 
 
