@@ -208,6 +208,27 @@ class Generator:
         present = {past: out[name] for past, name in zip(self.past_names, self.present_names)}
         return out["logits"][:, -1], present
 
+    def step_feeds(self, past: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Feeds for a run of one-token steps (step_in_place), starting from the cache `past`."""
+        feeds = dict(past)
+        if self._cache_branch:
+            feeds["use_cache_branch"] = self._true
+        if self._logits_to_keep is not None:
+            feeds["num_logits_to_keep"] = self._logits_to_keep
+        return feeds
+
+    def step_in_place(self, feeds: dict[str, np.ndarray], embeds: np.ndarray, mask: np.ndarray,
+                      positions: np.ndarray) -> np.ndarray:
+        """step() for the single-request decode loop: one dict serves every token and takes
+        the new cache in place. `mask` and `positions` must be in the graph's types. Per
+        token this saves two dicts and a few conversions; the loop's Python is most of
+        edgemm's own time in a request."""
+        feeds["inputs_embeds"], feeds["attention_mask"], feeds["position_ids"] = embeds, mask, positions
+        out = self.decoder.run(feeds)
+        for past, present in zip(self.past_names, self.present_names):
+            feeds[past] = out[present]
+        return out["logits"][:, -1]
+
     def prefill(self, features: np.ndarray, input_ids: np.ndarray, image_start: int | np.ndarray,
                 mask: np.ndarray, reuse: PrefixReuse | None) -> tuple[np.ndarray, dict, np.ndarray | None, bool]:
         """Run the prompt through the decoder: logits, cache, the prompt's embeddings
@@ -260,9 +281,10 @@ class Generator:
             return beam_search(self, features, input_ids, image_start, budget, options, on_token)
         rng = np.random.default_rng(options.seed) if options.temperature > 0 else None  # greedy needs none
         t0 = time.perf_counter()
-        # one mask and one position row for the whole answer: step n takes views of them
-        full_mask = np.ones((1, prompt_len + budget), np.int64)
-        all_positions = np.arange(prompt_len + budget, dtype=np.int64)[None]
+        # one mask and one position row for the whole answer, in the graph's integer types:
+        # step n takes views of them
+        full_mask = np.ones((1, prompt_len + budget), self.mask_dtype)
+        all_positions = np.arange(prompt_len + budget, dtype=self.position_dtype)[None]
         logits, past, embeds, reused = self.prefill(features, input_ids, image_start,
                                                     full_mask[:, :prompt_len],
                                                     reuse if options.use_cache else None)
@@ -271,8 +293,9 @@ class Generator:
         tokens: list[int] = []
         finish = "length"
         steps = 0
+        feeds = self.step_feeds(past) if options.use_cache else None
         while True:
-            token = sample_token(logits[0], options, rng)
+            token = int(logits[0].argmax()) if rng is None else sample_token(logits[0], options, rng)
             if token in self.stop_ids:
                 finish = "stop"
                 break
@@ -286,7 +309,7 @@ class Generator:
             mask = full_mask[:, :length]
             if options.use_cache:
                 # no padding in a single request, so the next position is simply length - 1
-                logits, past = self.step(new, mask, past, all_positions[:, length - 1:length])
+                logits = self.step_in_place(feeds, new, mask, all_positions[:, length - 1:length])
             else:  # use_cache=False never reuses a prefix, so embeds holds the whole prompt
                 embeds = np.concatenate([embeds, new], axis=1)
                 logits, _ = self.step(embeds, mask, self.empty_past(1))
