@@ -8,7 +8,8 @@ Symmetric int8 (zero points 0), per-channel weights, only Conv / MatMul / Gemm
 quantized: the explicit-quantization form TensorRT's builder consumes directly
 (and that tools/build_engines.py translates to a calibration cache for DLA).
 Layers named by --keep-float (default: `quantization: keep_float:` in the model's
-model.yaml) stay float: TensorRT runs them in FP16, on the GPU and on a DLA core.
+model.yaml) stay float: TensorRT runs them in FP16 when it builds with precision flags
+(TensorRT 10, JetPack 6: on the GPU and on a DLA core), in FP32 in a strongly typed network.
 Calibration runs the fp32 graphs through edgemm's own generation loop, so the
 decoder is calibrated on the prefill and KV-cache steps it will really see.
 """
