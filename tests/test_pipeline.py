@@ -291,7 +291,9 @@ def test_waiting_requests_are_decoded_together_and_answer_as_alone(runtime, imag
         release.set()
         results = [f.result(timeout=WAIT_S) for f in futures]
     rounds_after = [4, waiting - 4] if waiting > 4 else [waiting]
-    assert waiting >= 3 and recorded.batches[-len(rounds_after):] == rounds_after, recorded.batches
+    # a round of one request is decoded by runtime.decode, so decode_batch never sees it
+    batched_rounds = [size for size in rounds_after if size > 1]
+    assert waiting >= 3 and recorded.batches[-len(batched_rounds):] == batched_rounds, recorded.batches
     assert sum(k * v for k, v in pipeline.stats.decode_batch_counts.items()) == n
     for i, result in enumerate(results):
         alone = runtime.infer(images[i], prompts[i], **options("low"))
