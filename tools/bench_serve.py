@@ -19,7 +19,9 @@ httpx.Client over the UNIX socket, so they share the machine's cores with the da
              rounds alternated A B B A …, `requests` requests per round; ratio of the
              median throughputs. server.queue_size = clients, so none is refused.
              Run for a one-word answer (count) and a description (describe). The
-             batched daemon keeps server.encoder_batching at its default, auto.
+             batched daemon keeps server.encoder_batching at its default, auto. Also
+             the cores each side used while a round ran (CPU time / wall time, from
+             /proc): the clients share the machine with the daemon.
   overload   bursts of `burst` concurrent POST /v1/infer (connections opened first, then
              released together) at a daemon with server.queue_size=2, `rounds` times with
              httpx clients and `rounds` times with raw-socket clients (prebuilt request
@@ -222,6 +224,12 @@ def encoder_batches(text: str) -> Counter:
     return out
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (all its threads), from /proc/PID/stat."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def decoder_batches(text: str) -> Counter:
     """edgemm_decoder_batches_total: batch size → decode rounds, ever."""
     out: Counter = Counter()
@@ -402,10 +410,15 @@ def bench_batching(pair: dict[str, ServeProcess], scenes: Scenes, rounds: int, r
     rps: dict[str, list[float]] = {n: [] for n in names}
     lat: dict[str, list[float]] = {n: [] for n in names}
     statuses: dict[str, Counter] = {n: Counter() for n in names}
+    cpu: dict[str, list[tuple[float, float]]] = {n: [] for n in names}  # (clients, daemon) cores in use
     order = []
     for r in range(rounds):
         for name in (names if r % 2 == 0 else names[::-1]):  # A B, B A, A B, …
-            records, wall = concurrent_requests(pair[name].sock, scenes.take(requests), clients, prompt)
+            bodies = scenes.take(requests)
+            cpu_before = process_cpu_seconds(os.getpid()), process_cpu_seconds(pair[name].proc.pid)
+            records, wall = concurrent_requests(pair[name].sock, bodies, clients, prompt)
+            cpu[name].append(((process_cpu_seconds(os.getpid()) - cpu_before[0]) / wall,
+                              (process_cpu_seconds(pair[name].proc.pid) - cpu_before[1]) / wall))
             statuses[name].update(str(x["status"]) for x in records)
             ok = [x["ms"] for x in records if x["status"] == 200]
             lat[name] += ok
@@ -429,6 +442,9 @@ def bench_batching(pair: dict[str, ServeProcess], scenes: Scenes, rounds: int, r
             "mean_encoder_batch": None if window_full or not calls else round(images / sum(calls.values()), 2),
             "mean_decoder_batch": round(sum(k * v for k, v in decode_rounds.items())
                                         / max(1, sum(decode_rounds.values())), 2),
+            # CPU time over wall time while the round ran: the clients (this process) and the daemon
+            "cores_used_clients": round(statistics.median(c for c, _ in cpu[name]), 2),
+            "cores_used_daemon": round(statistics.median(d for _, d in cpu[name]), 2),
         }
     a, b = out[names[0]], out[names[1]]
     out["throughput_ratio"] = round(a["rps_median"] / b["rps_median"], 3)
@@ -645,8 +661,10 @@ def serve_markdown(r: dict) -> str:
             f"| {kind}: {b['clients']} clients, POST /v1/infer \"{b['prompt']}\", {b['rounds']} × "
             f"{b['requests_per_round']} requests: max_batch=8 (batch_timeout {ba['server']['batch_timeout_ms']} ms) | "
             f"{ba['rps_median']} requests/s, P50 {ba['p50_ms']} ms, P99 {ba['p99_ms']} ms (mean encoder batch "
-            f"{ba['mean_encoder_batch']}, mean decoder batch {ba['mean_decoder_batch']}) |",
-            f"| {kind}: same, max_batch=1 | {b1['rps_median']} requests/s, P50 {b1['p50_ms']} ms, P99 {b1['p99_ms']} ms |",
+            f"{ba['mean_encoder_batch']}, mean decoder batch {ba['mean_decoder_batch']}; cores in use: daemon "
+            f"{ba['cores_used_daemon']}, clients {ba['cores_used_clients']}) |",
+            f"| {kind}: same, max_batch=1 | {b1['rps_median']} requests/s, P50 {b1['p50_ms']} ms, P99 {b1['p99_ms']} ms "
+            f"(cores in use: daemon {b1['cores_used_daemon']}, clients {b1['cores_used_clients']}) |",
             f"| {kind}: batching / batch 1 | throughput {b['throughput_ratio']}×, P50 {b['p50_ratio']}×, "
             f"P99 {b['p99_ratio']}× |"]
     rows += [
