@@ -96,7 +96,7 @@ def _prefill(gen: Generator, items: list[BatchItem], results: list) -> tuple[lis
             continue
         for j, (i, _, split, key) in enumerate(group):
             own = {name: value[j:j + 1] for name, value in past.items()}
-            gen.store_prefix(own, split, key, items[i].reuse, copy=len(group) > 1)  # a view would keep the batch
+            gen.store_prefix(own, split, key, items[i].reuse)
             rows.append(_row(gen, i, items[i], started, reused=False))
             logits.append(out[j])
             pasts.append(own)

@@ -49,6 +49,14 @@ def _retained_bytes(array: np.ndarray) -> int:
     return array.base.nbytes if isinstance(array.base, np.ndarray) else array.nbytes
 
 
+def _kept(array: np.ndarray, copy: bool) -> np.ndarray:
+    """What the cache stores for `array`: a copy if asked, or if the array is a view that
+    would keep alive more than twice its own bytes (one row of a batch); else a view."""
+    if copy or _retained_bytes(array) > 2 * array.nbytes:
+        return np.array(array, copy=True)
+    return array.view()
+
+
 class FeatureCache:
     """Thread-safe LRU of feature arrays, holding at most `max_bytes` of array data."""
 
@@ -76,17 +84,17 @@ class FeatureCache:
     def put(self, key: bytes, value: np.ndarray | tuple[np.ndarray, ...], copy: bool = True) -> None:
         """Store an array (image features) or a tuple of arrays (a prefix's KV cache), read-only,
         evicting the least recently used to fit: a private copy, or with copy=False the
-        caller's own arrays, which it must not write to afterwards (they may be views; the
-        bytes counted are those the views keep alive).
+        caller's own arrays, which it must not write to afterwards (see _kept; the bytes
+        counted are those the stored arrays keep alive).
 
         A value larger than the whole budget is not stored (it would evict everything
         and then not fit either).
         """
         arrays = value if isinstance(value, tuple) else (value,)
-        size = sum(_retained_bytes(a) for a in arrays)
+        stored = tuple(_kept(a, copy) for a in arrays)  # with copy, the caller may reuse its buffer
+        size = sum(_retained_bytes(a) for a in stored)
         if size > self.max_bytes:
             return
-        stored = tuple(np.array(a, copy=True) if copy else a.view() for a in arrays)  # the caller may reuse its buffer
         for a in stored:
             a.flags.writeable = False
         stored_value = stored if isinstance(value, tuple) else stored[0]

@@ -198,21 +198,20 @@ class Generator:
         `positions` defaults to cumsum(mask) - 1 for the new tokens."""
         if positions is None:
             positions = (np.cumsum(mask, axis=1) - 1)[:, -embeds.shape[1]:]
-        feeds = {"inputs_embeds": embeds, "attention_mask": mask.astype(self.mask_dtype, copy=False),
-                 "position_ids": positions.astype(self.position_dtype, copy=False), **past}
-        if self._cache_branch:
-            feeds["use_cache_branch"] = self._true if past["past_key_values.0.key"].shape[2] else self._false
-        if self._logits_to_keep is not None:
-            feeds["num_logits_to_keep"] = self._logits_to_keep
+        feeds = self.step_feeds(past)
+        feeds["inputs_embeds"] = embeds
+        feeds["attention_mask"] = mask.astype(self.mask_dtype, copy=False)
+        feeds["position_ids"] = positions.astype(self.position_dtype, copy=False)
         out = self.decoder.run(feeds)
         present = {past: out[name] for past, name in zip(self.past_names, self.present_names)}
         return out["logits"][:, -1], present
 
     def step_feeds(self, past: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Feeds for a run of one-token steps (step_in_place), starting from the cache `past`."""
+        """The cache `past` plus the optional inputs the graph declares: the feeds of step(),
+        and of a run of step_in_place() calls, which then keeps them up to date."""
         feeds = dict(past)
         if self._cache_branch:
-            feeds["use_cache_branch"] = self._true
+            feeds["use_cache_branch"] = self._true if past["past_key_values.0.key"].shape[2] else self._false
         if self._logits_to_keep is not None:
             feeds["num_logits_to_keep"] = self._logits_to_keep
         return feeds
@@ -262,11 +261,12 @@ class Generator:
         return self.step(rest.astype(self.embed_dtype, copy=False), mask, past)
 
     def store_prefix(self, past: dict[str, np.ndarray], split: int, key: bytes | None,
-                     reuse: PrefixReuse | None, copy: bool = False) -> None:
-        """Keep the prefix's KV cache: views of the decoder's own outputs (copying 0.4 MB per
-        request cost 0.4 ms of a 25 ms answer), or copies where `past` holds rows of a batch."""
+                     reuse: PrefixReuse | None) -> None:
+        """Keep the prefix's KV cache, handing the store views of the decoder's own outputs
+        (copying 0.4 MB per request cost 0.4 ms of a 25 ms answer; the store copies a view
+        only where it would keep much more alive, such as one row of a batch)."""
         if key is not None:
-            reuse.store.put(key, tuple(past[name][:, :, :split] for name in self.past_names), copy=copy)
+            reuse.store.put(key, tuple(past[name][:, :, :split] for name in self.past_names), copy=False)
 
     def generate(self, features: np.ndarray, input_ids: np.ndarray, image_start: int | np.ndarray,
                  options: GenerationOptions, on_token: Callable[[int], None] | None = None,

@@ -376,8 +376,7 @@ class Runtime:
             fresh.flags.writeable = False  # the cache keeps it and callers share it
             for row, i in enumerate(missing):
                 found[i] = fresh[row]
-                # fresh is ours alone; a row of a batch is copied, or it would keep the whole batch
-                self.cache.put(keys[i], fresh[row], copy=len(missing) > 1)
+                self.cache.put(keys[i], fresh[row], copy=False)  # fresh is ours alone
         return found[0][None] if len(found) == 1 else np.stack(found)
 
     def decode(self, request: PreparedRequest, features: np.ndarray, on_token=None) -> InferenceResult:
