@@ -14,7 +14,9 @@ that are already waiting into one call, and waits up to `batch_timeout_ms` for m
 only while other requests are still being prepared (a lone request never waits).
 The decoder stage takes every request already waiting (up to `max_batch`) and steps
 them together, one decoder call per token for all (edgemm/batch_decode.py); it never
-waits for a batch to fill. Results come back through `concurrent.futures.Future`s.
+waits for a batch to fill. Requests that arrive while a batch decodes join it between
+steps, and each answer is handed back the moment it ends (continuous batching).
+Results come back through `concurrent.futures.Future`s.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from edgemm.batch_decode import batchable
 from edgemm.errors import EdgemmError
 from edgemm.runtime import InferenceResult, PreparedRequest, Runtime
 
@@ -68,7 +71,7 @@ class StageStats:
     items: dict[str, int] = field(default_factory=lambda: {"prepare": 0, "encode": 0, "decode": 0})
     batches: list[int] = field(default_factory=list)  # encoder batch sizes (last 1000)
     batch_counts: dict[int, int] = field(default_factory=dict)  # batch size → encoder calls, ever
-    decode_batch_counts: dict[int, int] = field(default_factory=dict)  # batch size → decode rounds, ever
+    decode_steps: dict[int, int] = field(default_factory=dict)  # rows stepped together → decoder calls, ever
     completed: int = 0
     failed: int = 0
     rejected: int = 0
@@ -93,7 +96,7 @@ class Pipeline:
         self.to_decode: queue.Queue = queue.Queue(queue_size)
         self.stats = StageStats()
         self._held: deque = deque()  # taken from to_encode but not batchable with the current tier
-        self._held_decode: deque = deque()  # a reuse request taken while gathering a decode batch
+        self._held_decode: deque = deque()  # taken from to_decode, can't join the running batch: goes next
         self._last_result: InferenceResult | None = None
         self._preparing = False  # the prepare stage holds a request (written by its thread only)
         self._closed = False
@@ -236,66 +239,81 @@ class Pipeline:
             first = self._held_decode.popleft() if self._held_decode else self.to_decode.get()
             if first is _STOP:
                 break
-            batch, stop = self._ready_for_decode(first)
             started = time.perf_counter()
-            outcomes = self._decode(batch)
-            self._account("decode", started, len(batch))
-            self.stats.decode_batch_counts[len(batch)] = self.stats.decode_batch_counts.get(len(batch), 0) + 1
-            now = time.perf_counter()
-            for req, outcome in zip(batch, outcomes):
-                if isinstance(outcome, BaseException):
-                    self._fail(req, outcome)
-                    continue
-                outcome.timings_ms["total"] = (now - req.submitted) * 1e3
-                self.stats.completed += 1
-                if not req.future.done():
-                    req.future.set_result(outcome)
-            if stop:
-                break
+            if first.reuse or self.max_batch == 1 or not batchable(first.prepared.options):
+                self._answer(first, self._decode_alone(first))
+                answered = 1
+            else:
+                answered = self._decode_together(first)
+            self._account("decode", started, answered)
 
-    def _ready_for_decode(self, first: Request) -> tuple[list[Request], bool]:
-        """`first` plus requests already waiting to be decoded, up to max_batch. Unlike the
-        encoder, the decoder never waits for a batch to fill: a token now beats a batch later."""
-        batch = [first]
-        while len(batch) < self.max_batch and not first.reuse and not self._held_decode:
+    def _decode_together(self, first: Request) -> int:
+        """`first` and the requests waiting behind it decode as one batch. Between steps,
+        requests that arrived meanwhile join while there is room (max_batch), and each
+        request is answered as soon as its own answer ends (edgemm/batch_decode.py). A
+        waiting request that can't join (a reuse, beam search, other devices) closes the
+        batch to newcomers: it goes as soon as the batch has finished."""
+        devices = self.runtime.resolve(first.prepared.route)
+        batch = self.runtime.open_batch(first.prepared.route, self._answer)
+        joining = [first] + self._joiners(devices, self.max_batch - 1)
+        answered = 0
+        while joining or batch:
+            if joining:
+                batch.join([(r, r.prepared, r.features, r.on_token) for r in joining])
+                answered += len(joining)
+                for r in joining:
+                    r.features = None
+            if batch:
+                batch.step()
+            joining = self._joiners(devices, self.max_batch - len(batch))
+        for rows, calls in batch.steps_by_rows.items():
+            self.stats.decode_steps[rows] = self.stats.decode_steps.get(rows, 0) + calls
+        return answered
+
+    def _joiners(self, devices: tuple, room: int) -> list[Request]:
+        """Requests already waiting to be decoded that can join a batch on `devices`, up to
+        `room`; never waits. One that can't join (or the end marker) is held to go next."""
+        out: list[Request] = []
+        while len(out) < room and not self._held_decode:
             try:
                 nxt = self.to_decode.get_nowait()
             except queue.Empty:
                 break
-            if nxt is _STOP:
-                return batch, True
-            if nxt.reuse:
-                self._held_decode.append(nxt)  # answered from the last result, after this batch
+            if (nxt is _STOP or nxt.reuse or not batchable(nxt.prepared.options)
+                    or self.runtime.resolve(nxt.prepared.route) != devices):
+                self._held_decode.append(nxt)
                 break
-            batch.append(nxt)
-        return batch, False
+            out.append(nxt)
+        return out
 
-    def _decode(self, batch: list[Request]) -> list[InferenceResult | BaseException]:
-        if len(batch) == 1:
-            req = batch[0]
-            try:
-                if req.reuse:
-                    if self._last_result is None:
-                        raise RuntimeError("nothing to reuse yet")
-                    return [self._reused(req)]
-                result = self.runtime.decode(req.prepared, req.features, req.on_token)
-            except Exception as e:
-                return [e]
-            finally:
-                req.features = None
-            self._last_result = result
-            return [result]
+    def _decode_alone(self, req: Request) -> InferenceResult | BaseException:
         try:
-            outcomes = self.runtime.decode_batch([r.prepared for r in batch], [r.features for r in batch],
-                                                 [r.on_token for r in batch])
-        except Exception as e:  # a fault outside any one request fails the batch, not the pipeline
-            outcomes = [e] * len(batch)
-        for r in batch:
-            r.features = None
-        done = [o for o in outcomes if isinstance(o, InferenceResult)]
-        if done:
-            self._last_result = done[-1]
-        return outcomes
+            if req.reuse:
+                if self._last_result is None:
+                    raise RuntimeError("nothing to reuse yet")
+                return self._reused(req)
+            result = self.runtime.decode(req.prepared, req.features, req.on_token)
+        except Exception as e:
+            return e
+        finally:
+            req.features = None
+        # Generator.generate steps once per token, except after the last when the budget ended it
+        steps = len(result.tokens) - (result.finish_reason == "length")
+        if steps > 0:
+            self.stats.decode_steps[1] = self.stats.decode_steps.get(1, 0) + steps
+        return result
+
+    def _answer(self, req: Request, outcome: InferenceResult | BaseException) -> None:
+        """A request's outcome to its future (from the decode thread, as each answer ends)."""
+        if isinstance(outcome, BaseException):
+            self._fail(req, outcome)
+            return
+        if outcome.finish_reason != "reused":
+            self._last_result = outcome
+        outcome.timings_ms["total"] = (time.perf_counter() - req.submitted) * 1e3
+        self.stats.completed += 1
+        if not req.future.done():
+            req.future.set_result(outcome)
 
     def _reused(self, req: Request) -> InferenceResult:
         last = self._last_result

@@ -24,7 +24,7 @@ from edgemm.backends.onnxruntime import OnnxRuntimeBackend
 from edgemm.cache import FeatureCache, feature_key
 from edgemm.config import Config, ConfigError, load_config
 from edgemm.errors import BackendError, EdgemmError, InputError
-from edgemm.batch_decode import BatchItem, batchable, generate_batch
+from edgemm.batch_decode import BatchItem, DecodingBatch, batchable
 from edgemm.generate import GenerationOptions, Generator, PrefixReuse
 from edgemm.model.contract import check_component
 from edgemm.model.family import Prompt, adapter_for
@@ -405,14 +405,23 @@ class Runtime:
         for i in together:
             groups.setdefault(self.resolve(requests[i].route), []).append(i)
         for rows in groups.values():
-            generator = self.generator_for(requests[rows[0]].route)
-            items = [BatchItem(features[i], requests[i].prompt.input_ids, requests[i].prompt.image_positions,
-                               requests[i].options, self._token_callback(on_tokens[i]),
-                               self._prefix_reuse(requests[i])) for i in rows]
-            for i, generation in zip(rows, generate_batch(generator, items)):
-                out[i] = generation if isinstance(generation, Exception) else \
-                    self._result(requests[i], generation, generator)
+            batch = self.open_batch(requests[rows[0]].route, out.__setitem__)
+            batch.join([(i, requests[i], features[i], on_tokens[i]) for i in rows])
+            while batch:
+                batch.step()
         return out  # type: ignore[return-value]
+
+    def open_batch(self, route: PowerPlacement | None, finished) -> "RequestBatch":
+        """An empty batch on the decoder `route` resolves to, that requests join and leave
+        between steps (continuous batching, edgemm/batch_decode.py). `finished(key, result
+        or exception)` is called for each request as soon as its answer ends."""
+        generator = self.generator_for(route)
+
+        def done(key, outcome) -> None:
+            caller_key, request = key
+            finished(caller_key, outcome if isinstance(outcome, Exception) else
+                     self._result(request, outcome, generator))
+        return RequestBatch(self, DecodingBatch(generator, done))
 
     def _token_callback(self, on_token):
         """(token, text so far) for the caller, from the generator's bare token ids."""
@@ -460,3 +469,31 @@ class Runtime:
         result = self.decode(request, features, on_token)
         result.timings_ms["total"] = (time.perf_counter() - t0) * 1e3
         return result
+
+
+class RequestBatch:
+    """A DecodingBatch in the runtime's terms: prepared requests and their features in,
+    InferenceResults out (through the `finished` callback of Runtime.open_batch)."""
+
+    def __init__(self, runtime: Runtime, batch: DecodingBatch):
+        self.runtime, self.batch = runtime, batch
+
+    def __len__(self) -> int:
+        return len(self.batch)
+
+    @property
+    def steps_by_rows(self):
+        """Rows stepped together → decoder calls, so far."""
+        return self.batch.steps_by_rows
+
+    def join(self, requests: list[tuple[object, PreparedRequest, np.ndarray, object]]) -> None:
+        """(key, request, its features [1,N,D], on_token or None) each; prefilled and added.
+        The requests must be batchable (greedy or sampled, with the KV cache)."""
+        rt = self.runtime
+        self.batch.join([((key, request), BatchItem(features, request.prompt.input_ids,
+                                                    request.prompt.image_positions, request.options,
+                                                    rt._token_callback(on_token), rt._prefix_reuse(request)))
+                         for key, request, features, on_token in requests])
+
+    def step(self) -> None:
+        self.batch.step()

@@ -506,9 +506,9 @@ class ServiceMetrics:
                     lambda: {(k,): v for k, v in pipeline.depths().items()}))
         r.add(Gauge("edgemm_encoder_recent_batches", "Encoder calls among the last 1000, by batch size.",
                     ("size",), lambda: {(str(k),): v for k, v in Tally(pipeline.stats.batches).items()}))
-        r.add(Gauge("edgemm_decoder_batches_total", "Decode rounds (requests stepped together), by batch size.",
-                    ("size",), lambda: {(str(k),): v for k, v in dict(pipeline.stats.decode_batch_counts).items()},
-                    kind="counter"))
+        r.add(Gauge("edgemm_decoder_steps_total", "Decoder calls that each gave one token to every row, "
+                    "by rows stepped together.", ("rows",),
+                    lambda: {(str(k),): v for k, v in dict(pipeline.stats.decode_steps).items()}, kind="counter"))
         r.add(Gauge("edgemm_pipeline_requests_total", "Requests the pipeline finished, by outcome.", ("outcome",),
                     lambda: {("completed",): pipeline.stats.completed, ("failed",): pipeline.stats.failed},
                     kind="counter"))

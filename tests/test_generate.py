@@ -197,6 +197,43 @@ def test_batched_decoding_gives_each_request_its_own_tokens(runtime):
             assert got.stats["decode_batch"] == len(items)
 
 
+def test_requests_joining_a_running_batch_get_their_own_tokens(runtime):
+    """Continuous batching: requests join between steps (shorter and longer prompts than the
+    rows running), rows leave as they end, each gets the tokens it gets alone and is handed
+    back when its row stops; the padded cache never outgrows the longest live row."""
+    from edgemm.batch_decode import DecodingBatch
+    endless = generator_with_stops(runtime, set())  # no stop token: rows end on their budgets
+    asks = [("describe the image", 402_030), ("how many shapes ?", 402_031),
+            ("what does the text say ?", 402_032), ("what color is the circle ?", 402_033)]
+    items = _batch_items(runtime, asks, max_new_tokens=6)
+    items[0].options.max_new_tokens = 10
+    items[2].options.max_new_tokens = 3
+    finished: list[tuple[int, object, int]] = []  # (key, outcome, decoder steps made by then)
+    batch = DecodingBatch(endless, lambda key, outcome: finished.append(
+        (key, outcome, sum(batch.steps_by_rows.values()))))
+    batch.join([(0, items[0])])
+    batch.step()
+    batch.step()
+    batch.join([(1, items[1]), (2, items[2])])  # one shorter prompt, one longer
+    batch.step()
+    batch.join([(3, items[3])])
+    widths = []
+    while batch:
+        batch.step()
+        widths.append(batch.mask.shape[1])
+        live = [r.length + len(r.tokens) for r in batch.rows]
+        assert not batch.rows or batch.mask.shape[1] == max(live), "padding no row needs was kept"
+    assert sorted(key for key, _, _ in finished) == [0, 1, 2, 3]
+    for key, got, _ in finished:
+        item = items[key]
+        alone = endless.generate(item.features, item.input_ids, item.image_start, item.options)
+        assert got.tokens == alone.tokens and len(got.tokens) == item.options.max_new_tokens, f"request {key}"
+    assert [key for key, _, _ in finished].index(2) < [key for key, _, _ in finished].index(0)
+    assert finished[0][2] < finished[-1][2]  # the first answer came back while others still decoded
+    assert max(batch.steps_by_rows) == 4
+    assert any(b <= a for a, b in zip(widths, widths[1:])), widths  # a step where padding was cut
+
+
 def test_prompts_of_one_length_are_prefilled_in_one_decoder_call(runtime):
     """Three requests with the same question (so the same prompt length) and one other:
     two prefill calls, not four, and each request still gets the logits it gets alone."""

@@ -52,25 +52,34 @@ class BlockedEncode:
 
 
 class RecordingDecode:
-    """runtime.decode (and decode_batch) keeping the features each request was decoded with."""
+    """runtime.decode and the decoder batches (runtime.open_batch) keeping the features each
+    request was decoded with, and for every join into a batch: (rows already running, rows joining)."""
 
     def __init__(self, runtime):
         self.original = runtime.decode
-        self.original_batch = runtime.decode_batch
+        self.original_open = runtime.open_batch
         self.features: list[np.ndarray] = []
         self.calls = 0
-        self.batches: list[int] = []
+        self.joins: list[tuple[int, int]] = []
+        self.opened = 0
 
     def __call__(self, request, features, on_token=None):
         self.calls += 1
         self.features.append(np.array(features, copy=True))
         return self.original(request, features, on_token)
 
-    def batch(self, requests, features, on_tokens=None):
-        self.calls += len(requests)
-        self.batches.append(len(requests))
-        self.features.extend(np.array(f, copy=True) for f in features)
-        return self.original_batch(requests, features, on_tokens)
+    def open_batch(self, route, finished):
+        self.opened += 1
+        batch = self.original_open(route, finished)
+        join = batch.join
+
+        def recording_join(requests):
+            self.calls += len(requests)
+            self.joins.append((len(batch), len(requests)))
+            self.features.extend(np.array(features, copy=True) for _, _, features, _ in requests)
+            return join(requests)
+        batch.join = recording_join
+        return batch
 
 
 @pytest.fixture
@@ -85,7 +94,7 @@ def blocked(runtime, monkeypatch):
 def recorded(runtime, monkeypatch):
     decode = RecordingDecode(runtime)
     monkeypatch.setattr(runtime, "decode", decode)
-    monkeypatch.setattr(runtime, "decode_batch", decode.batch)
+    monkeypatch.setattr(runtime, "open_batch", decode.open_batch)
     return decode
 
 
@@ -264,41 +273,84 @@ def test_a_lone_request_does_not_wait_for_a_batch(runtime, images):
     assert pipeline.stats.batches == [1, 1, 1]
 
 
-def test_waiting_requests_are_decoded_together_and_answer_as_alone(runtime, images, recorded, monkeypatch):
-    """While the decoder is busy, finished encodes pile up; the next round steps them all
-    at once (up to max_batch), and each answer is the one it would get alone."""
+def hold_decoder(runtime, monkeypatch, recorded) -> tuple[threading.Event, threading.Event]:
+    """The decode stage stops at its first decode (single or batch) until released."""
     release, entered = threading.Event(), threading.Event()
-    first_size = []
 
-    def hold_first(call, size):
-        def held(*args, **kwargs):
-            if not first_size:
-                first_size.append(size(args))
+    def held(call):
+        def wrapper(*args, **kwargs):
+            if not entered.is_set():
                 entered.set()
                 assert release.wait(WAIT_S), "the test never released the decoder"
             return call(*args, **kwargs)
-        return held
-    monkeypatch.setattr(runtime, "decode", hold_first(recorded.__call__, lambda a: 1))
-    monkeypatch.setattr(runtime, "decode_batch", hold_first(recorded.batch, lambda a: len(a[0])))
+        return wrapper
+    monkeypatch.setattr(runtime, "decode", held(recorded.__call__))
+    monkeypatch.setattr(runtime, "open_batch", held(recorded.open_batch))
+    return release, entered
+
+
+def test_waiting_requests_are_decoded_together_and_answer_as_alone(runtime, images, recorded, monkeypatch):
+    """While the decoder is busy, finished encodes pile up; the next batch takes as many as
+    fit (max_batch), the rest join it as its rows end, and each answer is the one it would
+    get alone. Different answer lengths make rows leave at different steps."""
+    release, entered = hold_decoder(runtime, monkeypatch, recorded)
     n = 7
     prompts = [PROMPT, "describe the image"] * 4
+    budgets = [1, 6, 2, 4, 3, 5, 2]
     with Pipeline(runtime, queue_size=n, max_batch=4, batch_timeout_ms=0) as pipeline:
-        futures = [pipeline.submit(Request(images[i], prompts[i], options("low")), block=False)
-                   for i in range(n)]
+        futures = [pipeline.submit(Request(images[i], prompts[i], {"tier": "low", "max_new_tokens": budgets[i]}),
+                                   block=False) for i in range(n)]
         assert entered.wait(WAIT_S)
-        waiting = n - first_size[0]
-        wait_until(lambda: pipeline.depths()["decode"] == waiting, "the other requests waiting to be decoded")
+        wait_until(lambda: pipeline.depths()["decode"] == n - 1, "the other requests waiting to be decoded")
         release.set()
         results = [f.result(timeout=WAIT_S) for f in futures]
-    rounds_after = [4, waiting - 4] if waiting > 4 else [waiting]
-    # a round of one request is decoded by runtime.decode, so decode_batch never sees it
-    batched_rounds = [size for size in rounds_after if size > 1]
-    assert waiting >= 3 and recorded.batches[-len(batched_rounds):] == batched_rounds, recorded.batches
-    assert sum(k * v for k, v in pipeline.stats.decode_batch_counts.items()) == n
+    assert recorded.opened == 1, "the late requests started a batch of their own"
+    assert recorded.joins[0] == (0, 4)  # the first request and the three that fit
+    assert sum(k for _, k in recorded.joins) == n
+    assert any(running > 0 for running, _ in recorded.joins[1:]), recorded.joins  # joined rows still decoding
+    assert max(pipeline.stats.decode_steps) <= 4
     for i, result in enumerate(results):
-        alone = runtime.infer(images[i], prompts[i], **options("low"))
+        alone = runtime.infer(images[i], prompts[i], tier="low", max_new_tokens=budgets[i])
         assert result.tokens == alone.tokens, f"request {i}"
-    assert max(r.decode_batch for r in results[first_size[0]:]) == min(4, waiting)
+        assert 1 <= result.decode_batch <= 4
+
+
+def test_a_short_answer_is_handed_back_before_its_batch_ends(runtime, images, recorded, monkeypatch):
+    """Two requests decoded together: the one-token answer's future is done while the
+    other is still generating."""
+    release, entered = hold_decoder(runtime, monkeypatch, recorded)
+    seen_done = []
+    with Pipeline(runtime, queue_size=4, max_batch=4) as pipeline:
+        short = pipeline.submit(Request(images[0], PROMPT, {"tier": "low", "max_new_tokens": 1}))
+        long = pipeline.submit(Request(images[1], "describe the image", {"tier": "low", "max_new_tokens": 8},
+                                       on_token=lambda _t, _text: seen_done.append(short.done())))
+        assert entered.wait(WAIT_S)
+        wait_until(lambda: pipeline.depths()["decode"] == 1, "the second request waiting to be decoded")
+        release.set()
+        long.result(timeout=WAIT_S)
+    assert recorded.joins == [(0, 2)]
+    assert len(seen_done) >= 3 and seen_done[-1], seen_done
+    assert short.result().decode_batch == 2 and len(short.result().tokens) == 1
+
+
+def test_a_request_that_cannot_join_closes_the_batch_and_goes_next(runtime, images, recorded, monkeypatch):
+    """Beam search does not batch: waiting behind the first request, it stops the batch from
+    taking newcomers (so it is not passed over), runs alone when the batch ends, and the
+    request after it starts the next batch."""
+    release, entered = hold_decoder(runtime, monkeypatch, recorded)
+    asks = [{"tier": "low", "max_new_tokens": 4}, {"tier": "low", "max_new_tokens": 4, "num_beams": 2},
+            {"tier": "low", "max_new_tokens": 4}]
+    with Pipeline(runtime, queue_size=4, max_batch=4) as pipeline:
+        futures = [pipeline.submit(Request(images[i], PROMPT, asks[i]), block=False) for i in range(3)]
+        order = track_completion(futures)
+        assert entered.wait(WAIT_S)
+        wait_until(lambda: pipeline.depths()["decode"] == 2, "two requests waiting to be decoded")
+        release.set()
+        results = [f.result(timeout=WAIT_S) for f in futures]
+    assert recorded.joins == [(0, 1), (0, 1)] and recorded.opened == 2
+    assert order == [0, 1, 2]
+    for i, result in enumerate(results):
+        assert result.tokens == runtime.infer(images[i], PROMPT, **asks[i]).tokens, f"request {i}"
 
 
 def test_mixed_tiers_are_never_batched_together_and_keep_their_order(runtime, images, blocked, recorded):

@@ -100,11 +100,14 @@ def openai_client(path: str) -> openai.OpenAI:
     return openai.OpenAI(base_url="http://localhost/v1", api_key="x", http_client=http_client, max_retries=0)
 
 
-def metric(text: str, line_start: str) -> float:
-    """The value of the first sample line starting with `line_start` in Prometheus text."""
+def metric(text: str, line_start: str, default: float | None = None) -> float:
+    """The value of the first sample line starting with `line_start` in Prometheus text
+    (`default` if there is none and a default is given)."""
     for line in text.splitlines():
         if line.startswith(line_start):
             return float(line.rsplit(" ", 1)[1])
+    if default is not None:
+        return default
     raise AssertionError(f"no sample {line_start!r} in /metrics")
 
 
@@ -232,6 +235,9 @@ def test_health_and_readiness(http):
 
 def test_metrics(http, sample):
     assert http.post("/v1/infer", params={"max_tokens": 1}, content=sample.read_bytes()).status_code == 200
+    steps_before = metric(http.get("/metrics").text, 'edgemm_decoder_steps_total{rows="1"}', default=0)
+    answer = http.post("/v1/infer", params={"max_tokens": 3, "prompt": "describe the image"},
+                       content=sample.read_bytes()).json()
     http.post("/v1/infer", content=b"")  # a 400
     response = http.get("/metrics")
     assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
@@ -245,6 +251,9 @@ def test_metrics(http, sample):
     assert metric(text, "edgemm_requests_in_flight") == 0
     assert metric(text, 'edgemm_encoder_recent_batches{size="1"}') >= 1
     assert metric(text, "edgemm_ready") == 1
+    # a lone request steps alone: one decoder call per token after the first (3 tokens, or fewer and a stop)
+    steps = len(answer["tokens"]) - (answer["finish_reason"] == "length")
+    assert metric(text, 'edgemm_decoder_steps_total{rows="1"}', default=0) - steps_before == steps
     assert "# TYPE edgemm_http_request_duration_seconds histogram" in text
 
 
@@ -460,20 +469,20 @@ def test_client_that_disconnects_does_not_hurt_the_daemon(gated, gate, sample):
 def test_an_internal_error_is_a_500_and_the_daemon_goes_on(gated, sample):
     runtime, gate = gated
     gate.opened.set()
-    decode = runtime.decode
+    decoder = runtime.generator.decoder
 
     def broken(*args, **kwargs):
-        runtime.decode = decode  # once
+        del decoder.run  # once: the class's run again
         raise RuntimeError("the decoder broke")
 
-    runtime.decode = broken
+    decoder.run = broken
     try:
         with running(runtime) as d:
             error = assert_error(post_infer(sock_path(d), sample.read_bytes()), 500)
             assert error["message"] == "internal error: RuntimeError: the decoder broke"
             assert post_infer(sock_path(d), sample.read_bytes()).status_code == 200
     finally:
-        runtime.decode = decode
+        decoder.__dict__.pop("run", None)
 
 
 # ---- camera streams run by the daemon -----------------------------------------------------

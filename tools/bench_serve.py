@@ -230,11 +230,11 @@ def process_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def decoder_batches(text: str) -> Counter:
-    """edgemm_decoder_batches_total: batch size → decode rounds, ever."""
+def decoder_steps(text: str) -> Counter:
+    """edgemm_decoder_steps_total: rows stepped together → decoder calls, ever."""
     out: Counter = Counter()
     for line in text.splitlines():
-        if line.startswith('edgemm_decoder_batches_total{size="'):
+        if line.startswith('edgemm_decoder_steps_total{rows="'):
             out[int(line.split('"')[1])] = int(float(line.rsplit(" ", 1)[1]))
     return out
 
@@ -406,7 +406,7 @@ def bench_batching(pair: dict[str, ServeProcess], scenes: Scenes, rounds: int, r
     for name in names:  # untimed: first runs of every batch shape, connections, allocator
         concurrent_requests(pair[name].sock, scenes.take(2 * clients), clients, prompt)
     before = {name: encoder_batches(pair[name].metrics()) for name in names}
-    decode_before = {name: decoder_batches(pair[name].metrics()) for name in names}
+    decode_before = {name: decoder_steps(pair[name].metrics()) for name in names}
     rps: dict[str, list[float]] = {n: [] for n in names}
     lat: dict[str, list[float]] = {n: [] for n in names}
     statuses: dict[str, Counter] = {n: Counter() for n in names}
@@ -427,7 +427,7 @@ def bench_batching(pair: dict[str, ServeProcess], scenes: Scenes, rounds: int, r
     out: dict = {"prompt": prompt, "clients": clients, "rounds": rounds, "requests_per_round": requests,
                  "order": order}
     for name in names:
-        decode_rounds = decoder_batches(pair[name].metrics()) - decode_before[name]
+        decode_steps = decoder_steps(pair[name].metrics()) - decode_before[name]
         after = encoder_batches(pair[name].metrics())
         calls = after - before[name]
         window_full = sum(after.values()) >= 1000  # the gauge covers the last 1000 calls only
@@ -440,8 +440,9 @@ def bench_batching(pair: dict[str, ServeProcess], scenes: Scenes, rounds: int, r
             "statuses": dict(statuses[name]),
             "encoder_batches": {str(k): v for k, v in sorted(calls.items())},
             "mean_encoder_batch": None if window_full or not calls else round(images / sum(calls.values()), 2),
-            "mean_decoder_batch": round(sum(k * v for k, v in decode_rounds.items())
-                                        / max(1, sum(decode_rounds.values())), 2),
+            # rows per decoder step call (prefills not counted)
+            "mean_decoder_batch": round(sum(k * v for k, v in decode_steps.items())
+                                        / max(1, sum(decode_steps.values())), 2),
             # CPU time over wall time while the round ran: the clients (this process) and the daemon
             "cores_used_clients": round(statistics.median(c for c, _ in cpu[name]), 2),
             "cores_used_daemon": round(statistics.median(d for _, d in cpu[name]), 2),
