@@ -454,6 +454,65 @@ def bench_batching(pair: dict[str, ServeProcess], scenes: Scenes, rounds: int, r
     return out
 
 
+def batching_ceiling(model: Path, prompt: str, batch: int = 8, groups: int = 3) -> dict:
+    """The most dynamic batching of `batch` can give on this machine for `prompt`: the
+    pipeline's work per request timed in this process on one thread (prepare; encoder;
+    decoder: prefill and every step), alone and with every call carrying `batch` requests
+    (one encoder call on `batch` images; generate_batch on `batch` requests). The encoder
+    counts as batched only where server.encoder_batching: auto would batch it (at least
+    ENCODER_BATCH_GAIN faster per image). HTTP, JSON and the hand-offs between threads are
+    left out (they do not batch), so the daemon's real ceiling is lower still.
+    Returns per-request medians over `groups` groups of `batch` new scenes."""
+    from edgemm.batch_decode import BatchItem, generate_batch
+    from edgemm.config import load_config
+    from edgemm.pipeline import ENCODER_BATCH_GAIN
+    from edgemm.runtime import Runtime
+
+    rt = Runtime(load_config({"model": {"path": str(model)}, "backend": {"intra_op_threads": 1}}))
+    gen = rt.generator
+    scenes = Scenes(SEED_BASE + 900_000)
+    parts: dict[str, list[float]] = {k: [] for k in ("prepare", "encoder", "decoder", "encoder_batched",
+                                                     "decoder_batched")}
+    for g in range(groups + 1):  # the first group only warms up every shape
+        bodies = scenes.take(batch)
+        t0 = time.perf_counter()
+        prepared = [rt.prepare(png, prompt) for png in bodies]
+        prepare_ms = (time.perf_counter() - t0) * 1e3 / batch
+        pixels = [p.pixel_values for p in prepared]
+        if len({x.shape for x in pixels}) != 1:
+            raise SystemExit("batching ceiling: the scheduler chose different tiers within a group")
+        t0 = time.perf_counter()
+        features = [gen.encode(x) for x in pixels]
+        encoder_ms = (time.perf_counter() - t0) * 1e3 / batch
+        t0 = time.perf_counter()
+        gen.encode(np.concatenate(pixels))
+        encoder_batched_ms = (time.perf_counter() - t0) * 1e3 / batch
+        items = [BatchItem(f, p.prompt.input_ids, p.prompt.image_positions, p.options)
+                 for f, p in zip(features, prepared)]
+        t0 = time.perf_counter()
+        alone = [gen.generate(i.features, i.input_ids, i.image_start, i.options) for i in items]
+        decoder_ms = (time.perf_counter() - t0) * 1e3 / batch
+        t0 = time.perf_counter()
+        together = generate_batch(gen, items)
+        decoder_batched_ms = (time.perf_counter() - t0) * 1e3 / batch
+        if [a.tokens for a in alone] != [t.tokens for t in together]:
+            raise SystemExit("batching ceiling: batched decoding changed an answer")
+        if g:
+            for key, value in zip(parts, (prepare_ms, encoder_ms, decoder_ms, encoder_batched_ms,
+                                          decoder_batched_ms)):
+                parts[key].append(value)
+    ms = {k: round(statistics.median(v), 3) for k, v in parts.items()}
+    encoder_gain = ms["encoder"] / ms["encoder_batched"]
+    encoder_used = ms["encoder_batched"] if encoder_gain >= ENCODER_BATCH_GAIN else ms["encoder"]
+    alone_ms = ms["prepare"] + ms["encoder"] + ms["decoder"]
+    batched_ms = ms["prepare"] + encoder_used + ms["decoder_batched"]
+    return {"prompt": prompt, "batch": batch, "groups": groups, "tier": prepared[0].tier.name,
+            "tokens_mean": round(statistics.fmean(len(a.tokens) for a in alone), 1), "per_request_ms": ms,
+            "encoder_gain": round(encoder_gain, 2), "encoder_batched": encoder_used != ms["encoder"],
+            "decoder_gain": round(ms["decoder"] / ms["decoder_batched"], 2),
+            "ceiling": round(alone_ms / batched_ms, 3)}
+
+
 class UnixHTTPConnection(http.client.HTTPConnection):
     """The standard library's HTTP/1.1 client (keep-alive) over a UNIX socket."""
 
@@ -628,6 +687,8 @@ def bench_overload(model: Path, scenes: Scenes, bursts: int, size: int, threads:
 
 def serve_section(model: Path, rounds: int, requests: int, *, clients: int = CLIENTS, burst_size: int = BURST,
                   overhead_n: int = OVERHEAD_N, threads: int = 0) -> dict:
+    # in this process, before any daemon runs: nothing else competes for the cores
+    ceilings = {kind: batching_ceiling(model, prompt) for kind, prompt in BATCH_PROMPTS.items()}
     scenes = Scenes()
     common = {"queue_size": clients, "batch_timeout_ms": BATCH_TIMEOUT_MS}
     specs = (("batched", {**common, "max_batch": 8}), ("batch1", {**common, "max_batch": 1}))
@@ -643,7 +704,7 @@ def serve_section(model: Path, rounds: int, requests: int, *, clients: int = CLI
     overload = bench_overload(model, scenes, rounds, burst_size, threads)
     return {"model": str(model), "intra_op_threads": threads, "cpus": os.cpu_count(),
             "prompt": PROMPT, "png_bytes_example": len(Scenes().take(1)[0]),
-            "batching": batching, "overload": overload, "overhead": overhead,
+            "batching": batching, "batching_ceiling": ceilings, "overload": overload, "overhead": overhead,
             "rss_mb_idle": idle, "rss_mb_after_batching_and_overhead": after, "daemon_exit_codes": exits}
 
 
@@ -668,6 +729,14 @@ def serve_markdown(r: dict) -> str:
             f"(cores in use: daemon {b1['cores_used_daemon']}, clients {b1['cores_used_clients']}) |",
             f"| {kind}: batching / batch 1 | throughput {b['throughput_ratio']}×, P50 {b['p50_ratio']}×, "
             f"P99 {b['p99_ratio']}× |"]
+        c = r["batching_ceiling"][kind]
+        m = c["per_request_ms"]
+        rows.append(
+            f"| {kind}: ceiling, in-process on one thread, per request alone → with every call carrying "
+            f"{c['batch']} ({c['tier']} tier, {c['tokens_mean']} tokens) | prepare {m['prepare']} ms; encoder "
+            f"{m['encoder']} → {m['encoder_batched']} ms ({c['encoder_gain']}×, "
+            f"{'batched' if c['encoder_batched'] else 'not batched: under 1.2×'}); decoder {m['decoder']} → "
+            f"{m['decoder_batched']} ms ({c['decoder_gain']}×): **at most {c['ceiling']}×** |")
     rows += [
         f"| overload: {o['bursts_per_client_kind']} + {o['bursts_per_client_kind']} bursts of "
         f"{o['burst_size']} at queue_size={o['server']['queue_size']}: statuses (httpx / raw sockets) | "
