@@ -70,8 +70,10 @@ class DecodingBatch:
         self.gen, self.finished = gen, finished
         self.rows: list[_Row] = []
         self.logits = np.zeros((0, 0), np.float32)  # [B, V]: each row's next-token logits
-        self.past: dict[str, np.ndarray] = {}  # [B, heads, T, head_dim] per layer, left-padded
-        self.mask = np.zeros((0, 0), np.int64)  # [B, T]: 0 over each row's padding
+        # the decoder's feeds between steps: the KV cache ([B, heads, T, head_dim] per layer,
+        # left-padded) and the graph's optional inputs; each step takes the new cache in place
+        self.feeds: dict[str, np.ndarray] = {}
+        self.mask = np.zeros((0, 0), gen.mask_dtype)  # [B, T]: 0 over each row's padding
         self.steps_by_rows: Counter = Counter()  # rows stepped together → decoder calls
 
     def __len__(self) -> int:
@@ -119,11 +121,12 @@ class DecodingBatch:
         if not self.rows:
             return
         rows = self.rows
-        self.mask = np.concatenate([self.mask, np.ones((len(rows), 1), np.int64)], axis=1)
+        gen = self.gen
+        self.mask = np.concatenate([self.mask, np.ones((len(rows), 1), self.mask.dtype)], axis=1)
         # each row's own next position: its prompt plus the tokens it has so far, minus one
-        positions = np.array([[r.length + len(r.tokens) - 1] for r in rows], np.int64)
+        positions = np.array([[r.length + len(r.tokens) - 1] for r in rows], gen.position_dtype)
         try:
-            self.logits, self.past = self.gen.step(self.gen.embed_next(next_tokens), self.mask, self.past, positions)
+            self.logits = gen.step_in_place(self.feeds, gen.embed_next(next_tokens), self.mask, positions)
         except Exception as e:  # the shared call failed: so does every row in it
             for r in rows:
                 self.finished(r.key, e)
@@ -143,14 +146,15 @@ class DecodingBatch:
         """Only rows `live` stay. Columns that are padding for every row left are cut, so
         that a batch joined again and again never grows past its longest live row."""
         if not live:
-            self.rows, self.past, self.mask = [], {}, np.zeros((0, 0), np.int64)
+            self.rows, self.feeds, self.mask = [], {}, self.mask[:0, :0]
             self.logits = self.logits[:0]
             return
         keep = np.array(live)
         mask = self.mask[keep]
         start = int(mask.any(axis=0).argmax())  # the first column some row uses
         self.mask = mask[:, start:]
-        self.past = {name: value[keep, :, start:] for name, value in self.past.items()}
+        for name in self.gen.past_names:
+            self.feeds[name] = self.feeds[name][keep, :, start:]
         self.logits = self.logits[keep]
         self.rows = [self.rows[j] for j in live]
 
@@ -162,10 +166,13 @@ class DecodingBatch:
             return np.pad(kv, ((0, 0), (0, 0), (width - length, 0), (0, 0))) if length < width else kv
 
         old = self.mask.shape[1]
-        self.past = {name: np.concatenate(([padded(self.past[name], old)] if self.rows else [])
-                                          + [padded(p[name], r.length) for r, p in zip(rows, pasts)])
-                     for name in self.gen.past_names}
-        mask = np.zeros((len(self.rows) + len(rows), width), np.int64)
+        def stacked(name: str) -> np.ndarray:
+            parts = ([padded(self.feeds[name], old)] if self.rows else []) + \
+                [padded(p[name], r.length) for r, p in zip(rows, pasts)]
+            return parts[0] if len(parts) == 1 else np.concatenate(parts)  # one part: no copy
+        past = {name: stacked(name) for name in self.gen.past_names}
+        self.feeds = self.gen.step_feeds(past)
+        mask = np.zeros((len(self.rows) + len(rows), width), self.gen.mask_dtype)
         mask[:len(self.rows), width - old:] = self.mask
         for j, r in enumerate(rows, start=len(self.rows)):
             mask[j, width - r.length:] = 1
