@@ -73,7 +73,7 @@ class InferenceResult:
     model: str = ""
     schedule: dict = field(default_factory=dict)  # why this tier: {tier, reason, stats}
     prefix_reused: bool = False  # the prompt's image prefix came from the cache (no prefill for it)
-    decode_batch: int = 1  # requests decoded together with this one (itself included)
+    decode_batch: int = 1  # most requests decoded together with this one at once (itself included)
 
     def to_dict(self) -> dict:
         d = asdict(self)
