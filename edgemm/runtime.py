@@ -243,9 +243,8 @@ class Runtime:
             return time.perf_counter() - started
         seconds(many)  # the batch shape's first run allocates
         ratios = sorted(batch * seconds(one) / seconds(many) for _ in range(repeats))
-        if hasattr(self.generator.encoder, "shrink_next"):  # onnxruntime: give the batch's memory back
-            self.generator.encoder.shrink_next = True
-            self.generator.encode(one)
+        self.generator.encoder.release_memory()  # the batch's memory (onnxruntime: at the next run)
+        self.generator.encode(one)
         return ratios[len(ratios) // 2]
 
     @property

@@ -166,7 +166,8 @@ def test_an_onnxruntime_component_can_shrink_its_arena_after_one_run(runtime):
     encoder = runtime.generator.encoder
     pixels, _ = runtime.preprocess(np.zeros((64, 64, 3), np.uint8), "low")
     plain = encoder.run({"pixel_values": pixels})["image_features"]
-    encoder.shrink_next = True
+    encoder.release_memory()
+    assert encoder.shrink_next is True
     shrunk = encoder.run({"pixel_values": pixels})["image_features"]
     assert encoder.shrink_next is False  # for that one run only
     np.testing.assert_array_equal(plain, shrunk)

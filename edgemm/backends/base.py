@@ -43,6 +43,10 @@ class Component(Protocol):
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
 
+    def release_memory(self) -> None:
+        """Hand back memory held for inputs larger than usual (e.g. after a trial batch);
+        may take effect at the next run."""
+
 
 class Backend(Protocol):
     name: str

@@ -43,12 +43,15 @@ class OrtComponent:
         self.outputs = _specs(session.get_outputs())
         self._output_names = list(self.outputs)
         self.stats = RunStats()
-        # set shrink_next before a run to have onnxruntime hand its arena's free memory back
-        # after it (e.g. once a trial of an unusually large batch is over)
+        # when set, the next run hands the arena's free memory back after it (release_memory)
         self.shrink_next = False
         self._shrink = ort.RunOptions()
         self._shrink.add_run_config_entry("memory.enable_memory_arena_shrinkage",
                                           "cpu:0" if self.device == "cpu" else "cpu:0;gpu:0")
+
+    def release_memory(self) -> None:
+        """onnxruntime's arena keeps what its largest run needed: the next run shrinks it."""
+        self.shrink_next = True
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         started = time.perf_counter()

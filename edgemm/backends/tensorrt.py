@@ -162,6 +162,10 @@ class TrtComponent:
         self.outputs = {n: first.spec(n) for n in first.outputs}
         self.stats = RunStats()
 
+    def release_memory(self) -> None:
+        """Nothing to hand back: an execution context's device memory is sized once, for the
+        largest shapes of its optimisation profiles, when the engine is loaded."""
+
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         started = time.perf_counter()
         self._cuda_context.push()  # pipeline stages run in their own threads
