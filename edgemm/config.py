@@ -214,6 +214,7 @@ class ServerConfig:
     max_batch: int = 4  # up to this many images per encoder call, and requests stepped together by the decoder
     batch_timeout_ms: float = 5.0  # how long the encoder waits for more images to fill a batch
     encoder_batching: str = "auto"  # auto: batch the encoder only at tiers where one call on max_batch images is timed >= 20 % faster per image than single calls (at start-up); on; off
+    continuous_batching: bool = True  # requests reaching the decoder while a batch runs join it between tokens; false: they wait until the batch ends (fewer prefills interrupting answers: a lower P99 on a CPU with short answers, docs/BENCHMARKS.md)
     request_timeout_s: float = 60.0  # a request not answered within this gets 504
     retry_after_s: int = 1  # the Retry-After header sent with 503
     grace_period_s: float = 10.0  # on SIGTERM: how long requests in flight may take to finish

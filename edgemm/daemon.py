@@ -197,7 +197,7 @@ class Daemon:
             self.notifier.status("timing encoder batches")
             limits = encoder_batch_limits(self.runtime, cfg.max_batch, cfg.encoder_batching)
             pipeline = Pipeline(self.runtime, cfg.queue_size, cfg.max_batch, cfg.batch_timeout_ms,
-                                encoder_batch=limits)
+                                encoder_batch=limits, decoder_joins=cfg.continuous_batching)
             self.service = Service(self.runtime, pipeline, self.config, router)
             started_draining = run_loop(self._serve())
             self._finish(pipeline, started_draining)

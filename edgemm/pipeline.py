@@ -85,9 +85,10 @@ class StageStats:
 class Pipeline:
     def __init__(self, runtime: Runtime, queue_size: int = 4, max_batch: int = 1,
                  batch_timeout_ms: float = 0.0, gate: Callable[[Request], bool] | None = None,
-                 encoder_batch: dict[str, int] | None = None):
+                 encoder_batch: dict[str, int] | None = None, decoder_joins: bool = True):
         self.runtime = runtime
         self.max_batch = max_batch
+        self.decoder_joins = decoder_joins  # newcomers join a running decoder batch (else: the next one)
         self.encoder_batch = encoder_batch or {}  # tier → most images per encoder call (else max_batch)
         self.batch_timeout_s = batch_timeout_ms / 1e3
         self.gate = gate  # optional: True → reuse the previous answer for this request
@@ -250,7 +251,8 @@ class Pipeline:
     def _decode_together(self, first: Request) -> int:
         """`first` and the requests waiting behind it decode as one batch. Between steps,
         requests that arrived meanwhile join while there is room (max_batch), and each
-        request is answered as soon as its own answer ends (edgemm/batch_decode.py). A
+        request is answered as soon as its own answer ends (edgemm/batch_decode.py); with
+        decoder_joins off, newcomers wait for the next batch instead. A
         waiting request that can't join (a reuse, beam search, other devices) closes the
         batch to newcomers: it goes as soon as the batch has finished."""
         devices = self.runtime.resolve(first.prepared.route)
@@ -265,7 +267,7 @@ class Pipeline:
                     r.features = None
             if batch:
                 batch.step()
-            joining = self._joiners(devices, self.max_batch - len(batch))
+            joining = self._joiners(devices, self.max_batch - len(batch)) if self.decoder_joins or not batch else []
         for rows, calls in batch.steps_by_rows.items():
             self.stats.decode_steps[rows] = self.stats.decode_steps.get(rows, 0) + calls
         return answered

@@ -415,7 +415,8 @@ class Service:
                           "rejected": stats.rejected,
                           "encoder_batch": {tier: self.pipeline.encoder_batch.get(tier, self.pipeline.max_batch)
                                             for tier in self.runtime.manifest.tiers},
-                          "decoder_batch": self.pipeline.max_batch},
+                          "decoder_batch": self.pipeline.max_batch,
+                          "continuous_batching": self.pipeline.decoder_joins},
                 "streams": len(self.streams.streams)}
 
     def status_line(self) -> str:

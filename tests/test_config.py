@@ -60,6 +60,7 @@ server:
   max_batch: 2
   batch_timeout_ms: 2.5
   encoder_batching: "off"
+  continuous_batching: false
   request_timeout_s: 5.0
   retry_after_s: 3
   grace_period_s: 1.0
@@ -181,6 +182,7 @@ def test_full_yaml_file_loads_every_field(tmp_path):
                                   keep_alternatives=False),
         server=ServerConfig(socket="/tmp/edgemm.sock", socket_mode="0600", socket_group="robots", tcp_port=8080,
                             tcp_host="127.0.0.2", queue_size=3, max_batch=2, batch_timeout_ms=2.5, encoder_batching="off",
+                            continuous_batching=False,
                             request_timeout_s=5.0, retry_after_s=3, grace_period_s=1.0, max_body_bytes=1000,
                             max_connections=7, image_dirs=["/srv/edgemm/images"], remote_images=True,
                             remote_timeout_s=2.0, max_streams=2),

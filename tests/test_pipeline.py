@@ -315,6 +315,26 @@ def test_waiting_requests_are_decoded_together_and_answer_as_alone(runtime, imag
         assert 1 <= result.decode_batch <= 4
 
 
+def test_without_joins_late_requests_wait_for_the_next_batch(runtime, images, recorded, monkeypatch):
+    """decoder_joins=False (server.continuous_batching: false): the same pile-up, but no request
+    joins a batch that is decoding; answers are still the ones each gets alone."""
+    release, entered = hold_decoder(runtime, monkeypatch, recorded)
+    n = 7
+    budgets = [1, 6, 2, 4, 3, 5, 2]
+    with Pipeline(runtime, queue_size=n, max_batch=4, decoder_joins=False) as pipeline:
+        futures = [pipeline.submit(Request(images[i], "describe the image", {"tier": "low", "max_new_tokens": budgets[i]}),
+                                   block=False) for i in range(n)]
+        assert entered.wait(WAIT_S)
+        wait_until(lambda: pipeline.depths()["decode"] == n - 1, "the other requests waiting to be decoded")
+        release.set()
+        results = [f.result(timeout=WAIT_S) for f in futures]
+    assert recorded.joins[0] == (0, 4) and sum(k for _, k in recorded.joins) == n
+    assert all(running == 0 for running, _ in recorded.joins), recorded.joins
+    for i, result in enumerate(results):
+        assert result.tokens == runtime.infer(images[i], "describe the image", tier="low",
+                                              max_new_tokens=budgets[i]).tokens, f"request {i}"
+
+
 def test_a_short_answer_is_handed_back_before_its_batch_ends(runtime, images, recorded, monkeypatch):
     """Two requests decoded together: the one-token answer's future is done while the
     other is still generating."""

@@ -15,13 +15,18 @@ httpx.Client over the UNIX socket, so they share the machine's cores with the da
 
   batching   throughput (requests/s) and P50/P99 latency of POST /v1/infer with
              `clients` concurrent clients: dynamic batching (server.max_batch=8,
-             batch_timeout_ms=5) vs batch size 1 (max_batch=1), both daemons running,
-             rounds alternated A B B A …, `requests` requests per round; ratio of the
-             median throughputs. server.queue_size = clients, so none is refused.
-             Run for a one-word answer (count) and a description (describe). The
-             batched daemon keeps server.encoder_batching at its default, auto. Also
-             the cores each side used while a round ran (CPU time / wall time, from
+             batch_timeout_ms=5), once with continuous batching (the default) and
+             once without joins (continuous_batching: false), vs batch size 1
+             (max_batch=1); all three daemons running, rounds in the order A B C,
+             C B A, …, `requests` requests per round; ratios of the median
+             throughputs. server.queue_size = clients, so none is refused. Run for a
+             one-word answer (count) and a description (describe). The batched
+             daemons keep server.encoder_batching at its default, auto. Also the
+             cores each side used while a round ran (CPU time / wall time, from
              /proc): the clients share the machine with the daemon.
+  ceiling    per prompt, before any daemon starts, in this process on one thread:
+             the pipeline's work per request alone and with every call carrying 8
+             requests (see batching_ceiling): the most batching can shrink it here.
   overload   bursts of `burst` concurrent POST /v1/infer (connections opened first, then
              released together) at a daemon with server.queue_size=2, `rounds` times with
              httpx clients and `rounds` times with raw-socket clients (prebuilt request
@@ -35,7 +40,7 @@ httpx.Client over the UNIX socket, so they share the machine's cores with the da
              API overhead: per request, the client's round trip minus the pipeline's own
              time (timings_ms.total: submit → answer, in the `edgemm` field of
              /v1/chat/completions, at top level for /v1/infer); median over `overhead-n`
-             sequential requests per endpoint, on both daemons of the batching pair, each
+             sequential requests per endpoint, on the continuous-batching and batch-1 daemons, each
              request with its own image; GET /healthz round trips beside them are the
              floor of one HTTP exchange between the two processes. /v1/infer is timed
              twice: with httpx (what the openai client uses) and with the standard
@@ -413,7 +418,7 @@ def bench_batching(pair: dict[str, ServeProcess], scenes: Scenes, rounds: int, r
     cpu: dict[str, list[tuple[float, float]]] = {n: [] for n in names}  # (clients, daemon) cores in use
     order = []
     for r in range(rounds):
-        for name in (names if r % 2 == 0 else names[::-1]):  # A B, B A, A B, …
+        for name in (names if r % 2 == 0 else names[::-1]):  # A B C, C B A, A B C, …
             bodies = scenes.take(requests)
             cpu_before = process_cpu_seconds(os.getpid()), process_cpu_seconds(pair[name].proc.pid)
             records, wall = concurrent_requests(pair[name].sock, bodies, clients, prompt)
@@ -447,10 +452,10 @@ def bench_batching(pair: dict[str, ServeProcess], scenes: Scenes, rounds: int, r
             "cores_used_clients": round(statistics.median(c for c, _ in cpu[name]), 2),
             "cores_used_daemon": round(statistics.median(d for _, d in cpu[name]), 2),
         }
-    a, b = out[names[0]], out[names[1]]
-    out["throughput_ratio"] = round(a["rps_median"] / b["rps_median"], 3)
-    out["p50_ratio"] = round(a["p50_ms"] / b["p50_ms"], 3)
-    out["p99_ratio"] = round(a["p99_ms"] / b["p99_ms"], 3)
+    base = out[names[-1]]  # the last daemon is the baseline (batch size 1)
+    out["ratios"] = {name: {"throughput": round(out[name]["rps_median"] / base["rps_median"], 3),
+                            "p50": round(out[name]["p50_ms"] / base["p50_ms"], 3),
+                            "p99": round(out[name]["p99_ms"] / base["p99_ms"], 3)} for name in names[:-1]}
     return out
 
 
@@ -691,14 +696,16 @@ def serve_section(model: Path, rounds: int, requests: int, *, clients: int = CLI
     ceilings = {kind: batching_ceiling(model, prompt) for kind, prompt in BATCH_PROMPTS.items()}
     scenes = Scenes()
     common = {"queue_size": clients, "batch_timeout_ms": BATCH_TIMEOUT_MS}
-    specs = (("batched", {**common, "max_batch": 8}), ("batch1", {**common, "max_batch": 1}))
+    specs = (("batched", {**common, "max_batch": 8}),
+             ("batched_no_joins", {**common, "max_batch": 8, "continuous_batching": False}),
+             ("batch1", {**common, "max_batch": 1}))
     with daemons(*specs, model=model, threads=threads) as running:
         pair = {name: d for (name, _), d in zip(specs, running)}
         time.sleep(1.0)  # let both settle after warm-up and /readyz
         idle = {name: d.rss_mb() for name, d in pair.items()}
         batching = {kind: bench_batching(pair, scenes, rounds, requests, clients, prompt)
                     for kind, prompt in BATCH_PROMPTS.items()}
-        overhead = bench_overhead(pair, scenes, overhead_n)
+        overhead = bench_overhead({name: pair[name] for name in ("batched", "batch1")}, scenes, overhead_n)
         after = {name: d.rss_mb() for name, d in pair.items()}
     exits = {name: d.exit_code for name, d in pair.items()}
     overload = bench_overload(model, scenes, rounds, burst_size, threads)
@@ -717,18 +724,23 @@ def serve_markdown(r: dict) -> str:
     threads = r["intra_op_threads"] or "onnxruntime's choice"
     rows = ["| measure | value |", "|---|---|",
             f"| setup | {r['cpus']} CPUs, intra_op_threads {threads}, clients in the same machine |"]
+    labels = {"batched": "max_batch=8, continuous batching", "batched_no_joins": "max_batch=8, no joins "
+              "(continuous_batching: false)"}
     for kind, b in r["batching"].items():
-        ba, b1 = b["batched"], b["batch1"]
-        rows += [
-            f"| {kind}: {b['clients']} clients, POST /v1/infer \"{b['prompt']}\", {b['rounds']} × "
-            f"{b['requests_per_round']} requests: max_batch=8 (batch_timeout {ba['server']['batch_timeout_ms']} ms) | "
-            f"{ba['rps_median']} requests/s, P50 {ba['p50_ms']} ms, P99 {ba['p99_ms']} ms (mean encoder batch "
-            f"{ba['mean_encoder_batch']}, mean decoder batch {ba['mean_decoder_batch']}; cores in use: daemon "
-            f"{ba['cores_used_daemon']}, clients {ba['cores_used_clients']}) |",
-            f"| {kind}: same, max_batch=1 | {b1['rps_median']} requests/s, P50 {b1['p50_ms']} ms, P99 {b1['p99_ms']} ms "
-            f"(cores in use: daemon {b1['cores_used_daemon']}, clients {b1['cores_used_clients']}) |",
-            f"| {kind}: batching / batch 1 | throughput {b['throughput_ratio']}×, P50 {b['p50_ratio']}×, "
-            f"P99 {b['p99_ratio']}× |"]
+        b1 = b["batch1"]
+        rows.append(f"| {kind}: {b['clients']} clients, POST /v1/infer \"{b['prompt']}\", {b['rounds']} × "
+                    f"{b['requests_per_round']} requests per daemon; max_batch=1 | {b1['rps_median']} requests/s, "
+                    f"P50 {b1['p50_ms']} ms, P99 {b1['p99_ms']} ms (cores in use: daemon {b1['cores_used_daemon']}, "
+                    f"clients {b1['cores_used_clients']}) |")
+        for name, ratio in b["ratios"].items():
+            ba = b[name]
+            rows += [
+                f"| {kind}: {labels[name]} (batch_timeout {ba['server']['batch_timeout_ms']} ms) | "
+                f"{ba['rps_median']} requests/s, P50 {ba['p50_ms']} ms, P99 {ba['p99_ms']} ms (mean encoder batch "
+                f"{ba['mean_encoder_batch']}, mean decoder batch {ba['mean_decoder_batch']}; cores in use: daemon "
+                f"{ba['cores_used_daemon']}, clients {ba['cores_used_clients']}) |",
+                f"| {kind}: {labels[name]} / batch 1 | throughput **{ratio['throughput']}×**, P50 {ratio['p50']}×, "
+                f"P99 {ratio['p99']}× |"]
         c = r["batching_ceiling"][kind]
         m = c["per_request_ms"]
         rows.append(
