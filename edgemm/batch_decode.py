@@ -79,6 +79,10 @@ class DecodingBatch:
     def __len__(self) -> int:
         return len(self.rows)
 
+    def progress(self) -> list[tuple[int, int]]:
+        """(tokens so far, token budget) of each row."""
+        return [(len(r.tokens), r.budget) for r in self.rows]
+
     def join(self, items: list[tuple[Any, BatchItem]]) -> None:
         """Prefill `items` and add them to the batch; a request that fails here is finished
         with its exception and the others go on."""

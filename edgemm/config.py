@@ -199,7 +199,7 @@ class PlacementConfig:
                 _require(device not in devices[:i], f"{path}.{name}[{i}]", "not repeat an earlier device", device)
 
 
-ENCODER_BATCHING = ("auto", "on", "off")
+BATCHING_MODES = ("auto", "on", "off")  # server.encoder_batching, server.continuous_batching
 
 
 @dataclass
@@ -214,7 +214,7 @@ class ServerConfig:
     max_batch: int = 4  # up to this many images per encoder call, and requests stepped together by the decoder
     batch_timeout_ms: float = 5.0  # how long the encoder waits for more images to fill a batch
     encoder_batching: str = "auto"  # auto: batch the encoder only at tiers where one call on max_batch images is timed >= 20 % faster per image than single calls (at start-up); on; off
-    continuous_batching: bool = True  # requests reaching the decoder while a batch runs join it between tokens; false: they wait until the batch ends (fewer prefills interrupting answers: a lower P99 on a CPU with short answers, docs/BENCHMARKS.md)
+    continuous_batching: str = "auto"  # requests reaching the decoder while a batch runs: on = join it between tokens; off = wait until it ends; auto = join when the rest of the batch is expected to take longer than their prefills delay it (timed as it runs)
     request_timeout_s: float = 60.0  # a request not answered within this gets 504
     retry_after_s: int = 1  # the Retry-After header sent with 503
     grace_period_s: float = 10.0  # on SIGTERM: how long requests in flight may take to finish
@@ -237,7 +237,8 @@ class ServerConfig:
             _require(getattr(self, name) > 0, f"{path}.{name}", "be > 0", getattr(self, name))
         for name in ("batch_timeout_ms", "grace_period_s"):
             _require(getattr(self, name) >= 0, f"{path}.{name}", "be >= 0", getattr(self, name))
-        _choice(self.encoder_batching, ENCODER_BATCHING, f"{path}.encoder_batching")
+        _choice(self.encoder_batching, BATCHING_MODES, f"{path}.encoder_batching")
+        _choice(self.continuous_batching, BATCHING_MODES, f"{path}.continuous_batching")
 
     @property
     def mode(self) -> int:
@@ -427,6 +428,8 @@ def _convert(value: Any, hint: Any, path: str, expected: str | None = None) -> A
         value = float(value) if ok else value
     elif hint is str:
         ok = isinstance(value, str)
+        if isinstance(value, bool):  # YAML 1.1 reads unquoted on/off/yes/no as booleans
+            expected = f"a string (YAML read an unquoted on/off/yes/no as {str(value).lower()}: quote it)"
     else:
         raise TypeError(f"config field {path!r}: unsupported type {hint}")
     if not ok:

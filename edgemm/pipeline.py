@@ -38,6 +38,7 @@ from edgemm.runtime import InferenceResult, PreparedRequest, Runtime
 log = logging.getLogger(__name__)
 
 ENCODER_BATCH_GAIN = 1.2  # encoder_batching auto: batch a tier only if a batch is this much faster per image
+JOIN_MODES = ("auto", "on", "off")  # server.continuous_batching
 
 _STOP = object()  # end-of-work marker passed down the stages
 
@@ -85,10 +86,10 @@ class StageStats:
 class Pipeline:
     def __init__(self, runtime: Runtime, queue_size: int = 4, max_batch: int = 1,
                  batch_timeout_ms: float = 0.0, gate: Callable[[Request], bool] | None = None,
-                 encoder_batch: dict[str, int] | None = None, decoder_joins: bool = True):
+                 encoder_batch: dict[str, int] | None = None, decoder_joins: str = "auto"):
         self.runtime = runtime
         self.max_batch = max_batch
-        self.decoder_joins = decoder_joins  # newcomers join a running decoder batch (else: the next one)
+        self.joins = JoinPolicy(decoder_joins)  # do newcomers join a running decoder batch?
         self.encoder_batch = encoder_batch or {}  # tier → most images per encoder call (else max_batch)
         self.batch_timeout_s = batch_timeout_ms / 1e3
         self.gate = gate  # optional: True → reuse the previous answer for this request
@@ -251,9 +252,9 @@ class Pipeline:
     def _decode_together(self, first: Request) -> int:
         """`first` and the requests waiting behind it decode as one batch. Between steps,
         requests that arrived meanwhile join while there is room (max_batch), and each
-        request is answered as soon as its own answer ends (edgemm/batch_decode.py); with
-        decoder_joins off, newcomers wait for the next batch instead. A
-        waiting request that can't join (a reuse, beam search, other devices) closes the
+        request is answered as soon as its own answer ends (edgemm/batch_decode.py), as far
+        as JoinPolicy lets them join; the others wait for the next batch. A waiting
+        request that can't join (a reuse, beam search, other devices) closes the
         batch to newcomers: it goes as soon as the batch has finished."""
         devices = self.runtime.resolve(first.prepared.route)
         batch = self.runtime.open_batch(first.prepared.route, self._answer)
@@ -261,13 +262,18 @@ class Pipeline:
         answered = 0
         while joining or batch:
             if joining:
+                started = time.perf_counter()
                 batch.join([(r, r.prepared, r.features, r.on_token) for r in joining])
+                self.joins.prefilled(time.perf_counter() - started, len(joining))
                 answered += len(joining)
                 for r in joining:
                     r.features = None
             if batch:
+                started = time.perf_counter()
                 batch.step()
-            joining = self._joiners(devices, self.max_batch - len(batch)) if self.decoder_joins or not batch else []
+                self.joins.stepped(time.perf_counter() - started)
+            room = self.max_batch - len(batch)
+            joining = self._joiners(devices, room) if room and self.joins.now(batch.progress()) else []
         for rows, calls in batch.steps_by_rows.items():
             self.stats.decode_steps[rows] = self.stats.decode_steps.get(rows, 0) + calls
         return answered
@@ -312,6 +318,7 @@ class Pipeline:
             return
         if outcome.finish_reason != "reused":
             self._last_result = outcome
+            self.joins.answered(len(outcome.tokens))
         outcome.timings_ms["total"] = (time.perf_counter() - req.submitted) * 1e3
         self.stats.completed += 1
         if not req.future.done():
@@ -331,6 +338,47 @@ class Pipeline:
     def _account(self, stage: str, started: float, items: int = 1) -> None:
         self.stats.busy_s[stage] += time.perf_counter() - started
         self.stats.items[stage] += items
+
+
+class JoinPolicy:
+    """Whether requests that reach the decoder while a batch decodes join it now (continuous
+    batching) or wait for the batch to end. A join costs every running row one prefill's
+    delay; waiting costs the newcomer the rest of the batch. "auto" joins when the rest of
+    the batch is expected to take longer than the prefills it would be held up by:
+
+        remaining steps × step time  >  running rows × one prefill
+
+    from the decoder's own recent timings and answer lengths (moving averages), so long
+    answers on a GPU join and short answers on a CPU, where a prefill costs several
+    steps, don't. "on" always joins, "off" never does."""
+
+    def __init__(self, mode: str = "auto", smoothing: float = 0.1):
+        if mode not in JOIN_MODES:
+            raise ValueError(f"decoder joins must be one of {', '.join(JOIN_MODES)}, got {mode!r}")
+        self.mode = mode
+        self.smoothing = smoothing
+        self.prefill_s = self.step_s = self.answer_tokens = None  # moving averages, once measured
+
+    def now(self, progress: list[tuple[int, int]]) -> bool:
+        """Join now? `progress`: (tokens so far, token budget) of each running row."""
+        if not progress or self.mode == "on":
+            return True  # an empty batch takes anyone: it is the next batch
+        if self.mode == "off" or None in (self.prefill_s, self.step_s, self.answer_tokens):
+            return self.mode != "off"  # auto with nothing measured yet: join
+        remaining = max(min(budget, max(tokens + 1, self.answer_tokens)) - tokens for tokens, budget in progress)
+        return remaining * self.step_s > len(progress) * self.prefill_s
+
+    def prefilled(self, seconds: float, requests: int) -> None:
+        self.prefill_s = self._average(self.prefill_s, seconds / requests)
+
+    def stepped(self, seconds: float) -> None:
+        self.step_s = self._average(self.step_s, seconds)
+
+    def answered(self, tokens: int) -> None:
+        self.answer_tokens = self._average(self.answer_tokens, float(tokens))
+
+    def _average(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.smoothing * (new - old)
 
 
 def encoder_batch_limits(runtime: Runtime, max_batch: int, mode: str) -> dict[str, int]:

@@ -13,7 +13,7 @@ import functools
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import cv2
@@ -76,8 +76,11 @@ class InferenceResult:
     decode_batch: int = 1  # most requests decoded together with this one at once (itself included)
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d["timings_ms"] = {k: round(v, 3) for k, v in self.timings_ms.items()}
+        """The result as plain data for JSON. Containers are copied one level deep (asdict's
+        full recursion cost 80 µs, a noticeable part of the daemon's own time per request)."""
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d.update(tokens=list(self.tokens), devices=dict(self.devices), schedule=dict(self.schedule),
+                 timings_ms={k: round(v, 3) for k, v in self.timings_ms.items()})
         return d
 
 
@@ -496,3 +499,6 @@ class RequestBatch:
 
     def step(self) -> None:
         self.batch.step()
+
+    def progress(self) -> list[tuple[int, int]]:
+        return self.batch.progress()

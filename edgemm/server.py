@@ -416,7 +416,7 @@ class Service:
                           "encoder_batch": {tier: self.pipeline.encoder_batch.get(tier, self.pipeline.max_batch)
                                             for tier in self.runtime.manifest.tiers},
                           "decoder_batch": self.pipeline.max_batch,
-                          "continuous_batching": self.pipeline.decoder_joins},
+                          "continuous_batching": self.pipeline.joins.mode},
                 "streams": len(self.streams.streams)}
 
     def status_line(self) -> str:

@@ -60,7 +60,7 @@ server:
   max_batch: 2
   batch_timeout_ms: 2.5
   encoder_batching: "off"
-  continuous_batching: false
+  continuous_batching: "off"
   request_timeout_s: 5.0
   retry_after_s: 3
   grace_period_s: 1.0
@@ -182,7 +182,7 @@ def test_full_yaml_file_loads_every_field(tmp_path):
                                   keep_alternatives=False),
         server=ServerConfig(socket="/tmp/edgemm.sock", socket_mode="0600", socket_group="robots", tcp_port=8080,
                             tcp_host="127.0.0.2", queue_size=3, max_batch=2, batch_timeout_ms=2.5, encoder_batching="off",
-                            continuous_batching=False,
+                            continuous_batching="off",
                             request_timeout_s=5.0, retry_after_s=3, grace_period_s=1.0, max_body_bytes=1000,
                             max_connections=7, image_dirs=["/srv/edgemm/images"], remote_images=True,
                             remote_timeout_s=2.0, max_streams=2),
@@ -265,6 +265,9 @@ def test_non_string_key_is_unknown():
      "config: 'backend.warmup' must be a boolean (true/false), got 'yes' (str)"),
     ({"model": {"precision": ["fp16"]}},  # list for str
      "config: 'model.precision' must be a string, got ['fp16'] (list)"),
+    ({"server": {"encoder_batching": False}},  # `encoder_batching: off` unquoted
+     "config: 'server.encoder_batching' must be a string (YAML read an unquoted on/off/yes/no as false: "
+     "quote it), got False (bool)"),
     ({"model": {"path": 5}},  # optional str
      "config: 'model.path' must be a string or null, got 5 (int)"),
     ({"generation": {"seed": "abc"}},  # optional int
@@ -325,6 +328,8 @@ def test_null_allowed_only_for_optional_fields():
     ({"backend": {"name": "tflite"}}, "config: 'backend.name' must be one of onnxruntime, tensorrt, got 'tflite'"),
     ({"server": {"encoder_batching": "sometimes"}},
      "config: 'server.encoder_batching' must be one of auto, on, off, got 'sometimes'"),
+    ({"server": {"continuous_batching": "always"}},
+     "config: 'server.continuous_batching' must be one of auto, on, off, got 'always'"),
     ({"backend": {"providers": []}}, "config: 'backend.providers' must list at least one provider, got []"),
     ({"backend": {"providers": ["cpu", "rocm"]}},
      "config: 'backend.providers[1]' must be one of cpu, cuda, tensorrt, got 'rocm'"),

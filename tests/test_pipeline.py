@@ -297,7 +297,7 @@ def test_waiting_requests_are_decoded_together_and_answer_as_alone(runtime, imag
     n = 7
     prompts = [PROMPT, "describe the image"] * 4
     budgets = [1, 6, 2, 4, 3, 5, 2]
-    with Pipeline(runtime, queue_size=n, max_batch=4, batch_timeout_ms=0) as pipeline:
+    with Pipeline(runtime, queue_size=n, max_batch=4, batch_timeout_ms=0, decoder_joins="on") as pipeline:
         futures = [pipeline.submit(Request(images[i], prompts[i], {"tier": "low", "max_new_tokens": budgets[i]}),
                                    block=False) for i in range(n)]
         assert entered.wait(WAIT_S)
@@ -316,12 +316,12 @@ def test_waiting_requests_are_decoded_together_and_answer_as_alone(runtime, imag
 
 
 def test_without_joins_late_requests_wait_for_the_next_batch(runtime, images, recorded, monkeypatch):
-    """decoder_joins=False (server.continuous_batching: false): the same pile-up, but no request
+    """decoder_joins="off" (server.continuous_batching: "off"): the same pile-up, but no request
     joins a batch that is decoding; answers are still the ones each gets alone."""
     release, entered = hold_decoder(runtime, monkeypatch, recorded)
     n = 7
     budgets = [1, 6, 2, 4, 3, 5, 2]
-    with Pipeline(runtime, queue_size=n, max_batch=4, decoder_joins=False) as pipeline:
+    with Pipeline(runtime, queue_size=n, max_batch=4, decoder_joins="off") as pipeline:
         futures = [pipeline.submit(Request(images[i], "describe the image", {"tier": "low", "max_new_tokens": budgets[i]}),
                                    block=False) for i in range(n)]
         assert entered.wait(WAIT_S)
@@ -333,6 +333,29 @@ def test_without_joins_late_requests_wait_for_the_next_batch(runtime, images, re
     for i, result in enumerate(results):
         assert result.tokens == runtime.infer(images[i], "describe the image", tier="low",
                                               max_new_tokens=budgets[i]).tokens, f"request {i}"
+
+
+def test_join_policy_weighs_the_rest_of_the_batch_against_the_prefills_it_would_wait_for():
+    from edgemm.pipeline import JoinPolicy
+    policy = JoinPolicy("auto")
+    rows = [(2, 32), (5, 32)]  # (tokens so far, budget) of two running rows
+    assert policy.now(rows)  # nothing measured yet: join
+    policy.prefilled(0.008, 2)  # 4 ms per request
+    policy.stepped(0.001)
+    policy.answered(7)
+    # short answers (7 tokens): the rest of the batch is 5 steps = 5 ms < 2 rows × 4 ms of prefill
+    assert not policy.now(rows)
+    assert policy.now([])  # an empty batch is the next batch: anyone may start it
+    for _ in range(60):
+        policy.answered(40)  # answers grow longer: the rest is 30 steps (the budget) = 30 ms > 8 ms
+    assert 39 < policy.answer_tokens < 40 and policy.now(rows)
+    assert not policy.now([(2, 4), (3, 4)])  # budgets cap the rest: 2 steps
+    for _ in range(60):
+        policy.stepped(0.0001)  # a fast decoder step (a GPU): waiting costs little
+    assert not policy.now(rows)
+    assert JoinPolicy("on").now(rows) and not JoinPolicy("off").now(rows) and JoinPolicy("off").now([])
+    with pytest.raises(ValueError, match="auto, on, off"):
+        JoinPolicy("sometimes")
 
 
 def test_a_short_answer_is_handed_back_before_its_batch_ends(runtime, images, recorded, monkeypatch):

@@ -15,10 +15,11 @@ httpx.Client over the UNIX socket, so they share the machine's cores with the da
 
   batching   throughput (requests/s) and P50/P99 latency of POST /v1/infer with
              `clients` concurrent clients: dynamic batching (server.max_batch=8,
-             batch_timeout_ms=5), once with continuous batching (the default) and
-             once without joins (continuous_batching: false), vs batch size 1
-             (max_batch=1); all three daemons running, rounds in the order A B C,
-             C B A, …, `requests` requests per round; ratios of the median
+             batch_timeout_ms=5) with server.continuous_batching auto (the default),
+             on (requests join a decoding batch between tokens) and off (they wait
+             for it to end), vs batch size 1 (max_batch=1); all four daemons running,
+             rounds in the order A B C D, D C B A, …, `requests` requests per round;
+             ratios of the median
              throughputs. server.queue_size = clients, so none is refused. Run for a
              one-word answer (count) and a description (describe). The batched
              daemons keep server.encoder_batching at its default, auto. Also the
@@ -40,7 +41,7 @@ httpx.Client over the UNIX socket, so they share the machine's cores with the da
              API overhead: per request, the client's round trip minus the pipeline's own
              time (timings_ms.total: submit → answer, in the `edgemm` field of
              /v1/chat/completions, at top level for /v1/infer); median over `overhead-n`
-             sequential requests per endpoint, on the continuous-batching and batch-1 daemons, each
+             sequential requests per endpoint, on the default batched and the batch-1 daemons, each
              request with its own image; GET /healthz round trips beside them are the
              floor of one HTTP exchange between the two processes. /v1/infer is timed
              twice: with httpx (what the openai client uses) and with the standard
@@ -418,7 +419,7 @@ def bench_batching(pair: dict[str, ServeProcess], scenes: Scenes, rounds: int, r
     cpu: dict[str, list[tuple[float, float]]] = {n: [] for n in names}  # (clients, daemon) cores in use
     order = []
     for r in range(rounds):
-        for name in (names if r % 2 == 0 else names[::-1]):  # A B C, C B A, A B C, …
+        for name in (names if r % 2 == 0 else names[::-1]):  # A B C D, D C B A, A B C D, …
             bodies = scenes.take(requests)
             cpu_before = process_cpu_seconds(os.getpid()), process_cpu_seconds(pair[name].proc.pid)
             records, wall = concurrent_requests(pair[name].sock, bodies, clients, prompt)
@@ -696,8 +697,9 @@ def serve_section(model: Path, rounds: int, requests: int, *, clients: int = CLI
     ceilings = {kind: batching_ceiling(model, prompt) for kind, prompt in BATCH_PROMPTS.items()}
     scenes = Scenes()
     common = {"queue_size": clients, "batch_timeout_ms": BATCH_TIMEOUT_MS}
-    specs = (("batched", {**common, "max_batch": 8}),
-             ("batched_no_joins", {**common, "max_batch": 8, "continuous_batching": False}),
+    specs = (("batched", {**common, "max_batch": 8}),  # continuous_batching: auto, the default
+             ("batched_joins_on", {**common, "max_batch": 8, "continuous_batching": "on"}),
+             ("batched_joins_off", {**common, "max_batch": 8, "continuous_batching": "off"}),
              ("batch1", {**common, "max_batch": 1}))
     with daemons(*specs, model=model, threads=threads) as running:
         pair = {name: d for (name, _), d in zip(specs, running)}
@@ -724,8 +726,9 @@ def serve_markdown(r: dict) -> str:
     threads = r["intra_op_threads"] or "onnxruntime's choice"
     rows = ["| measure | value |", "|---|---|",
             f"| setup | {r['cpus']} CPUs, intra_op_threads {threads}, clients in the same machine |"]
-    labels = {"batched": "max_batch=8, continuous batching", "batched_no_joins": "max_batch=8, no joins "
-              "(continuous_batching: false)"}
+    labels = {"batched": "max_batch=8, continuous_batching auto (the default)",
+              "batched_joins_on": "max_batch=8, continuous_batching on", "batched_joins_off":
+              "max_batch=8, continuous_batching off"}
     for kind, b in r["batching"].items():
         b1 = b["batch1"]
         rows.append(f"| {kind}: {b['clients']} clients, POST /v1/infer \"{b['prompt']}\", {b['rounds']} × "
