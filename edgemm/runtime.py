@@ -76,8 +76,8 @@ class InferenceResult:
     decode_batch: int = 1  # most requests decoded together with this one at once (itself included)
 
     def to_dict(self) -> dict:
-        """The result as plain data for JSON. Containers are copied one level deep (asdict's
-        full recursion cost 80 µs, a noticeable part of the daemon's own time per request)."""
+        """The result as plain data for JSON. Containers are copied one level deep: asdict's
+        full recursion was a noticeable part of the daemon's own time per request."""
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         d.update(tokens=list(self.tokens), devices=dict(self.devices), schedule=dict(self.schedule),
                  timings_ms={k: round(v, 3) for k, v in self.timings_ms.items()})
