@@ -163,21 +163,27 @@ class DecodingBatch:
         self.rows = [self.rows[j] for j in live]
 
     def _merge(self, rows: list[_Row], logits: np.ndarray, pasts: list[dict]) -> None:
-        """New rows into the batch: every cache left-padded to the longest, padding masked."""
-        width = max([self.mask.shape[1]] + [r.length for r in rows])
+        """New rows into the batch: one cache per layer for all rows, each row's left-padded
+        with zeros to the longest, and the mask that hides the padding."""
+        old_width = self.mask.shape[1]
+        width = max([old_width] + [r.length for r in rows])
 
-        def padded(kv: np.ndarray, length: int) -> np.ndarray:
-            return np.pad(kv, ((0, 0), (0, 0), (width - length, 0), (0, 0))) if length < width else kv
-
-        old = self.mask.shape[1]
         def stacked(name: str) -> np.ndarray:
-            parts = ([padded(self.feeds[name], old)] if self.rows else []) + \
-                [padded(p[name], r.length) for r, p in zip(rows, pasts)]
-            return parts[0] if len(parts) == 1 else np.concatenate(parts)  # one part: no copy
-        past = {name: stacked(name) for name in self.gen.past_names}
-        self.feeds = self.gen.step_feeds(past)
+            parts = ([(self.feeds[name], old_width)] if self.rows else []) + \
+                [(past[name], r.length) for r, past in zip(rows, pasts)]
+            if len(parts) == 1 and parts[0][1] == width:
+                return parts[0][0]  # a lone part needs no copy
+            first = parts[0][0]
+            out = np.zeros((sum(len(kv) for kv, _ in parts), first.shape[1], width, first.shape[3]), first.dtype)
+            at = 0
+            for kv, length in parts:
+                out[at:at + len(kv), :, width - length:] = kv
+                at += len(kv)
+            return out
+
+        self.feeds = self.gen.step_feeds({name: stacked(name) for name in self.gen.past_names})
         mask = np.zeros((len(self.rows) + len(rows), width), self.gen.mask_dtype)
-        mask[:len(self.rows), width - old:] = self.mask
+        mask[:len(self.rows), width - old_width:] = self.mask
         for j, r in enumerate(rows, start=len(self.rows)):
             mask[j, width - r.length:] = 1
         self.mask = mask

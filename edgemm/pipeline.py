@@ -14,9 +14,10 @@ that are already waiting into one call, and waits up to `batch_timeout_ms` for m
 only while other requests are still being prepared (a lone request never waits).
 The decoder stage takes every request already waiting (up to `max_batch`) and steps
 them together, one decoder call per token for all (edgemm/batch_decode.py); it never
-waits for a batch to fill. Requests that arrive while a batch decodes join it between
-steps, and each answer is handed back the moment it ends (continuous batching).
-Results come back through `concurrent.futures.Future`s.
+waits for a batch to fill. Each answer is handed back the moment it ends; requests that
+arrive while a batch decodes join it between steps when JoinPolicy says they should
+(continuous batching), else they start the next batch. Results come back through
+`concurrent.futures.Future`s.
 """
 from __future__ import annotations
 
@@ -250,12 +251,12 @@ class Pipeline:
             self._account("decode", started, answered)
 
     def _decode_together(self, first: Request) -> int:
-        """`first` and the requests waiting behind it decode as one batch. Between steps,
-        requests that arrived meanwhile join while there is room (max_batch), and each
-        request is answered as soon as its own answer ends (edgemm/batch_decode.py), as far
-        as JoinPolicy lets them join; the others wait for the next batch. A waiting
-        request that can't join (a reuse, beam search, other devices) closes the
-        batch to newcomers: it goes as soon as the batch has finished."""
+        """`first` and the requests waiting behind it decode as one batch (edgemm/batch_decode.py),
+        each answered as soon as its own answer ends. Between steps, requests that arrived
+        meanwhile join while there is room (max_batch) and JoinPolicy agrees; an empty
+        batch takes anyone. A waiting request that can't join at all (a reuse, beam
+        search, other devices) closes the batch to newcomers, so that it goes next.
+        Returns how many requests were answered."""
         devices = self.runtime.resolve(first.prepared.route)
         batch = self.runtime.open_batch(first.prepared.route, self._answer)
         joining = [first] + self._joiners(devices, self.max_batch - 1)
@@ -361,10 +362,14 @@ class JoinPolicy:
 
     def now(self, progress: list[tuple[int, int]]) -> bool:
         """Join now? `progress`: (tokens so far, token budget) of each running row."""
-        if not progress or self.mode == "on":
+        if not progress:
             return True  # an empty batch takes anyone: it is the next batch
-        if self.mode == "off" or None in (self.prefill_s, self.step_s, self.answer_tokens):
-            return self.mode != "off"  # auto with nothing measured yet: join
+        if self.mode != "auto":
+            return self.mode == "on"
+        if None in (self.prefill_s, self.step_s, self.answer_tokens):
+            return True  # nothing measured yet
+        # each row is expected to run to the usual answer length, at least one more token,
+        # at most its budget; the batch lasts as long as its longest row
         remaining = max(min(budget, max(tokens + 1, self.answer_tokens)) - tokens for tokens, budget in progress)
         return remaining * self.step_s > len(progress) * self.prefill_s
 
