@@ -83,6 +83,10 @@ def render(report: dict) -> list[str]:
         depths = ", ".join(f"{k} {v}" for k, v in q["depths"].items())
         lines.append(("queue", f"{q['in_flight']} in flight of {q['limit']}; waiting: {depths}; "
                                f"{q['completed']} answered, {q['failed']} failed, {q['rejected']} refused"))
+        if "encoder_batch" in q:
+            per_tier = ", ".join(f"{tier} {n}" for tier, n in q["encoder_batch"].items())
+            lines.append(("batching", f"encoder images per call: {per_tier}; decoder up to {q['decoder_batch']} "
+                                      f"requests, continuous_batching {q['continuous_batching']}"))
     energy = (report.get("power") or {}).get("energy_j") or {}
     if energy.get("requests"):
         lines.append(("energy", f"{energy['mean']:.3f} J per request (mean of {energy['requests']})"))

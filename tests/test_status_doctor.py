@@ -87,6 +87,9 @@ def test_status_asks_the_running_daemon(runtime, tmp_path):
         assert report["queue"]["limit"] == 8 and report["telemetry"]["total_w"] == 5.0
         text = CliRunner().invoke(main, ["status", "--socket", sock_path(daemon)]).output
         assert "serving tiny-vlm (fp32)" in text and "queue       0 in flight of 8" in text
+        assert report["queue"]["continuous_batching"] == "auto"
+        decoder = report["queue"]["decoder_batch"]
+        assert f"decoder up to {decoder} requests, continuous_batching auto" in text
 
 
 # ---- doctor --------------------------------------------------------------------------------------
