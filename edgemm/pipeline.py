@@ -33,13 +33,13 @@ from typing import Any, Callable
 import numpy as np
 
 from edgemm.batch_decode import batchable
+from edgemm.config import BATCHING_MODES
 from edgemm.errors import EdgemmError
 from edgemm.runtime import InferenceResult, PreparedRequest, Runtime
 
 log = logging.getLogger(__name__)
 
 ENCODER_BATCH_GAIN = 1.2  # encoder_batching auto: batch a tier only if a batch is this much faster per image
-JOIN_MODES = ("auto", "on", "off")  # server.continuous_batching
 
 _STOP = object()  # end-of-work marker passed down the stages
 
@@ -306,10 +306,8 @@ class Pipeline:
             return e
         finally:
             req.features = None
-        # Generator.generate steps once per token, except after the last when the budget ended it
-        steps = len(result.tokens) - (result.finish_reason == "length")
-        if steps > 0:
-            self.stats.decode_steps[1] = self.stats.decode_steps.get(1, 0) + steps
+        if result.decoder_steps:
+            self.stats.decode_steps[1] = self.stats.decode_steps.get(1, 0) + result.decoder_steps
         return result
 
     def _answer(self, req: Request, outcome: InferenceResult | BaseException) -> None:
@@ -354,8 +352,8 @@ class JoinPolicy:
     steps, don't. "on" always joins, "off" never does."""
 
     def __init__(self, mode: str = "auto", smoothing: float = 0.1):
-        if mode not in JOIN_MODES:
-            raise ValueError(f"decoder joins must be one of {', '.join(JOIN_MODES)}, got {mode!r}")
+        if mode not in BATCHING_MODES:
+            raise ValueError(f"decoder joins must be one of {', '.join(BATCHING_MODES)}, got {mode!r}")
         self.mode = mode
         self.smoothing = smoothing
         self.prefill_s = self.step_s = self.answer_tokens = None  # moving averages, once measured

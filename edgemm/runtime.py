@@ -74,6 +74,7 @@ class InferenceResult:
     schedule: dict = field(default_factory=dict)  # why this tier: {tier, reason, stats}
     prefix_reused: bool = False  # the prompt's image prefix came from the cache (no prefill for it)
     decode_batch: int = 1  # most requests decoded together with this one at once (itself included)
+    decoder_steps: int = 0  # decoder calls after the prefill that gave it tokens (beam search: rows stepped)
 
     def to_dict(self) -> dict:
         """The result as plain data for JSON. Containers are copied one level deep: asdict's
@@ -454,7 +455,8 @@ class Runtime:
             timings_ms={**request.timings_ms, **generation.timings_ms}, model=self.manifest.name,
             schedule=schedule,
             prefix_reused=bool(generation.stats.get("prefix_reused")),
-            decode_batch=int(generation.stats.get("decode_batch", 1)))
+            decode_batch=int(generation.stats.get("decode_batch", 1)),
+            decoder_steps=int(generation.stats.get("decoder_rows", 0)))
 
     def infer(self, image, prompt: str, *, tier: str | None = None, max_new_tokens: int | None = None,
               temperature: float | None = None, top_p: float | None = None, seed: int | None = None,
