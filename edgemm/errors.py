@@ -40,3 +40,11 @@ class EngineError(ModelError):
     the user fixes it by rebuilding, not by filing a bug.
     """
     kind = "engine_error"
+
+
+class Cancelled(EdgemmError):
+    """The request was cancelled (its client went away, it timed out, or the service stops
+    before its grace period let it finish): its answer stops at the next decoder step."""
+    exit_code = 1
+    http_status = 499
+    kind = "client_closed"

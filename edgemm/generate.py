@@ -1,4 +1,4 @@
-"""Encoder → decoder generation with a KV cache.
+"""The model's three graphs for generation: encoder, token embedding, decoder with a KV cache.
 
     features = encoder(pixel_values)                       once per image
     embeds   = embed_tokens(input_ids); image slots ← features
@@ -6,13 +6,12 @@
     decode:    decoder(embed(token), mask + [1], next position, past = present) …
 
 The attention mask keeps the whole history and position ids are cumsum(mask) - 1,
-as the model contract says. Greedy when temperature is 0, else temperature +
-top-p sampling from a seeded generator, so a seed reproduces an answer. With
-num_beams > 1, confidence-gated beam search (edgemm/beams.py) decodes instead.
+as the model contract says. Generator makes the calls; the loop that produces every
+token is edgemm/decode.py (greedy, seeded temperature + top-p sampling, and gated
+beams as branches of one step).
 """
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -25,7 +24,7 @@ from edgemm.model.contract import decoder_layers
 
 TOKEN_EMBED_BYTES = 8 << 20  # Generator.embed_next's table: ~3600 tokens of a 576-wide fp32 embedding
 
-TokenCallback = Callable[[int, str], None]  # (token id, text so far) after each new token
+TokenCallback = Callable[[int, str], None]  # (token id, the text it adds) after each new token
 
 
 @dataclass
@@ -34,7 +33,6 @@ class GenerationOptions:
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
     seed: int | None = None
-    use_cache: bool = True  # False recomputes the whole prefix each step (for comparison only)
     num_beams: int = 1  # > 1: beam search (greedy, so temperature must be 0)
     beam_gate: float = 0.85  # beams collapse to the best when its next token is this likely (see beams.py)
 
@@ -267,54 +265,3 @@ class Generator:
         only where it would keep much more alive, such as one row of a batch)."""
         if key is not None:
             reuse.store.put(key, tuple(past[name][:, :, :split] for name in self.past_names), copy=False)
-
-    def generate(self, features: np.ndarray, input_ids: np.ndarray, image_start: int | np.ndarray,
-                 options: GenerationOptions, on_token: Callable[[int], None] | None = None,
-                 reuse: PrefixReuse | None = None) -> Generation:
-        prompt_len = input_ids.shape[1]
-        if prompt_len >= self.max_context:
-            raise InputError(f"prompt is {prompt_len} tokens (image included); the model's "
-                             f"context is {self.max_context}")
-        budget = min(options.max_new_tokens, self.max_context - prompt_len)
-        if options.num_beams > 1:
-            from edgemm.beams import beam_search  # beams build on this module's steps
-            return beam_search(self, features, input_ids, image_start, budget, options, on_token)
-        rng = np.random.default_rng(options.seed) if options.temperature > 0 else None  # greedy needs none
-        t0 = time.perf_counter()
-        # one mask and one position row for the whole answer, in the graph's integer types:
-        # step n takes views of them
-        full_mask = np.ones((1, prompt_len + budget), self.mask_dtype)
-        all_positions = np.arange(prompt_len + budget, dtype=self.position_dtype)[None]
-        logits, past, embeds, reused = self.prefill(features, input_ids, image_start,
-                                                    full_mask[:, :prompt_len],
-                                                    reuse if options.use_cache else None)
-        t_prefill = time.perf_counter()
-
-        tokens: list[int] = []
-        finish = "length"
-        steps = 0
-        feeds = self.step_feeds(past) if options.use_cache else None
-        while True:
-            token = int(logits[0].argmax()) if rng is None else sample_token(logits[0], options, rng)
-            if token in self.stop_ids:
-                finish = "stop"
-                break
-            tokens.append(token)
-            if on_token is not None:
-                on_token(token)
-            if len(tokens) >= budget:
-                break
-            new = self.embed_next([token])
-            length = prompt_len + len(tokens)
-            mask = full_mask[:, :length]
-            if options.use_cache:
-                # no padding in a single request, so the next position is simply length - 1
-                logits = self.step_in_place(feeds, new, mask, all_positions[:, length - 1:length])
-            else:  # use_cache=False never reuses a prefix, so embeds holds the whole prompt
-                embeds = np.concatenate([embeds, new], axis=1)
-                logits, _ = self.step(embeds, mask, self.empty_past(1))
-            steps += 1
-        t_end = time.perf_counter()
-        return Generation(tokens, finish, {"prefill": (t_prefill - t0) * 1e3,
-                                           "decode": (t_end - t_prefill) * 1e3},
-                          {"decoder_rows": steps, "prefix_reused": reused})

@@ -13,7 +13,7 @@ The encoder stage batches: it takes up to `max_batch` requests of the same tier
 that are already waiting into one call, and waits up to `batch_timeout_ms` for more
 only while other requests are still being prepared (a lone request never waits).
 The decoder stage takes every request already waiting (up to `max_batch`) and steps
-them together, one decoder call per token for all (edgemm/batch_decode.py); it never
+them together, one decoder call per token for all (edgemm/decode.py); it never
 waits for a batch to fill. Each answer is handed back the moment it ends; requests that
 arrive while a batch decodes join it between steps when JoinPolicy says they should
 (continuous batching), else they start the next batch. Results come back through
@@ -32,7 +32,6 @@ from typing import Any, Callable
 
 import numpy as np
 
-from edgemm.batch_decode import batchable
 from edgemm.config import BATCHING_MODES
 from edgemm.errors import EdgemmError
 from edgemm.runtime import InferenceResult, PreparedRequest, Runtime
@@ -56,7 +55,8 @@ class Request:
     image: Any  # path, encoded bytes or RGB array
     prompt: str
     options: dict = field(default_factory=dict)  # tier, max_new_tokens, temperature, top_p, seed
-    on_token: Callable[[int, str], None] | None = None
+    on_token: Callable[[int, str], None] | None = None  # (token id, the text it adds): for streamed answers
+    cancelled: threading.Event = field(default_factory=threading.Event)  # set: the answer stops at its next step
     tag: Any = None  # caller's data, handed back untouched (e.g. the source Frame)
     future: Future = field(default_factory=Future)
     submitted: float = field(default_factory=time.perf_counter)
@@ -243,7 +243,7 @@ class Pipeline:
             if first is _STOP:
                 break
             started = time.perf_counter()
-            if first.reuse or self.max_batch == 1 or not batchable(first.prepared.options):
+            if first.reuse or self.max_batch == 1:
                 self._answer(first, self._decode_alone(first))
                 answered = 1
             else:
@@ -251,11 +251,11 @@ class Pipeline:
             self._account("decode", started, answered)
 
     def _decode_together(self, first: Request) -> int:
-        """`first` and the requests waiting behind it decode as one batch (edgemm/batch_decode.py),
+        """`first` and the requests waiting behind it decode as one batch (edgemm/decode.py),
         each answered as soon as its own answer ends. Between steps, requests that arrived
         meanwhile join while there is room (max_batch) and JoinPolicy agrees; an empty
-        batch takes anyone. A waiting request that can't join at all (a reuse, beam
-        search, other devices) closes the batch to newcomers, so that it goes next.
+        batch takes anyone. A waiting request that can't join at all (a reuse, other
+        devices) closes the batch to newcomers, so that it goes next.
         Returns how many requests were answered."""
         devices = self.runtime.resolve(first.prepared.route)
         batch = self.runtime.open_batch(first.prepared.route, self._answer)
@@ -264,7 +264,7 @@ class Pipeline:
         while joining or batch:
             if joining:
                 started = time.perf_counter()
-                batch.join([(r, r.prepared, r.features, r.on_token) for r in joining])
+                batch.join([(r, r.prepared, r.features, r.on_token, r.cancelled) for r in joining])
                 self.joins.prefilled(time.perf_counter() - started, len(joining))
                 answered += len(joining)
                 for r in joining:
@@ -288,8 +288,7 @@ class Pipeline:
                 nxt = self.to_decode.get_nowait()
             except queue.Empty:
                 break
-            if (nxt is _STOP or nxt.reuse or not batchable(nxt.prepared.options)
-                    or self.runtime.resolve(nxt.prepared.route) != devices):
+            if nxt is _STOP or nxt.reuse or self.runtime.resolve(nxt.prepared.route) != devices:
                 self._held_decode.append(nxt)
                 break
             out.append(nxt)
@@ -301,7 +300,7 @@ class Pipeline:
                 if self._last_result is None:
                     raise RuntimeError("nothing to reuse yet")
                 return self._reused(req)
-            result = self.runtime.decode(req.prepared, req.features, req.on_token)
+            result = self.runtime.decode(req.prepared, req.features, req.on_token, req.cancelled)
         except Exception as e:
             return e
         finally:

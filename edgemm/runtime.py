@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -24,7 +25,8 @@ from edgemm.backends.onnxruntime import OnnxRuntimeBackend
 from edgemm.cache import FeatureCache, feature_key
 from edgemm.config import Config, ConfigError, load_config
 from edgemm.errors import BackendError, EdgemmError, InputError
-from edgemm.batch_decode import BatchItem, DecodingBatch, batchable
+from edgemm.decode import BatchItem, DecodingBatch
+from edgemm.detokenize import TextCallback, TextStream
 from edgemm.generate import GenerationOptions, Generator, PrefixReuse
 from edgemm.model.contract import check_component
 from edgemm.model.family import Prompt, adapter_for
@@ -382,60 +384,50 @@ class Runtime:
                 self.cache.put(keys[i], fresh[row], copy=False)  # fresh is ours alone
         return found[0][None] if len(found) == 1 else np.stack(found)
 
-    def decode(self, request: PreparedRequest, features: np.ndarray, on_token=None) -> InferenceResult:
-        """Stage 3: prefill + token-by-token decode for one request; its features [1,N,D]."""
-        prompt = request.prompt
-        generator = self.generator_for(request.route)
-        generation = generator.generate(features, prompt.input_ids, prompt.image_positions,
-                                        request.options, self._token_callback(on_token),
-                                        self._prefix_reuse(request))
-        return self._result(request, generation, generator)
+    def decode(self, request: PreparedRequest, features: np.ndarray, on_token: TextCallback | None = None,
+               cancelled: threading.Event | None = None) -> InferenceResult:
+        """Stage 3 for one request, its features [1,N,D]: a decoding batch of one."""
+        outcome = self.decode_batch([request], [features], [on_token], [cancelled])[0]
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
 
     def decode_batch(self, requests: list[PreparedRequest], features: list[np.ndarray],
-                     on_tokens: list | None = None) -> list[InferenceResult | Exception]:
+                     on_tokens: list[TextCallback | None] | None = None,
+                     cancelled: list[threading.Event | None] | None = None) -> list[InferenceResult | Exception]:
         """Stage 3 for several requests at once: one decoder call per step for all of them
-        (edgemm/batch_decode.py). Beam search and the no-cache mode run alone. A request
-        that fails gets its exception in its place; the others are unaffected."""
+        (edgemm/decode.py). A request that fails gets its exception in its place; the
+        others are unaffected."""
         on_tokens = on_tokens or [None] * len(requests)
+        cancelled = cancelled or [None] * len(requests)
         out: list[InferenceResult | Exception | None] = [None] * len(requests)
-        together = [i for i, r in enumerate(requests) if batchable(r.options)]
-        for i in sorted(set(range(len(requests))) - set(together)):
-            try:
-                out[i] = self.decode(requests[i], features[i], on_tokens[i])
-            except Exception as e:
-                out[i] = e
         groups: dict[tuple, list[int]] = {}  # one batch per set of devices (the policy rarely splits them)
-        for i in together:
-            groups.setdefault(self.resolve(requests[i].route), []).append(i)
+        for i, request in enumerate(requests):
+            groups.setdefault(self.resolve(request.route), []).append(i)
         for rows in groups.values():
             batch = self.open_batch(requests[rows[0]].route, out.__setitem__)
-            batch.join([(i, requests[i], features[i], on_tokens[i]) for i in rows])
+            batch.join([(i, requests[i], features[i], on_tokens[i], cancelled[i]) for i in rows])
             while batch:
                 batch.step()
         return out  # type: ignore[return-value]
 
     def open_batch(self, route: PowerPlacement | None, finished) -> "RequestBatch":
         """An empty batch on the decoder `route` resolves to, that requests join and leave
-        between steps (continuous batching, edgemm/batch_decode.py). `finished(key, result
-        or exception)` is called for each request as soon as its answer ends."""
+        between steps (continuous batching, edgemm/decode.py). `finished(key, result or
+        exception)` is called for each request as soon as its answer ends."""
         generator = self.generator_for(route)
 
         def done(key, outcome) -> None:
-            caller_key, request = key
-            finished(caller_key, outcome if isinstance(outcome, Exception) else
-                     self._result(request, outcome, generator))
+            caller_key, request, stream = key
+            if not isinstance(outcome, Exception):
+                try:
+                    outcome = self._result(request, outcome, generator)
+                    if stream is not None:
+                        stream.finish(outcome.text)
+                except Exception as e:  # assembling the answer failed: this request alone
+                    outcome = e
+            finished(caller_key, outcome)
         return RequestBatch(self, DecodingBatch(generator, done))
-
-    def _token_callback(self, on_token):
-        """(token, text so far) for the caller, from the generator's bare token ids."""
-        if on_token is None:
-            return None
-        so_far: list[int] = []
-
-        def callback(token: int) -> None:
-            so_far.append(token)
-            on_token(token, self.adapter.decode(so_far))
-        return callback
 
     def _prefix_reuse(self, request: PreparedRequest) -> PrefixReuse | None:
         if self.cache is None or request.cache_key is None:
@@ -461,8 +453,13 @@ class Runtime:
     def infer(self, image, prompt: str, *, tier: str | None = None, max_new_tokens: int | None = None,
               temperature: float | None = None, top_p: float | None = None, seed: int | None = None,
               num_beams: int | None = None, beam_gate: float | None = None,
-              on_token=None, route: PowerPlacement | None = None) -> InferenceResult:
-        """Answer `prompt` about `image` (a path, encoded bytes or an RGB array)."""
+              on_token: TextCallback | None = None, route: PowerPlacement | None = None) -> InferenceResult:
+        """Answer `prompt` about `image` (a path, encoded bytes or an RGB array).
+
+        `on_token(token_id, new_text)` streams the answer: called after each token with the
+        text that token adds ("" while a multi-byte character is incomplete), and, if the
+        end of the answer held back text, once more with token id -1. The pieces
+        concatenate to `result.text`."""
         t0 = time.perf_counter()
         request = self.prepare(image, prompt, tier=tier, max_new_tokens=max_new_tokens,
                                temperature=temperature, top_p=top_p, seed=seed,
@@ -473,6 +470,9 @@ class Runtime:
         result = self.decode(request, features, on_token)
         result.timings_ms["total"] = (time.perf_counter() - t0) * 1e3
         return result
+
+
+Joining = tuple[object, PreparedRequest, np.ndarray, "TextCallback | None", "threading.Event | None"]
 
 
 class RequestBatch:
@@ -490,14 +490,18 @@ class RequestBatch:
         """Rows stepped together → decoder calls, so far."""
         return self.batch.steps_by_rows
 
-    def join(self, requests: list[tuple[object, PreparedRequest, np.ndarray, object]]) -> None:
-        """(key, request, its features [1,N,D], on_token or None) each; prefilled and added.
-        The requests must be batchable (greedy or sampled, with the KV cache)."""
+    def join(self, requests: list[Joining]) -> None:
+        """(key, request, its features [1,N,D], on_token or None, cancel flag or None) each;
+        prefilled and added. `on_token(token_id, new_text)` gets the text each token adds
+        (edgemm/detokenize.py): only requests that stream pay for detokenizing."""
         rt = self.runtime
-        self.batch.join([((key, request), BatchItem(features, request.prompt.input_ids,
-                                                    request.prompt.image_positions, request.options,
-                                                    rt._token_callback(on_token), rt._prefix_reuse(request)))
-                         for key, request, features, on_token in requests])
+        items = []
+        for key, request, features, on_token, cancelled in requests:
+            stream = TextStream(rt.adapter.tokenizer, on_token) if on_token is not None else None
+            items.append(((key, request, stream),
+                          BatchItem(features, request.prompt.input_ids, request.prompt.image_positions,
+                                    request.options, stream, rt._prefix_reuse(request), cancelled)))
+        self.batch.join(items)
 
     def step(self) -> None:
         self.batch.step()

@@ -10,6 +10,7 @@ from click.testing import CliRunner
 
 from edgemm.cli import main
 from edgemm.errors import InputError
+from edgemm.decode import BatchItem, generate
 from edgemm.generate import GenerationOptions, Generator
 from edgemm.scenes import make_scene
 
@@ -75,8 +76,8 @@ def reference_beam_search(gen: Generator, features, input_ids, image_start, widt
 def test_gate_zero_is_greedy(runtime, seed, prompt):
     request = inputs(runtime, seed, prompt)
     for gen in (runtime.generator, no_stop(runtime)):
-        greedy = gen.generate(*request, GenerationOptions(max_new_tokens=8))
-        gated = gen.generate(*request, GenerationOptions(max_new_tokens=8, num_beams=4, beam_gate=0.0))
+        greedy = generate(gen, BatchItem(*request, GenerationOptions(max_new_tokens=8)))
+        gated = generate(gen, BatchItem(*request, GenerationOptions(max_new_tokens=8, num_beams=4, beam_gate=0.0)))
         assert (gated.tokens, gated.finish_reason) == (greedy.tokens, greedy.finish_reason)
         assert gated.stats["collapsed_at"] == 0 and gated.stats["beam_steps"] == 0
 
@@ -87,7 +88,7 @@ def test_gate_zero_is_greedy(runtime, seed, prompt):
 def test_gate_one_is_plain_beam_search(runtime, seed, prompt, width):
     request = inputs(runtime, seed, prompt)
     for gen, budget in ((runtime.generator, 8), (no_stop(runtime), 5)):
-        beams = gen.generate(*request, GenerationOptions(max_new_tokens=budget, num_beams=width, beam_gate=1.0))
+        beams = generate(gen, BatchItem(*request, GenerationOptions(max_new_tokens=budget, num_beams=width, beam_gate=1.0)))
         assert (beams.tokens, beams.finish_reason) == reference_beam_search(gen, *request, width, budget)
         assert beams.stats["collapsed_at"] is None
 
@@ -96,8 +97,8 @@ def test_gated_search_costs_no_more_than_full_beams(runtime):
     gen = no_stop(runtime)
     for seed in SEEDS:
         request = inputs(runtime, seed, PROMPTS[0])
-        full = gen.generate(*request, GenerationOptions(max_new_tokens=6, num_beams=3, beam_gate=1.0))
-        gated = gen.generate(*request, GenerationOptions(max_new_tokens=6, num_beams=3, beam_gate=0.85))
+        full = generate(gen, BatchItem(*request, GenerationOptions(max_new_tokens=6, num_beams=3, beam_gate=1.0)))
+        gated = generate(gen, BatchItem(*request, GenerationOptions(max_new_tokens=6, num_beams=3, beam_gate=0.85)))
         assert gated.stats["decoder_rows"] <= full.stats["decoder_rows"]
         assert len(gated.tokens) == len(full.tokens) == 6
 
@@ -106,8 +107,8 @@ def test_streamed_tokens_are_the_answer(runtime):
     request = inputs(runtime, SEEDS[0], PROMPTS[0])
     for gate in (0.0, 0.5, 1.0):
         seen = []
-        result = no_stop(runtime).generate(*request, GenerationOptions(max_new_tokens=5, num_beams=3,
-                                                                        beam_gate=gate), seen.append)
+        result = generate(no_stop(runtime), BatchItem(*request, GenerationOptions(max_new_tokens=5, num_beams=3,
+                                                                        beam_gate=gate), seen.append))
         assert seen == result.tokens
 
 

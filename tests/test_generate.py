@@ -2,12 +2,17 @@
 from __future__ import annotations
 
 import math
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from edgemm.errors import InputError
+from edgemm.decode import BatchItem, generate
 from edgemm.generate import GenerationOptions, Generator, sample_token
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))  # reference_decode
 
 PROMPT = "describe the image"
 
@@ -31,7 +36,7 @@ def generator_with_stops(runtime, stop_ids: set[int]) -> Generator:
 
 
 def run(generator, request_inputs, **options):
-    return generator.generate(*request_inputs, GenerationOptions(**options))
+    return generate(generator, BatchItem(*request_inputs, GenerationOptions(**options)))
 
 
 # ---- sample_token on handcrafted logits ------------------------------------------------
@@ -128,9 +133,9 @@ def test_prompt_longer_than_context(runtime, request_inputs):
     word = ids[:, -2:-1]  # a prompt word, repeated to pad
     too_long = np.concatenate([ids, np.repeat(word, context + 1 - ids.shape[1], axis=1)], axis=1)
     with pytest.raises(InputError, match=f"context is {context}"):
-        runtime.generator.generate(features, too_long, start, GenerationOptions())
+        generate(runtime.generator, BatchItem(features, too_long, start, GenerationOptions()))
     with pytest.raises(InputError):
-        runtime.generator.generate(features, too_long[:, :context], start, GenerationOptions())
+        generate(runtime.generator, BatchItem(features, too_long[:, :context], start, GenerationOptions()))
 
 
 def test_prompt_just_inside_context_gets_one_token(runtime, request_inputs):
@@ -138,7 +143,7 @@ def test_prompt_just_inside_context_gets_one_token(runtime, request_inputs):
     context = runtime.generator.max_context
     fits = np.concatenate([ids, np.repeat(ids[:, -2:-1], context - 1 - ids.shape[1], axis=1)], axis=1)
     endless = generator_with_stops(runtime, set())
-    result = endless.generate(features, fits, start, GenerationOptions(max_new_tokens=10))
+    result = generate(endless, BatchItem(features, fits, start, GenerationOptions(max_new_tokens=10)))
     assert len(result.tokens) == 1 and result.finish_reason == "length"
 
 
@@ -147,30 +152,56 @@ def test_runtime_refuses_a_prompt_over_the_context(runtime, sample):
         runtime.infer(sample, "a " * runtime.manifest.max_context)
 
 
-def test_callback_gets_every_token_and_growing_text(runtime, sample):
+def test_callback_gets_every_token_and_the_text_it_adds(runtime, sample):
     seen = []
     result = runtime.infer(sample, PROMPT, temperature=1.5, seed=3,
                            on_token=lambda token, text: seen.append((token, text)))
     assert len(result.tokens) >= 2, "pick a seed that yields a few tokens"
-    assert [token for token, _ in seen] == result.tokens
-    decode = runtime.adapter.decode
-    assert [text for _, text in seen] == [decode(result.tokens[:i + 1]) for i in range(len(seen))]
-    assert seen[-1][1] == result.text
+    assert [token for token, _ in seen if token >= 0] == result.tokens
+    assert "".join(text for _, text in seen) == result.text
+    decode = runtime.adapter.decode  # each piece is what that token adds to the answer so far
+    assert [text for token, text in seen if token >= 0][-1] == \
+        decode(result.tokens)[len(decode(result.tokens[:-1])):]
+
+
+def test_streamed_pieces_make_the_answer_for_byte_level_tokens(model_dir):
+    """A byte-level tokenizer (the idefics3 fixture's) splits characters across tokens: the
+    pieces hold a partial character back, and `finish` hands over what an answer that
+    ends mid-character decodes to, so the pieces always concatenate to the full decode."""
+    from tokenizers import Tokenizer
+    from edgemm.detokenize import END_OF_TEXT, TextStream
+    tokenizer = Tokenizer.from_file(str(model_dir.parent.parent / "tests" / "fixtures" / "idefics3-tiny"
+                                       / "tokenizer.json"))
+    rng = np.random.default_rng(7)
+    held_back = 0
+    for _ in range(50):
+        ids = [int(t) for t in rng.integers(0, tokenizer.get_vocab_size(), rng.integers(1, 30))]
+        pieces = []
+        stream = TextStream(tokenizer, lambda token, text: pieces.append((token, text)))
+        for token in ids:
+            stream(token)
+        full = tokenizer.decode(ids, skip_special_tokens=True)
+        stream.finish(full)
+        assert "".join(text for _, text in pieces) == full
+        assert [t for t, _ in pieces if t != END_OF_TEXT] == ids
+        held_back += pieces[-1][0] == END_OF_TEXT
+    assert held_back, "no answer ended mid-character: the finish path went untested"
 
 
 def test_cache_and_no_cache_give_the_same_tokens(runtime, request_inputs):
+    from reference_decode import greedy_without_cache  # tools/
     endless = generator_with_stops(runtime, set())
-    cached = run(endless, request_inputs, max_new_tokens=8, use_cache=True)
-    uncached = run(endless, request_inputs, max_new_tokens=8, use_cache=False)
-    assert cached.tokens == uncached.tokens and len(cached.tokens) == 8
-    greedy = run(runtime.generator, request_inputs, use_cache=True)
-    assert run(runtime.generator, request_inputs, use_cache=False).tokens == greedy.tokens
+    cached = run(endless, request_inputs, max_new_tokens=8)
+    assert (cached.tokens, cached.finish_reason) == greedy_without_cache(endless, *request_inputs, 8)
+    assert len(cached.tokens) == 8
+    greedy = run(runtime.generator, request_inputs)
+    assert (greedy.tokens, greedy.finish_reason) == greedy_without_cache(runtime.generator, *request_inputs, 32)
 
 
 # ---- several requests decoded together -----------------------------------------------------------
 
 def _batch_items(runtime, prompts_and_seeds, **options):
-    from edgemm.batch_decode import BatchItem
+    from edgemm.decode import BatchItem
     from edgemm.generate import GenerationOptions
     from edgemm.scenes import make_scene
     items = []
@@ -185,14 +216,14 @@ def _batch_items(runtime, prompts_and_seeds, **options):
 def test_batched_decoding_gives_each_request_its_own_tokens(runtime):
     """Prompts of different lengths and answers of different lengths, stepped together,
     must give exactly the tokens each gives alone (greedy and seeded sampling)."""
-    from edgemm.batch_decode import generate_batch
+    from edgemm.decode import generate_batch
     asks = [("describe the image", 402_000), ("how many shapes ?", 402_001),
             ("what does the text say ?", 402_002), ("what color is the circle ?", 402_003)]
     for options in ({"max_new_tokens": 20}, {"max_new_tokens": 12, "temperature": 0.9, "seed": 5}):
         items = _batch_items(runtime, asks, **options)
         together = generate_batch(runtime.generator, items)
         for item, got in zip(items, together):
-            alone = runtime.generator.generate(item.features, item.input_ids, item.image_start, item.options)
+            alone = generate(runtime.generator, BatchItem(item.features, item.input_ids, item.image_start, item.options))
             assert got.tokens == alone.tokens and got.finish_reason == alone.finish_reason
             assert got.stats["decode_batch"] == len(items)
 
@@ -201,7 +232,7 @@ def test_requests_joining_a_running_batch_get_their_own_tokens(runtime):
     """Continuous batching: requests join between steps (shorter and longer prompts than the
     rows running), rows leave as they end, each gets the tokens it gets alone and is handed
     back when its row stops; the padded cache never outgrows the longest live row."""
-    from edgemm.batch_decode import DecodingBatch
+    from edgemm.decode import DecodingBatch
     endless = generator_with_stops(runtime, set())  # no stop token: rows end on their budgets
     asks = [("describe the image", 402_030), ("how many shapes ?", 402_031),
             ("what does the text say ?", 402_032), ("what color is the circle ?", 402_033)]
@@ -221,12 +252,12 @@ def test_requests_joining_a_running_batch_get_their_own_tokens(runtime):
     while batch:
         batch.step()
         widths.append(batch.mask.shape[1])
-        live = [r.length + len(r.tokens) for r in batch.rows]
-        assert not batch.rows or batch.mask.shape[1] == max(live), "padding no row needs was kept"
+        live = [a.length + len(a.tokens) for a in batch.answers]
+        assert not batch.answers or batch.mask.shape[1] == max(live), "padding no row needs was kept"
     assert sorted(key for key, _, _ in finished) == [0, 1, 2, 3]
     for key, got, _ in finished:
         item = items[key]
-        alone = endless.generate(item.features, item.input_ids, item.image_start, item.options)
+        alone = generate(endless, BatchItem(item.features, item.input_ids, item.image_start, item.options))
         assert got.tokens == alone.tokens and len(got.tokens) == item.options.max_new_tokens, f"request {key}"
     assert [key for key, _, _ in finished].index(2) < [key for key, _, _ in finished].index(0)
     assert finished[0][2] < finished[-1][2]  # the first answer came back while others still decoded
@@ -237,7 +268,7 @@ def test_requests_joining_a_running_batch_get_their_own_tokens(runtime):
 def test_prompts_of_one_length_are_prefilled_in_one_decoder_call(runtime):
     """Three requests with the same question (so the same prompt length) and one other:
     two prefill calls, not four, and each request still gets the logits it gets alone."""
-    from edgemm.batch_decode import generate_batch
+    from edgemm.decode import generate_batch
     asks = [("how many shapes ?", 402_020), ("how many shapes ?", 402_021),
             ("describe the image", 402_022), ("how many shapes ?", 402_023)]
     items = _batch_items(runtime, asks, max_new_tokens=1)  # no decode step: only prefills call
@@ -253,7 +284,7 @@ def test_prompts_of_one_length_are_prefilled_in_one_decoder_call(runtime):
 
 
 def test_a_failing_request_does_not_fail_its_batch(runtime):
-    from edgemm.batch_decode import generate_batch
+    from edgemm.decode import generate_batch
     items = _batch_items(runtime, [("describe the image", 402_010), ("how many shapes ?", 402_011)],
                          max_new_tokens=8)
     items[0].input_ids = items[0].input_ids[:, :3]  # fewer image placeholders than features
@@ -265,7 +296,7 @@ def test_a_failing_request_does_not_fail_its_batch(runtime):
     results = generate_batch(runtime.generator, items + [extra])
     assert isinstance(results[0], Exception) and "image placeholders" in str(results[0])
     assert isinstance(results[2], ConnectionError)
-    alone = runtime.generator.generate(items[1].features, items[1].input_ids, items[1].image_start, items[1].options)
+    alone = generate(runtime.generator, BatchItem(items[1].features, items[1].input_ids, items[1].image_start, items[1].options))
     assert results[1].tokens == alone.tokens
 
 

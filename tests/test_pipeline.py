@@ -52,7 +52,7 @@ class BlockedEncode:
 
 
 class RecordingDecode:
-    """runtime.decode and the decoder batches (runtime.open_batch) keeping the features each
+    """The decoder batches (runtime.open_batch; runtime.decode is a batch of one) keeping the features each
     request was decoded with, and for every join into a batch: (rows already running, rows joining)."""
 
     def __init__(self, runtime):
@@ -63,10 +63,8 @@ class RecordingDecode:
         self.joins: list[tuple[int, int]] = []
         self.opened = 0
 
-    def __call__(self, request, features, on_token=None):
-        self.calls += 1
-        self.features.append(np.array(features, copy=True))
-        return self.original(request, features, on_token)
+    def __call__(self, request, features, on_token=None, cancelled=None):
+        return self.original(request, features, on_token, cancelled)  # a batch of one: recorded in its join
 
     def open_batch(self, route, finished):
         self.opened += 1
@@ -76,7 +74,7 @@ class RecordingDecode:
         def recording_join(requests):
             self.calls += len(requests)
             self.joins.append((len(batch), len(requests)))
-            self.features.extend(np.array(features, copy=True) for _, _, features, _ in requests)
+            self.features.extend(np.array(features, copy=True) for _, _, features, *_ in requests)
             return join(requests)
         batch.join = recording_join
         return batch
@@ -376,22 +374,20 @@ def test_a_short_answer_is_handed_back_before_its_batch_ends(runtime, images, re
     assert short.result().decode_batch == 2 and len(short.result().tokens) == 1
 
 
-def test_a_request_that_cannot_join_closes_the_batch_and_goes_next(runtime, images, recorded, monkeypatch):
-    """Beam search does not batch: waiting behind the first request, it stops the batch from
-    taking newcomers (so it is not passed over), runs alone when the batch ends, and the
-    request after it starts the next batch."""
+def test_beam_search_joins_a_batch_like_any_request(runtime, images, recorded, monkeypatch):
+    """A beam search is a group of rows of the decoding batch: waiting behind the first
+    request with a sampled and a greedy one, it is decoded together with them, and every
+    answer is the one it gets alone."""
     release, entered = hold_decoder(runtime, monkeypatch, recorded)
     asks = [{"tier": "low", "max_new_tokens": 4}, {"tier": "low", "max_new_tokens": 4, "num_beams": 2},
-            {"tier": "low", "max_new_tokens": 4}]
+            {"tier": "low", "max_new_tokens": 4, "temperature": 0.8, "seed": 11}]
     with Pipeline(runtime, queue_size=4, max_batch=4) as pipeline:
         futures = [pipeline.submit(Request(images[i], PROMPT, asks[i]), block=False) for i in range(3)]
-        order = track_completion(futures)
         assert entered.wait(WAIT_S)
         wait_until(lambda: pipeline.depths()["decode"] == 2, "two requests waiting to be decoded")
         release.set()
         results = [f.result(timeout=WAIT_S) for f in futures]
-    assert recorded.joins == [(0, 1), (0, 1)] and recorded.opened == 2
-    assert order == [0, 1, 2]
+    assert recorded.joins == [(0, 3)] and recorded.opened == 1
     for i, result in enumerate(results):
         assert result.tokens == runtime.infer(images[i], PROMPT, **asks[i]).tokens, f"request {i}"
 

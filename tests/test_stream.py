@@ -225,9 +225,9 @@ def test_a_fast_live_source_drops_stale_frames_newest_first(runtime, monkeypatch
     source = FastLiveSource(signal_after=60)
     decode = runtime.decode
 
-    def slow_decode(request, features, on_token=None):
+    def slow_decode(request, features, on_token=None, cancelled=None):
         assert source.produced.wait(WAIT_S)  # the model "is slow" until 60 frames were captured
-        return decode(request, features, on_token)
+        return decode(request, features, on_token, cancelled)
 
     monkeypatch.setattr(runtime, "decode", slow_decode)
     records = []
@@ -286,9 +286,9 @@ def test_stop_answers_every_frame_already_taken(runtime, monkeypatch):
 
     decode = runtime.decode
 
-    def decode_once_three_are_in(request, features, on_token=None):
+    def decode_once_three_are_in(request, features, on_token=None, cancelled=None):
         assert three_in.wait(WAIT_S)  # so that frames are in flight when the stop comes
-        return decode(request, features, on_token)
+        return decode(request, features, on_token, cancelled)
 
     monkeypatch.setattr(edgemm.stream, "Pipeline", CountingPipeline)
     monkeypatch.setattr(runtime, "decode", decode_once_three_are_in)

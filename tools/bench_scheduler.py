@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from calibrate_scheduler import Table, measure, mixed_questions  # noqa: E402
 
 from edgemm.config import Config, load_config  # noqa: E402
+from edgemm.decode import BatchItem, generate  # noqa: E402
 from edgemm.generate import GenerationOptions  # noqa: E402
 from edgemm.runtime import Runtime  # noqa: E402
 from edgemm.scenes import TASKS, make_scene, normalise_answer  # noqa: E402
@@ -169,8 +170,8 @@ def bench_beams(rt: Runtime, n: int) -> dict:
         for q in mixed_questions(scene, np.random.default_rng(seed)):
             prompt = rt.adapter.build_prompt(q.prompt, top)
             for mode, extra in BEAM_MODES.items():
-                gen = rt.generator.generate(features, prompt.input_ids, prompt.image_start,
-                                            GenerationOptions(max_new_tokens=24, **extra))
+                gen = generate(rt.generator, BatchItem(features, prompt.input_ids, prompt.image_start,
+                                            GenerationOptions(max_new_tokens=24, **extra)))
                 right[mode].append(normalise_answer(rt.adapter.decode(gen.tokens)) == normalise_answer(q.answer))
                 ms[mode].append(gen.timings_ms["prefill"] + gen.timings_ms["decode"])
                 rows[mode].append(gen.stats["decoder_rows"])

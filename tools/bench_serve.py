@@ -471,7 +471,7 @@ def batching_ceiling(rt: Runtime, prompt: str, batch: int = 8, groups: int = 3) 
     ENCODER_BATCH_GAIN faster per image). HTTP, JSON and the hand-offs between threads are
     left out (they do not batch), so the daemon's real ceiling is lower still.
     Returns per-request medians over `groups` groups of `batch` new scenes."""
-    from edgemm.batch_decode import BatchItem, generate_batch
+    from edgemm.decode import BatchItem, generate, generate_batch
     from edgemm.pipeline import ENCODER_BATCH_GAIN
 
     gen = rt.generator  # its graphs directly: the runtime's feature cache would answer the second encode
@@ -495,7 +495,7 @@ def batching_ceiling(rt: Runtime, prompt: str, batch: int = 8, groups: int = 3) 
         items = [BatchItem(f, p.prompt.input_ids, p.prompt.image_positions, p.options)
                  for f, p in zip(features, prepared)]
         t0 = time.perf_counter()
-        alone = [gen.generate(i.features, i.input_ids, i.image_start, i.options) for i in items]
+        alone = [generate(gen, i) for i in items]
         decoder_ms = (time.perf_counter() - t0) * 1e3 / batch
         t0 = time.perf_counter()
         together = generate_batch(gen, items)

@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from edgemm.config import load_config  # noqa: E402
+from edgemm.decode import BatchItem, generate  # noqa: E402
 from edgemm.generate import GenerationOptions  # noqa: E402
 from edgemm.runtime import Runtime  # noqa: E402
 from edgemm.scenes import (PROMPTS, Question, make_scene, normalise_answer,  # noqa: E402
@@ -94,7 +95,7 @@ def measure(rt: Runtime, seeds, desc: str = "measure", progress: bool = True) ->
             row, ms = [], []
             for q in questions:
                 prompt = rt.adapter.build_prompt(q.prompt, rt.manifest.tiers[tier])
-                gen = rt.generator.generate(features, prompt.input_ids, prompt.image_start, options)
+                gen = generate(rt.generator, BatchItem(features, prompt.input_ids, prompt.image_start, options))
                 row.append(normalise_answer(rt.adapter.decode(gen.tokens)) == normalise_answer(q.answer))
                 ms.append(gen.timings_ms["prefill"] + gen.timings_ms["decode"])
             answers.append(row)

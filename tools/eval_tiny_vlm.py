@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from edgemm.config import load_config  # noqa: E402
+from edgemm.decode import BatchItem, generate  # noqa: E402
 from edgemm.generate import GenerationOptions  # noqa: E402
 from edgemm.runtime import Runtime  # noqa: E402
 from edgemm.scenes import TASKS, make_scene, normalise_answer, questions_for  # noqa: E402
@@ -67,7 +68,7 @@ def evaluate(rt: Runtime, seeds, tiers: list[str], tasks: tuple[str, ...] = TASK
             encode_ms[tier].append((time.perf_counter() - t0) * 1e3)
             for i, q in enumerate(questions):
                 prompt = rt.adapter.build_prompt(q.prompt, rt.manifest.tiers[tier])
-                gen = rt.generator.generate(features, prompt.input_ids, prompt.image_start, options)
+                gen = generate(rt.generator, BatchItem(features, prompt.input_ids, prompt.image_start, options))
                 answer = rt.adapter.decode(gen.tokens)
                 total[tier][q.task] += 1
                 right = normalise_answer(answer) == normalise_answer(q.answer)

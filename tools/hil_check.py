@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from edgemm.config import load_config  # noqa: E402
 from edgemm.errors import EdgemmError  # noqa: E402
+from edgemm.decode import BatchItem, generate  # noqa: E402
 from edgemm.generate import GenerationOptions  # noqa: E402
 from edgemm.runtime import Runtime  # noqa: E402
 from edgemm.scenes import make_scene, normalise_answer, questions_for  # noqa: E402
@@ -110,7 +111,7 @@ def check_tier(device_rt: Runtime, cpu_rt: Runtime, tier: str, seeds: range, max
             total += 1
             for side, rt in sides.items():
                 prompt = rt.adapter.build_prompt(question.prompt, rt.manifest.tiers[tier])
-                generated = rt.generator.generate(features[side], prompt.input_ids, prompt.image_start, options)
+                generated = generate(rt.generator, BatchItem(features[side], prompt.input_ids, prompt.image_start, options))
                 for stage in ("prefill", "decode"):
                     if stage in generated.timings_ms:
                         stage_ms[side][stage].append(generated.timings_ms[stage])

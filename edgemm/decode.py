@@ -1,0 +1,458 @@
+"""The decode loop: every generated token comes from DecodingBatch.step.
+
+    join    prompts of one length prefilled together (a request with a stored prefix
+            alone), then merged into the running batch: every KV cache left-padded to
+            the longest, the padding masked out
+    step    for each answer, its next token(s) from its rows' logits, then one decoder
+            call for every row of every live answer; answers that end leave at once
+            (their Generation is handed over) and padding no live row needs is cut
+
+A single request is a batch of one (`generate`). The strategies are branches of one
+step, not copies of the loop:
+
+    greedy      argmax of the row's logits
+    sampled     temperature + top-p from the request's own seeded generator
+    beams       a group of rows (edgemm/beams.py for the search rules): each step
+                reorders the group's rows by the beam each survivor grew from, and once
+                the gate collapses the search the best row goes on greedily
+
+Rows join and leave between steps (continuous batching): a short answer never waits
+for a long one. A single-token decoder call is mostly fixed cost, so stepping B rows
+at once costs far less than B calls. Row order, sampling streams and stop rules are
+per answer, so each answer gets the tokens it would alone.
+
+Failure is per answer wherever it can be: non-finite logits, a sampling error, a token
+the embedding cannot take, a token callback that raises, or a cancelled request fail
+that answer alone, and its rows leave. Only a decoder call that fails fails every
+answer in it. Each answer's outcome goes to `finished(key, Generation | Exception)`
+exactly once.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from edgemm.beams import Beams, expand, log_softmax
+from edgemm.errors import Cancelled, InputError
+from edgemm.generate import Generation, GenerationOptions, Generator, PrefixReuse, sample_token
+
+log = logging.getLogger("edgemm")
+
+Finished = Callable[[Any, "Generation | Exception"], None]  # (the caller's key, its outcome)
+
+
+class DecodeFailure(RuntimeError):
+    """One answer's decoding went wrong (non-finite logits, a token the embedding refuses)."""
+
+
+@dataclass
+class BatchItem:
+    features: np.ndarray  # [1,N,D]
+    input_ids: np.ndarray  # [1,S]
+    image_start: int | np.ndarray  # first placeholder, or all of them (Prompt.image_positions)
+    options: GenerationOptions
+    on_token: Callable[[int], None] | None = None  # each committed token id, as it comes
+    reuse: PrefixReuse | None = None
+    cancelled: threading.Event | None = None  # set by the caller: the answer stops at the next step
+
+
+@dataclass
+class _Answer:
+    """One request in the batch; it holds `width` consecutive decoder rows."""
+    key: Any  # the caller's handle for this request
+    item: BatchItem
+    length: int  # prompt tokens
+    budget: int
+    rng: np.random.Generator | None  # sampling only
+    prefill_ms: float
+    reused: bool
+    joined: float = 0.0  # perf_counter when it entered the batch: its decode time starts
+    peers: int = 1  # most answers it was in a batch with (itself included)
+    tokens: list[int] = field(default_factory=list)  # committed (beams: the best, once collapsed)
+    width: int = 1  # decoder rows it holds
+    rows_stepped: int = 0  # decoder rows it was given after the prefill, summed over steps
+    beams: Beams | None = None  # a beam search not yet collapsed
+    beam_steps: int = 0
+    collapsed_at: int | None = None
+
+    def generation(self, tokens: list[int], reason: str) -> Generation:
+        stats = {"decoder_rows": self.rows_stepped, "prefix_reused": self.reused, "decode_batch": self.peers}
+        if self.item.options.num_beams > 1:
+            stats.update(beam_steps=self.beam_steps, collapsed_at=self.collapsed_at)
+        return Generation(list(tokens), reason, {"prefill": self.prefill_ms,
+                                                 "decode": (time.perf_counter() - self.joined) * 1e3}, stats)
+
+
+class DecodingBatch:
+    """Requests decoding together on one generator; they join and leave between steps.
+
+    `finished(key, outcome)` is called for each request once, as soon as its answer ends
+    (a Generation) or fails (the exception), from the thread that calls join/step.
+    """
+
+    def __init__(self, gen: Generator, finished: Finished):
+        self.gen, self.finished = gen, finished
+        self.answers: list[_Answer] = []
+        self.logits = np.zeros((0, 0), np.float32)  # [R, V]: each row's next-token logits
+        # the decoder's feeds between steps: the KV cache ([R, heads, T, head_dim] per layer,
+        # left-padded) and the graph's optional inputs; each step takes the new cache in place
+        self.feeds: dict[str, np.ndarray] = {}
+        # [R, capacity]: 0 over each row's padding, 1 after; columns past `width` are
+        # already 1, so a step extends the mask by taking one more column (no copy)
+        self._mask = np.zeros((0, 0), gen.mask_dtype)
+        self.width = 0
+        self.positions = np.zeros((0, 1), gen.position_dtype)  # [R, 1]: each row's last fed position
+        self.steps_by_rows: Counter = Counter()  # rows stepped together → decoder calls
+
+    def __len__(self) -> int:
+        return len(self.answers)
+
+    @property
+    def mask(self) -> np.ndarray:
+        """[R, T]: the attention mask of the rows' caches."""
+        return self._mask[:, :self.width]
+
+    def progress(self) -> list[tuple[int, int]]:
+        """(tokens so far, token budget) of each answer."""
+        return [(len(a.beams.tokens[0]) if a.beams is not None and a.beams.tokens else len(a.tokens), a.budget)
+                for a in self.answers]
+
+    # ---- joining -------------------------------------------------------------------------
+
+    def join(self, items: list[tuple[Any, BatchItem]]) -> None:
+        """Prefill `items` and add them to the batch; a request that fails here is finished
+        with its exception and the others go on."""
+        answers, logits, pasts = _prefill(self.gen, items, self._hand_over)
+        if not answers:
+            return
+        order = {id(key): n for n, (key, _) in enumerate(items)}  # the caller's order (keys need not hash)
+        ranked = sorted(range(len(answers)), key=lambda j: order[id(answers[j].key)])
+        answers, logits, pasts = [answers[j] for j in ranked], [logits[j] for j in ranked], [pasts[j] for j in ranked]
+        now = time.perf_counter()
+        for a in answers:
+            a.joined = now
+            if a.item.options.num_beams > 1:
+                a.beams = Beams([[]], np.zeros(1))
+        self._merge(answers, np.stack(logits), pasts)
+        for a in self.answers:
+            a.peers = max(a.peers, len(self.answers))
+
+    # ---- the step ------------------------------------------------------------------------
+
+    def step(self) -> None:
+        """Every answer's next token(s) from its rows' logits; answers that end or fail
+        leave; one decoder call gives the rows that go on their next logits."""
+        # one pass over the logits for every row: the greedy token and a check that the
+        # row's logits are finite (argmax lands on a NaN or +inf; all -inf stays -inf)
+        best = self.logits.argmax(axis=-1)
+        finite = np.isfinite(self.logits[np.arange(len(best)), best])
+        gather: list[int] = []  # the rows that go on, as indices into the current rows
+        tokens: list[int] = []  # and the token each is fed
+        kept: list[_Answer] = []
+        at = 0
+        for a in self.answers:
+            rows = range(at, at + a.width)
+            at += a.width
+            try:
+                if a.item.cancelled is not None and a.item.cancelled.is_set():
+                    raise Cancelled("cancelled: the client went away or the request timed out")
+                if not finite[rows.start:rows.stop].all():
+                    raise DecodeFailure("the decoder gave non-finite logits (NaN or inf) for this request")
+                outcome = self._next(a, rows, best)
+            except Exception as e:  # this answer fails alone; the others go on
+                outcome = e
+            if isinstance(outcome, list):
+                gather.extend(rows.start + offset for offset, _ in outcome)
+                tokens.extend(token for _, token in outcome)
+                a.width = len(outcome)
+                kept.append(a)
+            else:
+                self._hand_over(a.key, outcome)
+        if gather != list(range(len(best))):
+            self._reindex(gather)
+        self.answers = kept
+        if not kept:
+            return
+        try:
+            try:
+                embeds = self._embed(tokens)
+            except _BadTokens as bad:  # fail the answers that hold them, then embed the rest
+                self._drop(bad.rows, bad.error)
+                tokens = [t for j, t in enumerate(tokens) if j not in bad.rows]
+                embeds = self.gen.embed_next(tokens) if self.answers else None
+        except Exception as e:  # the embedding call itself failed: every answer in it
+            self._fail_all(e)
+            return
+        if embeds is not None:
+            self._call_decoder(embeds)
+
+    def _next(self, a: _Answer, rows: range, best: np.ndarray) -> list[tuple[int, int]] | Generation:
+        """One answer's step: (row offset, token) for each of its rows that goes on, or its
+        Generation when it ends."""
+        if a.beams is not None:
+            outcome = self._next_beams(a, rows)
+            if not isinstance(outcome, int):
+                return outcome
+            rows = range(rows.start + outcome, rows.start + outcome + 1)  # collapsed: that row goes on
+            offset = outcome
+        else:
+            offset = 0
+        if a.rng is None:
+            token = int(best[rows.start])
+        else:
+            token = sample_token(self.logits[rows.start], a.item.options, a.rng)
+        if token in self.gen.stop_ids:
+            return a.generation(a.tokens, "stop")
+        a.tokens.append(token)
+        if a.item.on_token is not None:
+            a.item.on_token(token)
+        if len(a.tokens) >= a.budget:
+            return a.generation(a.tokens, "length")
+        return [(offset, token)]
+
+    def _next_beams(self, a: _Answer, rows: range) -> list[tuple[int, int]] | Generation | int:
+        """A beam search's step (edgemm/beams.py): its survivors, its end, or the offset of
+        the row it collapses to (which then goes on greedily in `_next`)."""
+        beams, options = a.beams, a.item.options
+        logits = self.logits[rows.start:rows.stop]
+        while True:  # at most twice: a step where every continuation stopped ends at the top
+            done = beams.best_finished()
+            if not beams.tokens or (done is not None and done[0] >= beams.scores.max()):
+                return self._beams_end(a, done[1] if done else [], "stop")
+            logp = log_softmax(logits)
+            top = int(np.argmax(beams.scores))
+            if options.beam_gate < 1 and np.exp(logp[top].max()) >= options.beam_gate:
+                a.collapsed_at = len(beams.tokens[top])
+                a.beams = None
+                self._commit(a, beams.tokens[top])
+                return top
+            beams, parents = expand(beams, logp, options.num_beams, self.gen.stop_ids, prune=options.beam_gate < 1)
+            a.beams = beams
+            a.beam_steps += 1
+            if beams.tokens and len(beams.tokens[0]) >= a.budget:  # every live beam has the same length
+                top = int(np.argmax(beams.scores))
+                done = beams.best_finished()
+                if done is not None and done[0] >= beams.scores[top]:
+                    return self._beams_end(a, done[1], "stop")
+                return self._beams_end(a, beams.tokens[top], "length")
+            if beams.tokens:
+                return [(int(p), t[-1]) for p, t in zip(parents, beams.tokens)]
+
+    def _beams_end(self, a: _Answer, tokens: list[int], reason: str) -> Generation:
+        self._commit(a, tokens)
+        return a.generation(a.tokens, reason)
+
+    def _commit(self, a: _Answer, tokens: list[int]) -> None:
+        """The search settled on `tokens`: they become the answer's, and go to its callback."""
+        a.tokens = list(tokens)
+        if a.item.on_token is not None:
+            for token in a.tokens:
+                a.item.on_token(token)
+
+    def _embed(self, tokens: list[int]) -> np.ndarray:
+        """Embeddings of the rows' next tokens; a token the embedding refuses is found alone."""
+        try:
+            return self.gen.embed_next(tokens)
+        except Exception as e:
+            bad = {t for t in set(tokens) if not _embeds(self.gen, t)}
+            if not bad:
+                raise  # not one token's fault: the call itself fails
+            raise _BadTokens({j for j, t in enumerate(tokens) if t in bad},
+                             DecodeFailure(f"the embedding refused token {min(bad)}: {e}")) from None
+
+    def _call_decoder(self, embeds: np.ndarray) -> None:
+        """One decoder call for every row; if it fails, so does every answer in it."""
+        self.width += 1
+        if self.width > self._mask.shape[1]:
+            self._grow_mask()
+        self.positions += 1
+        mask = self.mask if len(self.positions) == 1 else np.ascontiguousarray(self.mask)
+        try:
+            self.logits = self.gen.step_in_place(self.feeds, embeds, mask, self.positions)
+        except Exception as e:
+            self._fail_all(e)
+            return
+        self.steps_by_rows[len(self.positions)] += 1
+        for a in self.answers:
+            a.rows_stepped += a.width
+
+    def _hand_over(self, key: Any, outcome: Generation | Exception) -> None:
+        """The caller's callback; its own failure must not stop the loop for the others."""
+        try:
+            self.finished(key, outcome)
+        except Exception:
+            log.exception("handing over a finished answer failed")
+
+    def _fail_all(self, error: Exception) -> None:
+        for a in self.answers:
+            self._hand_over(a.key, error)
+        self._reindex([])
+        self.answers = []
+
+    def _drop(self, rows: set[int], error: Exception) -> None:
+        """Fail the answers holding any of `rows` (indices into the current rows)."""
+        kept, gather, at = [], [], 0
+        for a in self.answers:
+            own = range(at, at + a.width)
+            at += a.width
+            if rows.intersection(own):
+                self._hand_over(a.key, error)
+            else:
+                kept.append(a)
+                gather.extend(own)
+        self._reindex(gather)
+        self.answers = kept
+
+    # ---- the rows' arrays ----------------------------------------------------------------
+
+    def _reindex(self, gather: list[int]) -> None:
+        """Only rows `gather` stay, in that order (a beam's row may be taken twice). Columns
+        that are padding for every row left are cut, so that a batch joined again and
+        again never grows past its longest live row."""
+        if not gather:
+            self.feeds, self._mask, self.width = {}, self._mask[:0, :0], 0
+            self.logits, self.positions = self.logits[:0], self.positions[:0]
+            return
+        keep = np.asarray(gather)
+        mask = self.mask[keep]
+        start = int(mask.any(axis=0).argmax())  # the first column some row uses
+        for name in self.gen.past_names:
+            self.feeds[name] = self.feeds[name][keep, :, start:]
+        self._set_mask(mask[:, start:])
+        self.logits = self.logits[keep]
+        self.positions = self.positions[keep]
+
+    def _merge(self, answers: list[_Answer], logits: np.ndarray, pasts: list[dict]) -> None:
+        """New answers' rows into the batch: one cache per layer for all rows, each row's
+        left-padded with zeros to the longest, and the mask that hides the padding."""
+        old_width, old_rows = self.width, len(self.positions)
+        width = max([old_width] + [a.length for a in answers])
+
+        def stacked(name: str) -> np.ndarray:
+            parts = ([(self.feeds[name], old_width)] if old_rows else []) + \
+                [(past[name], a.length) for a, past in zip(answers, pasts)]
+            if len(parts) == 1 and parts[0][1] == width:
+                return parts[0][0]  # a lone part needs no copy
+            first = parts[0][0]
+            out = np.zeros((sum(len(kv) for kv, _ in parts), first.shape[1], width, first.shape[3]), first.dtype)
+            at = 0
+            for kv, length in parts:
+                out[at:at + len(kv), :, width - length:] = kv
+                at += len(kv)
+            return out
+
+        self.feeds = self.gen.step_feeds({name: stacked(name) for name in self.gen.past_names})
+        mask = np.zeros((old_rows + len(answers), width), self.gen.mask_dtype)
+        mask[:old_rows, width - old_width:] = self.mask
+        for j, a in enumerate(answers, start=old_rows):
+            mask[j, width - a.length:] = 1
+        self._set_mask(mask)
+        new_positions = np.array([[a.length - 1] for a in answers], self.positions.dtype)
+        self.positions = np.concatenate([self.positions, new_positions]) if old_rows else new_positions
+        self.logits = np.concatenate([self.logits, logits]) if old_rows else logits
+        self.answers = self.answers + answers
+
+    def _set_mask(self, mask: np.ndarray, spare: int = 32) -> None:
+        self.width = mask.shape[1]
+        self._mask = np.ones((mask.shape[0], self.width + spare), self.gen.mask_dtype)
+        self._mask[:, :self.width] = mask
+
+    def _grow_mask(self) -> None:
+        used = self._mask[:, :self.width - 1]
+        self._set_mask(used, spare=max(32, used.shape[1]))
+        self.width += 1
+
+
+@dataclass
+class _BadTokens(Exception):
+    rows: set[int]
+    error: Exception
+
+
+def _embeds(gen: Generator, token: int) -> bool:
+    try:
+        gen.embed_next([token])
+        return True
+    except Exception:
+        return False
+
+
+def generate(gen: Generator, item: BatchItem) -> Generation:
+    """One request decoded alone: a batch of one. Raises what failed it."""
+    outcome = generate_batch(gen, [item])[0]
+    if isinstance(outcome, Exception):
+        raise outcome
+    return outcome
+
+
+def generate_batch(gen: Generator, items: list[BatchItem]) -> list[Generation | Exception]:
+    """Generations for `items` in order, decoded together; a request that fails gets its
+    exception instead."""
+    results: list[Generation | Exception | None] = [None] * len(items)
+    batch = DecodingBatch(gen, results.__setitem__)
+    batch.join(list(enumerate(items)))
+    while batch:
+        batch.step()
+    return results  # type: ignore[return-value]
+
+
+def _prefill(gen: Generator, items: list[tuple[Any, BatchItem]],
+             failed: Finished) -> tuple[list[_Answer], list, list]:
+    """Every item's prompt through the decoder. A stored prefix is reused item by item;
+    the other prompts go through together, one decoder call per prompt length (the same
+    question at the same tier has the same length), since a prefill of B short prompts
+    costs less than B prefills where one call's fixed cost dominates."""
+    answers, logits, pasts = [], [], []
+    fresh: dict[int, list[tuple[Any, BatchItem, np.ndarray, int, bytes | None]]] = {}  # length → prompts
+    for key, item in items:
+        started = time.perf_counter()
+        try:
+            if item.cancelled is not None and item.cancelled.is_set():
+                raise Cancelled("cancelled before decoding: the client went away or the request timed out")
+            length = item.input_ids.shape[1]
+            if length >= gen.max_context:
+                raise InputError(f"prompt is {length} tokens (image included); the model's "
+                                 f"context is {gen.max_context}")
+            split, prefix = gen.prefix_key(item.features, item.input_ids, item.image_start, item.reuse)
+            stored = gen.from_stored_prefix(item.input_ids, split, prefix, np.ones((1, length), np.int64), item.reuse)
+            if stored is None:
+                fresh.setdefault(length, []).append(
+                    (key, item, gen.embed_prompt(item.input_ids, item.features, item.image_start), split, prefix))
+                continue
+        except Exception as e:  # this request fails; the others go on
+            failed(key, e)
+            continue
+        answers.append(_answer(gen, key, item, started, reused=True))
+        logits.append(stored[0][0])
+        pasts.append(stored[1])
+    for length, group in fresh.items():
+        started = time.perf_counter()
+        try:
+            out, past = gen.step(np.concatenate([embeds for _, _, embeds, _, _ in group]),
+                                 np.ones((len(group), length), np.int64), gen.empty_past(len(group)))
+        except Exception as e:  # the shared call failed: so does each of its requests
+            for key, *_ in group:
+                failed(key, e)
+            continue
+        for j, (key, item, _, split, prefix) in enumerate(group):
+            own = {name: value[j:j + 1] for name, value in past.items()}
+            if np.isfinite(out[j]).all():  # a broken prefix must not be served to the next request
+                gen.store_prefix(own, split, prefix, item.reuse)
+            answers.append(_answer(gen, key, item, started, reused=False))
+            logits.append(out[j])
+            pasts.append(own)
+    return answers, logits, pasts
+
+
+def _answer(gen: Generator, key: Any, item: BatchItem, started: float, reused: bool) -> _Answer:
+    length = item.input_ids.shape[1]
+    return _Answer(key, item, length, min(item.options.max_new_tokens, gen.max_context - length),
+                   np.random.default_rng(item.options.seed) if item.options.temperature > 0 else None,
+                   (time.perf_counter() - started) * 1e3, reused)
