@@ -30,6 +30,7 @@ exactly once.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import Counter
@@ -108,7 +109,11 @@ class DecodingBatch:
         # already 1, so a step extends the mask by taking one more column (no copy)
         self._mask = np.zeros((0, 0), gen.mask_dtype)
         self.width = 0
-        self.positions = np.zeros((0, 1), gen.position_dtype)  # [R, 1]: each row's last fed position
+        # [R, spare]: row j's position ids from the next step on (a step takes one column:
+        # slicing costs a quarter of an in-place add on the caches a decoder call leaves cold)
+        self._positions = np.zeros((0, 1), gen.position_dtype)
+        self._position_col = 0
+        self._rows = np.arange(0)  # [R]: 0 … R-1, for indexing every row at once
         self.steps_by_rows: Counter = Counter()  # rows stepped together → decoder calls
 
     def __len__(self) -> int:
@@ -149,13 +154,15 @@ class DecodingBatch:
     def step(self) -> None:
         """Every answer's next token(s) from its rows' logits; answers that end or fail
         leave; one decoder call gives the rows that go on their next logits."""
-        # one pass over the logits for every row: the greedy token and a check that the
-        # row's logits are finite (argmax lands on a NaN or +inf; all -inf stays -inf)
-        best = self.logits.argmax(axis=-1)
-        finite = np.isfinite(self.logits[np.arange(len(best)), best])
+        # the greedy token of every row in one pass; a row's logits are finite if its top
+        # one is (argmax lands on a NaN or +inf; all -inf stays -inf). Few numpy calls per
+        # step: each one right after a decoder call runs on cold caches.
+        best = self.logits.argmax(axis=-1).tolist()
+        top = self.logits.item
         gather: list[int] = []  # the rows that go on, as indices into the current rows
         tokens: list[int] = []  # and the token each is fed
         kept: list[_Answer] = []
+        reordered = False
         at = 0
         for a in self.answers:
             rows = range(at, at + a.width)
@@ -163,19 +170,26 @@ class DecodingBatch:
             try:
                 if a.item.cancelled is not None and a.item.cancelled.is_set():
                     raise Cancelled("cancelled: the client went away or the request timed out")
-                if not finite[rows.start:rows.stop].all():
+                if not (math.isfinite(top(rows.start, best[rows.start])) if a.width == 1 else
+                        all(math.isfinite(top(j, best[j])) for j in rows)):
                     raise DecodeFailure("the decoder gave non-finite logits (NaN or inf) for this request")
                 outcome = self._next(a, rows, best)
             except Exception as e:  # this answer fails alone; the others go on
                 outcome = e
             if isinstance(outcome, list):
-                gather.extend(rows.start + offset for offset, _ in outcome)
-                tokens.extend(token for _, token in outcome)
-                a.width = len(outcome)
+                if len(outcome) == 1 and a.width == 1:  # the common case: one row goes on
+                    gather.append(rows.start)
+                    tokens.append(outcome[0][1])
+                else:
+                    gather.extend(rows.start + offset for offset, _ in outcome)
+                    tokens.extend(token for _, token in outcome)
+                    reordered = True
+                    a.width = len(outcome)
                 kept.append(a)
             else:
+                reordered = True
                 self._hand_over(a.key, outcome)
-        if gather != list(range(len(best))):
+        if reordered:
             self._reindex(gather)
         self.answers = kept
         if not kept:
@@ -193,7 +207,7 @@ class DecodingBatch:
         if embeds is not None:
             self._call_decoder(embeds)
 
-    def _next(self, a: _Answer, rows: range, best: np.ndarray) -> list[tuple[int, int]] | Generation:
+    def _next(self, a: _Answer, rows: range, best: list[int]) -> list[tuple[int, int]] | Generation:
         """One answer's step: (row offset, token) for each of its rows that goes on, or its
         Generation when it ends."""
         if a.beams is not None:
@@ -205,7 +219,7 @@ class DecodingBatch:
         else:
             offset = 0
         if a.rng is None:
-            token = int(best[rows.start])
+            token = best[rows.start]
         else:
             token = sample_token(self.logits[rows.start], a.item.options, a.rng)
         if token in self.gen.stop_ids:
@@ -272,14 +286,19 @@ class DecodingBatch:
         self.width += 1
         if self.width > self._mask.shape[1]:
             self._grow_mask()
-        self.positions += 1
-        mask = self.mask if len(self.positions) == 1 else np.ascontiguousarray(self.mask)
+        if self._position_col == self._positions.shape[1]:
+            self._set_positions(self._positions[:, -1] + 1)
+        col = self._position_col
+        self._position_col += 1
+        mask, positions = self.mask, self._positions[:, col:col + 1]
+        if len(self._rows) > 1:  # views of several rows are strided: the graph wants them packed
+            mask, positions = np.ascontiguousarray(mask), np.ascontiguousarray(positions)
         try:
-            self.logits = self.gen.step_in_place(self.feeds, embeds, mask, self.positions)
+            self.logits = self.gen.step_in_place(self.feeds, embeds, mask, positions)
         except Exception as e:
             self._fail_all(e)
             return
-        self.steps_by_rows[len(self.positions)] += 1
+        self.steps_by_rows[len(self._rows)] += 1
         for a in self.answers:
             a.rows_stepped += a.width
 
@@ -317,8 +336,9 @@ class DecodingBatch:
         that are padding for every row left are cut, so that a batch joined again and
         again never grows past its longest live row."""
         if not gather:
-            self.feeds, self._mask, self.width = {}, self._mask[:0, :0], 0
-            self.logits, self.positions = self.logits[:0], self.positions[:0]
+            self.feeds, self._mask, self.width, self._rows = {}, self._mask[:0, :0], 0, self._rows[:0]
+            self.logits = self.logits[:0]
+            self._set_positions(self._next_positions()[:0])
             return
         keep = np.asarray(gather)
         mask = self.mask[keep]
@@ -327,12 +347,12 @@ class DecodingBatch:
             self.feeds[name] = self.feeds[name][keep, :, start:]
         self._set_mask(mask[:, start:])
         self.logits = self.logits[keep]
-        self.positions = self.positions[keep]
+        self._set_positions(self._next_positions()[keep])
 
     def _merge(self, answers: list[_Answer], logits: np.ndarray, pasts: list[dict]) -> None:
         """New answers' rows into the batch: one cache per layer for all rows, each row's
         left-padded with zeros to the longest, and the mask that hides the padding."""
-        old_width, old_rows = self.width, len(self.positions)
+        old_width, old_rows = self.width, len(self._rows)
         width = max([old_width] + [a.length for a in answers])
 
         def stacked(name: str) -> np.ndarray:
@@ -354,15 +374,27 @@ class DecodingBatch:
         for j, a in enumerate(answers, start=old_rows):
             mask[j, width - a.length:] = 1
         self._set_mask(mask)
-        new_positions = np.array([[a.length - 1] for a in answers], self.positions.dtype)
-        self.positions = np.concatenate([self.positions, new_positions]) if old_rows else new_positions
+        # a joining row's first generated token goes at the position after its prompt
+        self._set_positions(np.concatenate([self._next_positions()[:old_rows], [a.length for a in answers]]))
         self.logits = np.concatenate([self.logits, logits]) if old_rows else logits
         self.answers = self.answers + answers
 
     def _set_mask(self, mask: np.ndarray, spare: int = 32) -> None:
         self.width = mask.shape[1]
+        if len(self._rows) != mask.shape[0]:
+            self._rows = np.arange(mask.shape[0])
         self._mask = np.ones((mask.shape[0], self.width + spare), self.gen.mask_dtype)
         self._mask[:, :self.width] = mask
+
+    def _next_positions(self) -> np.ndarray:
+        """[R]: the position id each row's next token gets."""
+        return self._positions[:, self._position_col] if self._position_col < self._positions.shape[1] \
+            else self._positions[:, -1] + 1
+
+    def _set_positions(self, following: np.ndarray, spare: int = 32) -> None:
+        self._positions = (np.asarray(following, self.gen.position_dtype)[:, None]
+                           + np.arange(spare, dtype=self.gen.position_dtype)[None])
+        self._position_col = 0
 
     def _grow_mask(self) -> None:
         used = self._mask[:, :self.width - 1]
@@ -410,7 +442,7 @@ def _prefill(gen: Generator, items: list[tuple[Any, BatchItem]],
     question at the same tier has the same length), since a prefill of B short prompts
     costs less than B prefills where one call's fixed cost dominates."""
     answers, logits, pasts = [], [], []
-    fresh: dict[int, list[tuple[Any, BatchItem, np.ndarray, int, bytes | None]]] = {}  # length → prompts
+    fresh: dict[int, list[tuple[Any, BatchItem, np.ndarray, int, bytes | None, float]]] = {}  # length → prompts
     for key, item in items:
         started = time.perf_counter()
         try:
@@ -424,7 +456,8 @@ def _prefill(gen: Generator, items: list[tuple[Any, BatchItem]],
             stored = gen.from_stored_prefix(item.input_ids, split, prefix, np.ones((1, length), np.int64), item.reuse)
             if stored is None:
                 fresh.setdefault(length, []).append(
-                    (key, item, gen.embed_prompt(item.input_ids, item.features, item.image_start), split, prefix))
+                    (key, item, gen.embed_prompt(item.input_ids, item.features, item.image_start), split, prefix,
+                     started))
                 continue
         except Exception as e:  # this request fails; the others go on
             failed(key, e)
@@ -433,15 +466,14 @@ def _prefill(gen: Generator, items: list[tuple[Any, BatchItem]],
         logits.append(stored[0][0])
         pasts.append(stored[1])
     for length, group in fresh.items():
-        started = time.perf_counter()
         try:
-            out, past = gen.step(np.concatenate([embeds for _, _, embeds, _, _ in group]),
+            out, past = gen.step(np.concatenate([embeds for _, _, embeds, *_ in group]),
                                  np.ones((len(group), length), np.int64), gen.empty_past(len(group)))
         except Exception as e:  # the shared call failed: so does each of its requests
             for key, *_ in group:
                 failed(key, e)
             continue
-        for j, (key, item, _, split, prefix) in enumerate(group):
+        for j, (key, item, _, split, prefix, started) in enumerate(group):
             own = {name: value[j:j + 1] for name, value in past.items()}
             if np.isfinite(out[j]).all():  # a broken prefix must not be served to the next request
                 gen.store_prefix(own, split, prefix, item.reuse)

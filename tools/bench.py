@@ -4,6 +4,7 @@
     python tools/bench.py runtime [--n 50] [--model DIR] [--threads 1]
     python tools/bench.py pipeline [--frames 200] [--soak 10000]
     python tools/bench.py scheduler [--n 500] [--cache-images 10000] [--beam-n 200]
+    python tools/bench.py detokenize
 
 `runtime` (runtime core):
   overhead   end-to-end infer latency minus the time inside the backend's raw run
@@ -21,6 +22,9 @@
   soak       RSS growth over many frames through the pipeline, twice in one process
              (the first run also carries the allocator's warm-up; a leak grows in both)
 `scheduler` (tier scheduler, feature cache, gated beams): see tools/bench_scheduler.py
+`detokenize` (streamed answers): total time to turn N streamed tokens into text pieces,
+             decoding the whole answer again after every token (edgemm before the
+             one-loop change) vs edgemm.detokenize.TextStream, for each tokenizer
 Paste the printed Markdown into docs/BENCHMARKS.md together with the command.
 """
 from __future__ import annotations
@@ -293,6 +297,48 @@ def pipeline_markdown(r: dict) -> str:
     ])
 
 
+def detokenize_section(args) -> dict:
+    """Streaming n tokens, side by side: the text so far re-decoded after every token
+    (what the daemon did for every request), and TextStream's pieces. Random ids of the
+    vocabulary's ordinary tokens; medians of 5, interleaved."""
+    from tokenizers import Tokenizer
+    from edgemm.detokenize import TextStream
+    tokenizers = {"tiny-vlm (word-level, 60)": ROOT / "models" / "tiny-vlm" / "tokenizer.json",
+                  "idefics3 fixture (byte-level BPE, 320)": ROOT / "tests" / "fixtures" / "idefics3-tiny"
+                  / "tokenizer.json"}
+    out = {}
+    for name, path in tokenizers.items():
+        tok = Tokenizer.from_file(str(path))
+        special = {t.content for t in tok.get_added_tokens_decoder().values()}
+        ordinary = [i for t, i in tok.get_vocab().items() if t not in special]
+        rng = np.random.default_rng(0)
+        for n in (256, 1024):
+            ids = [int(t) for t in rng.choice(ordinary, n)]
+            times: dict[str, list[float]] = {"whole answer again": [], "TextStream": []}
+            for _ in range(5):
+                t0 = time.perf_counter()
+                for i in range(n):
+                    tok.decode(ids[:i + 1], skip_special_tokens=True)
+                times["whole answer again"].append((time.perf_counter() - t0) * 1e3)
+                pieces: list[str] = []
+                t0 = time.perf_counter()
+                stream = TextStream(tok, lambda _t, text: pieces.append(text))
+                for token in ids:
+                    stream(token)
+                stream.finish(tok.decode(ids, skip_special_tokens=True))
+                times["TextStream"].append((time.perf_counter() - t0) * 1e3)
+                assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True)
+            out[f"{name}, {n} tokens"] = {k: round(median(v), 2) for k, v in times.items()}
+    return out
+
+
+def detokenize_markdown(r: dict) -> str:
+    return "\n".join(["| tokenizer, answer length | whole answer again after each token | TextStream | ratio |",
+                      "|---|---|---|---|",
+                      *[f"| {k} | {v['whole answer again']} ms | {v['TextStream']} ms | "
+                        f"{v['whole answer again'] / max(v['TextStream'], 1e-9):.1f}× |" for k, v in r.items()]])
+
+
 def markdown(results: dict) -> str:
     o, k, c = results["overhead"], results["kv_cache"], results["cold_start"]
     return "\n".join([
@@ -314,7 +360,7 @@ def markdown(results: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("section", choices=["runtime", "pipeline", "scheduler"])
+    ap.add_argument("section", choices=["runtime", "pipeline", "scheduler", "detokenize"])
     ap.add_argument("--frames", type=int, default=200, help="pipeline: frames in the throughput folder")
     ap.add_argument("--soak", type=int, default=10_000, help="pipeline: frames in the memory soak")
     ap.add_argument("--prompt", default="describe the image", help="pipeline: prompt for throughput")
@@ -333,6 +379,8 @@ def main() -> None:
         from bench_scheduler import scheduler_markdown, scheduler_section  # tools/ is on sys.path
         args.n = args.n or 500
         results, table = scheduler_section(args), scheduler_markdown
+    elif args.section == "detokenize":
+        results, table = detokenize_section(args), detokenize_markdown
     else:
         results, table = pipeline_section(args), pipeline_markdown
     print(json.dumps(results, indent=1))
