@@ -215,7 +215,7 @@ class StreamManager:
                  route: Callable[[], Any] | None = None):
         check_configured(specs, limit)
         self.runtime, self.specs, self.limit = runtime, specs, limit
-        self.route = route  # the power policy's local placement, asked per frame (Router.local_placement)
+        self.route = route  # the power policy's local placement, asked per frame (Router.local_route)
         self.streams: dict[str, ManagedStream] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
 
