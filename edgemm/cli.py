@@ -16,8 +16,13 @@ import traceback
 import click
 
 from edgemm.errors import EdgemmError, InputError
+from edgemm.generation_limits import MAX_BEAMS, MAX_NEW_TOKENS, MIN_TEMPERATURE, check_generation
 
 DEFAULT_PROMPT = "describe the image"
+# the generation options' flags; their values are checked by edgemm.generation_limits, so the
+# limits and messages are the config's and the API's (click only parses the type)
+GENERATION_FLAGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_p": "--top-p",
+                    "seed": "--seed", "num_beams": "--beams", "beam_gate": "--beam-gate"}
 
 
 def fail(message: str, code: int) -> None:
@@ -108,23 +113,25 @@ def main() -> None:
 @click.option("--tier", help="Pin the resolution tier (default: the scheduler picks; see --scheduler).")
 @click.option("--scheduler", type=click.Choice(["top", "thresholds", "calibrated"]),
               help="Tier policy when no tier is pinned (default: scheduler.policy, top).")
-@click.option("--beams", type=click.IntRange(1, 16), help="Beam search width (1 = greedy).")
-@click.option("--beam-gate", type=click.FloatRange(0, 1),
+@click.option("--beams", type=int, help=f"Beam search width, 1..{MAX_BEAMS} (1 = greedy).")
+@click.option("--beam-gate", type=float,
               help="Collapse beams once the best next token is this likely (0 = greedy, 1 = plain beams).")
 @click.option("--precision", type=click.Choice(["fp32", "int8", "fp16"]), help="Graph variant to load.")
 @click.option("--model", "model_dir", type=click.Path(), help="Model folder (default: built-in tiny-vlm).")
 @click.option("--config", "config_path", type=click.Path(), envvar="EDGEMM_CONFIG",
               help="YAML config file.")
 @click.option("--json", "as_json", is_flag=True, help="Print the answer with timings and metadata as JSON.")
-@click.option("--max-new-tokens", type=click.IntRange(1, 4096))
-@click.option("--temperature", type=click.FloatRange(0), help="0 = greedy.")
-@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True))
-@click.option("--seed", type=click.IntRange(0))
+@click.option("--max-new-tokens", type=int, help=f"Most tokens in the answer, 1..{MAX_NEW_TOKENS}.")
+@click.option("--temperature", type=float, help=f"0 = greedy; sampling needs at least {MIN_TEMPERATURE:g}.")
+@click.option("--top-p", type=float, help="Nucleus sampling mass, in (0, 1].")
+@click.option("--seed", type=int, help="Sampling seed, 0..2**64-1.")
 @click.option("--threads", type=click.IntRange(0), help="Intra-op threads (0 = onnxruntime decides).")
 @reports_errors
 def infer(image, prompt, tier, scheduler, beams, beam_gate, precision, model_dir, config_path, as_json,
           max_new_tokens, temperature, top_p, seed, threads) -> None:
     """Answer PROMPT about IMAGE (a file, or - for stdin)."""
+    check_generation(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                     num_beams=beams, beam_gate=beam_gate, names=GENERATION_FLAGS)  # before the model loads
     from edgemm.runtime import Runtime
     cfg = build_config(config_path, model_dir, precision, threads)
     if scheduler is not None:
@@ -154,7 +161,7 @@ def infer(image, prompt, tier, scheduler, beams, beam_gate, precision, model_dir
 @click.option("--precision", type=click.Choice(["fp32", "int8", "fp16"]))
 @click.option("--model", "model_dir", type=click.Path())
 @click.option("--config", "config_path", type=click.Path(), envvar="EDGEMM_CONFIG")
-@click.option("--max-new-tokens", type=click.IntRange(1, 4096))
+@click.option("--max-new-tokens", type=int, help=f"Most tokens per answer, 1..{MAX_NEW_TOKENS}.")
 @click.option("--latency", "latency_ms", type=click.IntRange(0), default=200, show_default=True,
               help="RTSP jitter buffer in ms.")
 @reports_errors
@@ -166,6 +173,7 @@ def stream(source_uri, prompt, fps, every, max_frames, out, change_threshold, ti
     a folder or glob of images, or synthetic://?fps=10. Ctrl-C / SIGTERM stop it
     after the frames in flight are answered; a summary goes to stderr.
     """
+    check_generation(max_new_tokens=max_new_tokens, names=GENERATION_FLAGS)
     import signal
     import threading
 
@@ -247,7 +255,7 @@ def _tier_list(_ctx, _param, value):
 @click.option("--timing-cache", type=click.Path(dir_okay=False), help="Read and update this TensorRT timing cache.")
 @click.option("--max-batch", type=click.IntRange(1, 64), default=4, show_default=True,
               help="Most images per encoder call on the GPU (server.max_batch).")
-@click.option("--max-beams", type=click.IntRange(1, 16), default=16, show_default=True,
+@click.option("--max-beams", type=click.IntRange(1, MAX_BEAMS), default=MAX_BEAMS, show_default=True,
               help="Most decoder rows (generation.num_beams).")
 @reports_errors
 def engines_build(model_dir, out, device, precision, tiers, components, timing_cache, max_batch, max_beams) -> None:

@@ -32,6 +32,7 @@ from typing import Any
 import yaml
 
 from edgemm.errors import EdgemmError
+from edgemm.generation_limits import FIELDS as GENERATION_FIELDS, LimitError, check_generation
 from edgemm.scheduler import DETAIL_WORDS, STATISTICS
 
 __all__ = [
@@ -77,6 +78,14 @@ def _require(ok: bool, path: str, must: str, value: Any) -> None:
 
 def _choice(value: Any, choices: tuple[str, ...], path: str) -> None:
     _require(value in choices, path, f"be one of {', '.join(choices)}", value)
+
+
+def _generation_limits(path: str, nullable: tuple[str, ...] = (), **values: Any) -> None:
+    """edgemm.generation_limits' checks, as a ConfigError naming `path`.<option>."""
+    try:
+        check_generation(**values, names={k: f"{path}.{k}" for k in values}, nullable=nullable)
+    except LimitError as e:
+        raise ConfigError(str(e)) from None
 
 
 # ---- sections ------------------------------------------------------------------------
@@ -127,24 +136,16 @@ class LimitsConfig:
 
 @dataclass
 class GenerationConfig:
-    max_new_tokens: int = 32  # most tokens generated per answer, 1..4096
-    temperature: float = 0.0  # sampling temperature; 0 = greedy
+    max_new_tokens: int = 32  # most tokens generated per answer, 1..4096 (limits: edgemm/generation_limits.py)
+    temperature: float = 0.0  # sampling temperature; 0 = greedy, else at least 0.001
     top_p: float = 1.0  # nucleus sampling mass, in (0, 1]; 1 = off
-    seed: int | None = None  # sampling seed (>= 0) for reproducible answers; null = random
+    seed: int | None = None  # sampling seed (0..2**64-1) for reproducible answers; null = random
     tier: str | None = None  # resolution tier name (see the model's tiers); null = the scheduler picks (scheduler.policy)
     num_beams: int = 1  # beam search width, 1..16; 1 = greedy / sampling
     beam_gate: float = 0.85  # beams collapse to the best once its next token is this likely, in [0, 1]; 1 = plain beam search
 
     def validate(self, path: str) -> None:
-        _require(1 <= self.max_new_tokens <= 4096, f"{path}.max_new_tokens", "be in 1..4096", self.max_new_tokens)
-        _require(1 <= self.num_beams <= 16, f"{path}.num_beams", "be in 1..16", self.num_beams)
-        _require(0 <= self.beam_gate <= 1, f"{path}.beam_gate", "be in [0, 1]", self.beam_gate)
-        _require(self.num_beams == 1 or self.temperature == 0, f"{path}.num_beams",
-                 "be 1 when sampling (beam search is greedy: temperature 0)", self.num_beams)
-        _require(self.temperature >= 0, f"{path}.temperature", "be >= 0", self.temperature)
-        _require(0 < self.top_p <= 1, f"{path}.top_p", "be in (0, 1]", self.top_p)
-        if self.seed is not None:
-            _require(self.seed >= 0, f"{path}.seed", "be >= 0 or null", self.seed)
+        _generation_limits(path, nullable=("seed",), **{k: getattr(self, k) for k in GENERATION_FIELDS})
         if self.tier is not None:
             _require(self.tier.strip() != "", f"{path}.tier", "be a tier name or null", self.tier)
 
@@ -279,9 +280,7 @@ class StreamConfig:
             _require(self.fps > 0, f"{path}.fps", "be > 0 or null", self.fps)
         if self.change_threshold is not None:
             _require(self.change_threshold >= 0, f"{path}.change_threshold", "be >= 0 or null", self.change_threshold)
-        if self.max_new_tokens is not None:
-            _require(1 <= self.max_new_tokens <= 4096, f"{path}.max_new_tokens", "be in 1..4096 or null",
-                     self.max_new_tokens)
+        _generation_limits(path, nullable=("max_new_tokens",), max_new_tokens=self.max_new_tokens)
 
 
 @dataclass

@@ -20,6 +20,7 @@ import numpy as np
 
 from edgemm.backends.base import Component
 from edgemm.errors import InputError, ModelError
+from edgemm.generation_limits import check_generation  # the one place the limits live
 from edgemm.model.contract import decoder_layers
 
 TOKEN_EMBED_BYTES = 8 << 20  # Generator.embed_next's table: ~3600 tokens of a 576-wide fp32 embedding
@@ -37,18 +38,8 @@ class GenerationOptions:
     beam_gate: float = 0.85  # beams collapse to the best when its next token is this likely (see beams.py)
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise InputError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
-        if not self.temperature >= 0:  # also refuses NaN
-            raise InputError(f"temperature must be ≥ 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise InputError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.num_beams < 1:
-            raise InputError(f"num_beams must be at least 1, got {self.num_beams}")
-        if not 0 <= self.beam_gate <= 1:
-            raise InputError(f"beam_gate must be in [0, 1], got {self.beam_gate}")
-        if self.num_beams > 1 and self.temperature > 0:
-            raise InputError("beam search is deterministic: use num_beams > 1 with temperature 0")
+        check_generation(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
+                         seed=self.seed, num_beams=self.num_beams, beam_gate=self.beam_gate)
 
 
 class ArrayStore(Protocol):

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import httpx
 
+from edgemm.backoff import Backoff
 from edgemm.config import OffloadConfig
 from edgemm.errors import EdgemmError
 
@@ -201,10 +202,11 @@ class OffloadClient:
 
     def _attempts(self, body: dict, started: float) -> OffloadReply:
         error: OffloadError | None = None
+        backoff = Backoff(self.cfg.backoff_s)  # uncapped: offload.retries (at most 10) bounds it
         for attempt in range(1, self.cfg.retries + 2):
             if attempt > 1:
                 self.figures.retries += 1
-                self._sleep(self.cfg.backoff_s * 2 ** (attempt - 2))
+                self._sleep(backoff.next())
             try:
                 response = self._http.post(self.endpoint, json=body)
             except httpx.TimeoutException:

@@ -13,7 +13,6 @@ messages. System and assistant turns are accepted and not shown to the model.
 from __future__ import annotations
 
 import binascii
-import math
 import os
 import urllib.error
 import urllib.parse
@@ -24,10 +23,10 @@ from typing import Any
 import pybase64
 
 from edgemm.errors import EdgemmError
+from edgemm.generation_limits import LimitError, check_generation
 
 DEFAULT_PROMPT = "describe the image"
 ROLES = ("system", "developer", "user", "assistant", "tool")
-MAX_TOKENS = 4096
 
 
 class ApiError(EdgemmError):
@@ -136,24 +135,20 @@ def _parts(content: Any, where: str, role: str) -> tuple[list[str], list[tuple[s
 
 def generation_options(body: dict) -> dict:
     """Generation options, checked here so a bad value is a 400 naming its field."""
-    options: dict = {}
-    max_tokens = _optional(body, "max_completion_tokens", int, "an integer")
-    max_tokens = _optional(body, "max_tokens", int, "an integer") if max_tokens is None else max_tokens
-    if max_tokens is not None:
-        _check(1 <= max_tokens <= MAX_TOKENS, "max_tokens", f"must be in 1..{MAX_TOKENS}", max_tokens)
-        options["max_new_tokens"] = max_tokens
-    temperature = _optional(body, "temperature", float, "a number")
-    if temperature is not None:
-        _check(temperature >= 0, "temperature", "must be >= 0", temperature)
-        options["temperature"] = float(temperature)
-    top_p = _optional(body, "top_p", float, "a number")
-    if top_p is not None:
-        _check(0 < top_p <= 1, "top_p", "must be in (0, 1]", top_p)
-        options["top_p"] = float(top_p)
-    seed = _optional(body, "seed", int, "an integer")
-    if seed is not None:
-        _check(seed >= 0, "seed", "must be >= 0", seed)
-        options["seed"] = seed
+    # max_completion_tokens is the current name, max_tokens the deprecated one; either may come
+    tokens_key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    given = {"max_new_tokens": _optional(body, tokens_key, int, "an integer"),
+             "temperature": _optional(body, "temperature", float, "a number"),
+             "top_p": _optional(body, "top_p", float, "a number"),
+             "seed": _optional(body, "seed", int, "an integer")}
+    try:
+        check_generation(**given, names={"max_new_tokens": tokens_key})
+    except LimitError as e:
+        raise ApiError(str(e), param=e.field) from None
+    options: dict = {k: v for k, v in given.items() if v is not None}
+    for key in ("temperature", "top_p"):
+        if key in options:
+            options[key] = float(options[key])
     extension = _optional(body, "edgemm", dict, "an object") or {}
     if extension.get("tier") is not None:
         _check(isinstance(extension["tier"], str), "edgemm.tier", "must be a tier name", extension["tier"])
@@ -167,8 +162,8 @@ def _optional(body: dict, key: str, kind: type, described: str) -> Any:
     if value is None:
         return None
     numbers = (int, float) if kind is float else (kind,)
-    if not isinstance(value, numbers) or (kind is not bool and isinstance(value, bool)) \
-            or (kind is float and not math.isfinite(value)):
+    # NaN and infinities are numbers (JSON parsers let them through): the limits refuse them by name
+    if not isinstance(value, numbers) or (kind is not bool and isinstance(value, bool)):
         raise ApiError(f"'{key}' must be {described}, got {_json_type(value)}", param=key)
     return value
 

@@ -2,7 +2,7 @@
 
     sysfs under power.root ─► Sensors.read() ─► Telemetry ─► Sampler (short history)
                                                     │
-    queue depth, recent latency ─► Load ────────────┼─► PowerPolicy.decide ─► Placement
+    queue depth, recent latency ─► Load ────────────┼─► PowerPolicy.decide ─► Route
     offload state (off | open | half_open | closed) ┘     (a device per stage + why)
 
 Everything is read from plain files, so neither root nor the jtop daemon is needed:
@@ -296,7 +296,10 @@ class Load:
 
 
 @dataclass(frozen=True)
-class Placement:
+class Route:
+    """Where each stage of one request runs, and why: the policy's per-request choice
+    (what PreparedRequest.route holds). Not edgemm.placement.Placement, which records
+    where a component was loaded."""
     stages: dict[str, str]  # stage → gpu | dla0 | dla1 | cpu | cloud
     reason: str
     conditions: frozenset[str] = frozenset()  # critical, hot, over_budget, slo_miss, slo_at_risk
@@ -325,12 +328,12 @@ class PowerPolicy:
         return cls(cfg.power, cfg.placement, tuple(cfg.offload.allow))
 
     def decide(self, telemetry: Telemetry | None, load: Load, offload: str = "off",
-               previous: Placement | None = None) -> Placement:
+               previous: Route | None = None) -> Route:
         """Where each stage runs and why. `offload`: off | open | half_open | closed (breaker state)."""
         found = self.conditions(telemetry, load, previous.conditions if previous else frozenset())
         wanted = [c for c in OFFLOAD_FOR if c in found and OFFLOAD_FOR[c] in self.allow]
         if wanted and offload in ("closed", "half_open"):
-            return Placement({stage: "cloud" for stage in STAGES}, f"{found[wanted[0]]} → cloud", frozenset(found))
+            return Route({stage: "cloud" for stage in STAGES}, f"{found[wanted[0]]} → cloud", frozenset(found))
         mode = "efficient" if THERMAL & found.keys() else "fast" if found else "preferred"
         dla = telemetry.dla_cores if telemetry else None
         stages = {stage: pick_device(getattr(self.placement, stage), mode, dla) for stage in STAGES}
@@ -342,7 +345,7 @@ class PowerPolicy:
                         "preferred": "configured order"}[mode]
         if any(d.startswith("dla") for d in self.candidates()) and not dla:
             why += " (no DLA on this module)"
-        return Placement(stages, why, frozenset(found))
+        return Route(stages, why, frozenset(found))
 
     def candidates(self) -> list[str]:
         return [d for stage in STAGES for d in getattr(self.placement, stage)]
@@ -408,14 +411,14 @@ class Governor:
 
     def __init__(self, policy: PowerPolicy, sampler: Sampler | None):
         self.policy, self.sampler = policy, sampler
-        self.last: Placement | None = None
+        self.last: Route | None = None
         self.latency_ms: float | None = None
         self.decisions: dict[str, int] = {}  # "cloud" / "local" → count
         self.energy_total_j = 0.0
         self.energy_requests = 0
         self.last_energy_j: float | None = None
 
-    def decide(self, queue_depth: int, offload: str) -> Placement:
+    def decide(self, queue_depth: int, offload: str) -> Route:
         telemetry = self.sampler.latest() if self.sampler else None
         self.last = self.policy.decide(telemetry, Load(queue_depth, self.latency_ms), offload, self.last)
         kind = "cloud" if self.last.cloud else "local"

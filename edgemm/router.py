@@ -1,10 +1,10 @@
-"""Where the daemon's requests run: the power policy's placement, then local or cloud.
+"""Where the daemon's requests run: the power policy's route, then local or cloud.
 
     Service.submit ─► Router.submit ─► Governor.decide (telemetry, queue depth, breaker state)
-        placement "cloud" ─► an offload worker ─► OffloadClient.chat ─► InferenceResult
+        route "cloud" ─► an offload worker ─► OffloadClient.chat ─► InferenceResult
             the endpoint failed ─► offload.fallback_local: the local pipeline
                                    otherwise: the error (502; 504 on timeout; 503 breaker open)
-        anything else ─► the local pipeline, each stage on the device the placement names
+        anything else ─► the local pipeline, each stage on the device the route names
                          (where that component is loaded: placement.keep_alternatives)
 
 The policy only says "cloud" when offload is enabled, allowed for the condition at hand
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from edgemm.config import Config
 from edgemm.offload import OffloadClient, OffloadError, OffloadReply
 from edgemm.pipeline import Pipeline, Request
-from edgemm.power import Governor, Load, Placement, PowerPolicy, Sampler
+from edgemm.power import Governor, Load, PowerPolicy, Route, Sampler
 from edgemm.runtime import InferenceResult
 
 log = logging.getLogger("edgemm")
@@ -47,13 +47,13 @@ class Router:
 
     def submit(self, request: Request, pipeline: Pipeline, queue_depth: int) -> Future:
         """Run `request` where the policy says; Overloaded (503) if the local pipeline is full."""
-        placement = self.governor.decide(queue_depth, self.offload_state())
-        if not placement.cloud or self.workers is None:
-            request.options["route"] = placement
+        route = self.governor.decide(queue_depth, self.offload_state())
+        if not route.cloud or self.workers is None:
+            request.options["route"] = route
             return pipeline.submit(request, block=False)
-        return self.workers.submit(self._cloud, request, pipeline, placement)
+        return self.workers.submit(self._cloud, request, pipeline, route)
 
-    def _cloud(self, request: Request, pipeline: Pipeline, placement: Placement) -> InferenceResult:
+    def _cloud(self, request: Request, pipeline: Pipeline, route: Route) -> InferenceResult:
         assert self.client is not None
         try:
             reply = self.client.chat(image_bytes(request.image), request.prompt, request.options)
@@ -62,13 +62,13 @@ class Router:
                 raise
             self.fallbacks += 1
             log.warning("%s; answering locally (offload.fallback_local)", e)
-            request.options["route"] = self.local_placement()
+            request.options["route"] = self.local_route()
             return pipeline.submit(request, block=False).result()
         if request.on_token is not None:
             request.on_token(-1, reply.text)  # streams get the whole answer as one piece; a gone client stops here
-        return cloud_result(reply, placement)
+        return cloud_result(reply, route)
 
-    def local_placement(self, queue_depth: int = 0) -> Placement:
+    def local_route(self, queue_depth: int = 0) -> Route:
         """Where a request that must run here goes now (the policy with the cloud ruled out)."""
         telemetry = self.sampler.latest() if self.sampler else None
         return self.governor.policy.decide(telemetry, Load(queue_depth, self.governor.latency_ms), "open",
@@ -79,8 +79,8 @@ class Router:
         local = result.devices.get("encode") != "cloud"
         return self.governor.observe(result.timings_ms.get("total", 0.0), local)
 
-    def preview(self, queue_depth: int) -> Placement:
-        """The placement a request arriving now would get (nothing recorded)."""
+    def preview(self, queue_depth: int) -> Route:
+        """The route a request arriving now would get (nothing recorded)."""
         telemetry = self.sampler.latest() if self.sampler else None
         load = Load(queue_depth, self.governor.latency_ms)
         return self.governor.policy.decide(telemetry, load, self.offload_state(), self.governor.last)
@@ -107,10 +107,10 @@ def image_bytes(image: object) -> bytes:
     raise OffloadError("offload: this request's image cannot be sent (not encoded bytes or a file)")
 
 
-def cloud_result(reply: OffloadReply, placement: Placement) -> CloudResult:
+def cloud_result(reply: OffloadReply, route: Route) -> CloudResult:
     ms = reply.seconds * 1e3
     return CloudResult(text=reply.text, tokens=[], finish_reason="length" if reply.finish_reason == "length" else "stop",
                        prompt_tokens=reply.prompt_tokens, tier="cloud", image_tokens=0, precision="remote",
                        devices={"encode": "cloud", "decode": "cloud"}, timings_ms={"offload": ms, "total": ms},
-                       model=reply.model, schedule={"placement": placement.reason},
+                       model=reply.model, schedule={"placement": route.reason},
                        completion_tokens=reply.completion_tokens)

@@ -33,7 +33,7 @@ from edgemm.model.family import Prompt, adapter_for
 from edgemm.model.image import load_image
 from edgemm.model.manifest import COMPONENTS, ModelManifest, ResolutionTier, load_manifest
 from edgemm.placement import Placement, place
-from edgemm.power import Placement as PowerPlacement, reachable_devices
+from edgemm.power import Route, reachable_devices
 from edgemm.scheduler import POLICY_FILE, Decision, Scheduler, TierPolicy
 
 log = logging.getLogger("edgemm")
@@ -97,7 +97,7 @@ class PreparedRequest:
     timings_ms: dict[str, float] = field(default_factory=dict)
     decision: Decision | None = None
     cache_key: bytes | None = None  # feature-cache key of the pixels (None with the cache off)
-    route: PowerPlacement | None = None  # where the power policy wants each stage (None: the first device loaded)
+    route: Route | None = None  # where the power policy wants each stage (None: the first device loaded)
 
 
 class Runtime:
@@ -225,7 +225,7 @@ class Runtime:
     def warmup(self) -> None:
         """One tiny request per tier and one look by the scheduler, so the first real
         request doesn't pay for allocation."""
-        routes = [None] + [PowerPlacement({kind: device}, "warm-up") for kind, loaded in self.standby.items()
+        routes = [None] + [Route({kind: device}, "warm-up") for kind, loaded in self.standby.items()
                            for device in list(loaded)[1:]]  # each standby component once too
         for route in routes:
             for tier in self.manifest.tiers.values():
@@ -267,14 +267,14 @@ class Runtime:
         """Total time spent inside raw backend run calls so far (for overhead accounting)."""
         return sum(c.stats.seconds for by_device in self.standby.values() for c in by_device.values())
 
-    def resolve(self, route: PowerPlacement | None) -> tuple[str, str, str]:
+    def resolve(self, route: Route | None) -> tuple[str, str, str]:
         """The devices that run (encoder, embedding, decoder) for a wished placement: the
         wished device where that component is loaded on it, else its first device."""
         wished = route.stages if route is not None else {}
         return tuple(wished[kind] if wished.get(kind) in self.standby[kind] else self.placements[kind].device
                      for kind in COMPONENTS)
 
-    def generator_for(self, route: PowerPlacement | None) -> Generator:
+    def generator_for(self, route: Route | None) -> Generator:
         """A Generator over the components `route` resolves to (made once per combination)."""
         devices = self.resolve(route)
         generator = self._generators.get(devices)
@@ -313,7 +313,7 @@ class Runtime:
     def prepare(self, image, prompt: str, *, tier: str | None = None, max_new_tokens: int | None = None,
                 temperature: float | None = None, top_p: float | None = None,
                 seed: int | None = None, num_beams: int | None = None,
-                beam_gate: float | None = None, route: PowerPlacement | None = None) -> PreparedRequest:
+                beam_gate: float | None = None, route: Route | None = None) -> PreparedRequest:
         """Stage 1: check and decode the image, pick the tier, build the prompt ids.
 
         The tier is `tier`, else generation.tier from the config, else the scheduler's choice.
@@ -360,7 +360,7 @@ class Runtime:
         return feature_key(pixel_values, tier, self.manifest.name, self.precision)
 
     def encode(self, pixel_values: np.ndarray, keys: list[bytes | None] | None = None,
-               route: PowerPlacement | None = None) -> np.ndarray:
+               route: Route | None = None) -> np.ndarray:
         """Stage 2: image features for a batch of same-tier images [B,3,H,W] → [B,N,D],
         on the encoder `route` resolves to.
 
@@ -411,7 +411,7 @@ class Runtime:
                 batch.step()
         return out  # type: ignore[return-value]
 
-    def open_batch(self, route: PowerPlacement | None, finished) -> "RequestBatch":
+    def open_batch(self, route: Route | None, finished) -> "RequestBatch":
         """An empty batch on the decoder `route` resolves to, that requests join and leave
         between steps (continuous batching, edgemm/decode.py). `finished(key, result or
         exception)` is called for each request as soon as its answer ends."""
@@ -453,7 +453,7 @@ class Runtime:
     def infer(self, image, prompt: str, *, tier: str | None = None, max_new_tokens: int | None = None,
               temperature: float | None = None, top_p: float | None = None, seed: int | None = None,
               num_beams: int | None = None, beam_gate: float | None = None,
-              on_token: TextCallback | None = None, route: PowerPlacement | None = None) -> InferenceResult:
+              on_token: TextCallback | None = None, route: Route | None = None) -> InferenceResult:
         """Answer `prompt` about `image` (a path, encoded bytes or an RGB array).
 
         `on_token(token_id, new_text)` streams the answer: called after each token with the

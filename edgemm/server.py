@@ -152,7 +152,7 @@ class Service:
         self.images = ImagePolicy(self.server.image_dirs, self.server.remote_images,
                                   self.server.remote_timeout_s, config.limits.max_image_bytes)
         self.streams = StreamManager(runtime, config.streams, self.server.max_streams,
-                                     route=self.router.local_placement)
+                                     route=self.router.local_route)
         self.draining = False
         self.metrics = ServiceMetrics(self)
 

@@ -40,6 +40,7 @@ from typing import Any
 import cv2
 import numpy as np
 
+from edgemm.backoff import Backoff
 from edgemm.errors import InputError
 from edgemm.model.image import DEFAULT_MAX_PIXELS, load_image
 
@@ -459,7 +460,7 @@ class CaptureSource(Source):
         self.max_backoff_s = max_backoff_s
         self.max_reconnects = max_reconnects
         self._capture: Any = None
-        self._failures = 0  # consecutive failed reconnects since the last good frame
+        self._retry = Backoff(FIRST_BACKOFF_S, max_backoff_s)  # counts failed reconnects since the last good frame
 
     def _preflight(self) -> None:
         pass
@@ -482,7 +483,7 @@ class CaptureSource(Source):
         while not self._closed.is_set():
             image = self._grab() if self._capture is not None else None
             if image is not None:
-                self._failures = 0
+                self._retry.reset()
                 return self._frame(_to_rgb(image))
             if not self.live:
                 return None  # end of a video file
@@ -492,21 +493,17 @@ class CaptureSource(Source):
     def _reconnect(self) -> None:
         if not self.reconnect:
             raise SourceError(f"camera {self._shown} disconnected")
-        if self.max_reconnects is not None and self._failures >= self.max_reconnects:
+        if self.max_reconnects is not None and self._retry.failures >= self.max_reconnects:
             raise SourceError(f"camera {self._shown} disconnected; "
-                              f"gave up after {self._failures} reconnects")
-        delay = self._backoff()
+                              f"gave up after {self._retry.failures} reconnects")
+        delay = self._retry.delay()
         log.warning("camera %s: no frame; reconnecting in %.1f s", self._shown, delay)
         self._close()
         self._sleep(delay)
-        self._failures += 1
+        self._retry.next()  # counted after the wait, as max_reconnects counts reconnects made
         self.stats.reconnects += 1
         if not self._closed.is_set():
             self._capture = self._open_capture()
-
-    def _backoff(self) -> float:
-        # The exponent is capped so that days of retrying never overflow a float.
-        return min(FIRST_BACKOFF_S * 2.0 ** min(self._failures, 30), self.max_backoff_s)
 
     def _close(self) -> None:
         if self._capture is not None and hasattr(self._capture, "release"):

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from edgemm.backoff import Backoff
 from edgemm.config import ConfigError, StreamConfig, config_from_dict
 from edgemm.errors import EdgemmError, InputError
 from edgemm.runtime import Runtime
@@ -32,7 +33,7 @@ EVENTS_BUFFER = 32  # results buffered per listener
 # Sources a client may start with POST /v1/streams; files and folders only from the config file,
 # so the API cannot be used to read the daemon's files.
 API_SOURCE_KINDS = ("csi", "v4l2", "rtsp", "synthetic")
-FIRST_RETRY_S, MAX_RETRY_S = 0.5, 30.0
+FIRST_RETRY_S, MAX_RETRY_S = 0.5, 30.0  # a stream that fails restarts after 0.5, 1, 2 … s, at most 30
 END = None  # the last item a listener gets: the stream is gone
 
 
@@ -132,7 +133,7 @@ class ManagedStream:
     # -- the stream's own thread --
 
     def _run(self) -> None:
-        failures = 0
+        retry = Backoff(FIRST_RETRY_S, MAX_RETRY_S)
         while not self._stop.is_set():
             answered = self.figures.frames
             error = self._run_once()
@@ -141,8 +142,9 @@ class ManagedStream:
             if error is None:
                 self._set(state="ended")
                 break
-            failures = 1 if self.figures.frames > answered else failures + 1  # a run that worked resets it
-            delay = min(FIRST_RETRY_S * 2 ** min(failures - 1, 10), MAX_RETRY_S)
+            if self.figures.frames > answered:  # a run that answered frames worked: start over
+                retry.reset()
+            delay = retry.next()
             log.warning("stream %s: %s; retrying in %.1f s", self.spec.id, error, delay)
             self._set(state="retrying", last_error=error, retries=self.figures.retries + 1)
             self._stop.wait(delay)
@@ -215,7 +217,7 @@ class StreamManager:
                  route: Callable[[], Any] | None = None):
         check_configured(specs, limit)
         self.runtime, self.specs, self.limit = runtime, specs, limit
-        self.route = route  # the power policy's local placement, asked per frame (Router.local_placement)
+        self.route = route  # the power policy's local placement, asked per frame (Router.local_route)
         self.streams: dict[str, ManagedStream] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
 

@@ -22,7 +22,7 @@ from edgemm.backends.base import TensorSpec
 from edgemm.config import load_config
 from edgemm.errors import InputError, ModelError
 from edgemm.generate import Generator
-from edgemm.model.idefics3 import expand_image
+from edgemm.model.families.idefics3 import expand_image
 from edgemm.model.manifest import load_manifest
 from edgemm.model.resample import resize_lanczos
 from edgemm.model.tiling import tile_layout

@@ -10,7 +10,7 @@ from edgemm.config import ConfigError, PlacementConfig, config_from_dict, load_c
 from edgemm.engines.platform import MISSING
 from edgemm.errors import EngineError, ModelError
 from edgemm.pipeline import Pipeline, Request
-from edgemm.power import Placement as PowerPlacement, reachable_devices
+from edgemm.power import Route, reachable_devices
 from edgemm.placement import place
 from edgemm.runtime import Runtime, default_engines_dir
 
@@ -214,7 +214,7 @@ def test_the_policy_devices_are_loaded_and_followed(monkeypatch, make_runtime, m
     image = model_dir / "samples" / "scene_11.png"
     expected = runtime.infer(image, "how many shapes are there ?").text
 
-    hot = PowerPlacement({"vision_encoder": "dla0", "embed_tokens": "cpu", "decoder": "gpu"}, "hot → DLA first")
+    hot = Route({"vision_encoder": "dla0", "embed_tokens": "cpu", "decoder": "gpu"}, "hot → DLA first")
     result = rt.infer(image, "how many shapes are there ?", route=hot)
     assert result.devices == {"encode": "dla0", "decode": "gpu"} and result.text == expected
     assert result.schedule["placement"] == "hot → DLA first"
@@ -224,7 +224,7 @@ def test_the_policy_devices_are_loaded_and_followed(monkeypatch, make_runtime, m
     assert dla.stats.calls == calls + 1  # the encoder really ran on the standby component
 
     # a device the component is not loaded on: its first device runs it, nothing fails
-    lost = PowerPlacement({"vision_encoder": "dla1", "embed_tokens": "cpu", "decoder": "dla0"}, "x")
+    lost = Route({"vision_encoder": "dla1", "embed_tokens": "cpu", "decoder": "dla0"}, "x")
     assert rt.infer(image, "how many shapes are there ?", route=lost).devices == {"encode": "gpu", "decode": "gpu"}
     assert rt.infer(image, "how many shapes are there ?").devices == {"encode": "gpu", "decode": "gpu"}
 
@@ -232,7 +232,7 @@ def test_the_policy_devices_are_loaded_and_followed(monkeypatch, make_runtime, m
 def test_keep_alternatives_off_loads_only_the_first(monkeypatch, make_runtime):
     rt, fake = standby_runtime(monkeypatch, make_runtime, keep=False)
     assert fake.calls == [("vision_encoder", "gpu"), ("decoder", "gpu")]
-    hot = PowerPlacement({"vision_encoder": "dla0", "embed_tokens": "cpu", "decoder": "gpu"}, "hot")
+    hot = Route({"vision_encoder": "dla0", "embed_tokens": "cpu", "decoder": "gpu"}, "hot")
     assert rt.resolve(hot) == ("gpu", "cpu", "gpu")
 
 
@@ -246,7 +246,7 @@ def test_a_standby_that_fails_to_load_is_reported_not_fatal(monkeypatch, make_ru
 def test_pipeline_batches_only_requests_bound_for_the_same_devices(monkeypatch, make_runtime, model_dir):
     rt, _ = standby_runtime(monkeypatch, make_runtime)
     image = model_dir / "samples" / "scene_11.png"
-    routes = [PowerPlacement({"vision_encoder": d, "embed_tokens": "cpu", "decoder": "gpu"}, d)
+    routes = [Route({"vision_encoder": d, "embed_tokens": "cpu", "decoder": "gpu"}, d)
               for d in ("gpu", "dla0", "dla0", "gpu")]
     with Pipeline(rt, queue_size=8, max_batch=4, batch_timeout_ms=50) as pipeline:
         futures = [pipeline.submit(Request(image, "how many shapes are there ?", {"route": r, "tier": "low"}))

@@ -8,7 +8,7 @@ import pytest
 from fake_jetson import FakeJetson, agx_orin, orin_nano, orin_nx
 
 from edgemm.config import PlacementConfig, PowerConfig, load_config
-from edgemm.power import Governor, Load, Placement, PowerPolicy, Sampler, Sensors, Telemetry, holds
+from edgemm.power import Governor, Load, PowerPolicy, Route, Sampler, Sensors, Telemetry, holds
 
 # ---- telemetry -------------------------------------------------------------------------------
 
@@ -259,7 +259,7 @@ def test_governor_without_sensors_reports_no_energy():
 
 
 def test_placement_to_dict():
-    placement = Placement({"vision_encoder": "dla0"}, "hot", frozenset({"hot"}))
+    placement = Route({"vision_encoder": "dla0"}, "hot", frozenset({"hot"}))
     assert placement.to_dict() == {"stages": {"vision_encoder": "dla0"}, "reason": "hot", "conditions": ["hot"]}
 
 

@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import grp
 import json
+import math
 import os
 import re
 import shutil
@@ -301,6 +302,15 @@ BAD_REQUESTS = {
                                 400, None, "max_tokens"),
     "max_tokens out of range": ("POST", CHAT, lambda s: with_image(data_url(s), max_tokens=0), 400, None, "max_tokens"),
     "top_p out of range": ("POST", CHAT, lambda s: with_image(data_url(s), top_p=1.5), 400, None, "top_p"),
+    "max_completion_tokens out of range": ("POST", CHAT, lambda s: with_image(data_url(s), max_completion_tokens=5000),
+                                           400, None, "max_completion_tokens"),
+    "temperature too small to sample": ("POST", CHAT, lambda s: with_image(data_url(s), temperature=1e-300),
+                                        400, None, "temperature"),
+    "seed beyond 64 bits": ("POST", CHAT, lambda s: with_image(data_url(s), seed=2**64), 400, None, "seed"),
+    "temperature NaN": ("POST", CHAT, lambda s: {"content": json.dumps(with_image(data_url(s), temperature=math.nan)[
+        "json"]).encode(), "headers": {"content-type": "application/json"}}, 400, None, "temperature"),
+    "infer with temperature inf": ("POST", INFER, lambda s: {"content": s.read_bytes(),
+                                                             "params": {"temperature": "inf"}}, 400, None, "temperature"),
     "bad role": ("POST", CHAT, lambda s: {"json": chat(messages=[{"role": "robot", "content": "hi"}])},
                  400, None, "messages[0].role"),
     "unsupported part": ("POST", CHAT, lambda s: {"json": chat(messages=[

@@ -463,8 +463,8 @@ def test_no_reconnect_fails_at_once():
 
 def test_many_failures_do_not_overflow_the_backoff():
     camera = FakeCamera(max_backoff_s=8.0)
-    camera._failures = 5000
-    assert camera._backoff() == 8.0
+    camera._retry.failures = 5000
+    assert camera._retry.delay() == 8.0
 
 
 def test_frames_mask_credentials():

@@ -1,31 +1,39 @@
-"""Family adapters: how a model family turns an image into pixel values and a user
-prompt into input ids.
+"""Model families: the one interface the runtime uses, and the registry that finds them.
 
-Every adapter has the same methods: `pixels(rgb, tier)`, `build_prompt(prompt, tier,
-image_size)`, `decode(ids)` and `stop_ids`. The built-in family fills the manifest's
-prompt format and expands its single image token into one placeholder per image
-feature of the tier; idefics3 (edgemm/model/idefics3.py) tiles the image and
-expands the chat template's image into tiles of placeholders.
+A family turns an image into pixel values and a user prompt into input ids, and the
+generated ids back into text. Each family is one module in edgemm/model/families/ that
+registers itself by model type:
+
+    @register("idefics3", "smolvlm", hf_folder=read_hf_folder)
+    class Idefics3: ...
+
+The key is the model type: `family:` in model.yaml, `model_type` in a Hugging Face
+folder's config.json (as transformers.js keys its model registry). The first name is
+the family's own, written into ModelManifest.family. `hf_folder` is for families whose
+published folders have no model.yaml: it reads what the family needs from the folder's
+JSON files (edgemm.model.hf_folder fills in the rest).
+
+This module imports no family. The registry imports every module of the package
+edgemm.model.families the first time it is asked, so a new family is one new file there;
+a family from elsewhere calls `register` itself before its models are loaded.
 """
 from __future__ import annotations
 
+import importlib
+import pkgutil
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 from tokenizers import Tokenizer
 
-from edgemm.errors import InputError, ModelError
-from edgemm.model.manifest import ModelManifest, ResolutionTier
-from edgemm.model.preprocess import to_pixel_values
+from edgemm.errors import ModelError
+from edgemm.model.manifest_types import ModelManifest, Preprocessing, ResolutionTier
 
-
-def token_id(tokenizer: Tokenizer, token: str, what: str) -> int:
-    """The id of a token the family needs, or a ModelError naming it (`what`)."""
-    found = tokenizer.token_to_id(token)
-    if found is None:
-        raise ModelError(f"{what} is not in the tokenizer")
-    return found
+BUILTIN_FAMILIES = "edgemm.model.families"
 
 
 @dataclass
@@ -42,51 +50,111 @@ class Prompt:
             self.image_positions = np.arange(self.image_start, self.image_start + self.image_tokens)
 
 
-class TinyVLMAdapter:
-    """Prompt format with one `<image>` token, expanded to N for the tier."""
+@runtime_checkable
+class Family(Protocol):
+    """What the runtime asks of a loaded model's family (Runtime.adapter)."""
 
-    def __init__(self, manifest: ModelManifest):
-        self.manifest = manifest
-        path = manifest.path / manifest.files["tokenizer"]
-        try:
-            self.tokenizer = Tokenizer.from_file(str(path))
-        except Exception as e:
-            raise ModelError(f"cannot read tokenizer {path}: {str(e).splitlines()[0] if str(e) else e}") from None
-        self.image_id = self._id(manifest.image_token)
-        self.stop_ids = {self._id(t) for t in manifest.stop_tokens}
-        self.unk_id = self.tokenizer.token_to_id(manifest.special_tokens.get("unk", "<unk>"))
-
-    def _id(self, token: str) -> int:
-        return token_id(self.tokenizer, token, f"{self.manifest.path}: token {token!r} from model.yaml")
+    manifest: ModelManifest
+    tokenizer: Tokenizer
+    stop_ids: set[int]  # generation ends at any of these
 
     def pixels(self, rgb: np.ndarray, tier: ResolutionTier) -> np.ndarray:
-        """RGB8 → float32 [1, 3, H, W] at the tier's size."""
-        pre = self.manifest.preprocessing
-        return to_pixel_values(rgb, tier.height, tier.width, pre.mean, pre.std)
+        """RGB8 [H, W, 3] → the vision encoder's pixel_values at `tier` (float32, batch of 1)."""
+        ...
 
     def build_prompt(self, prompt: str, tier: ResolutionTier, image_size: tuple[int, int] | None = None) -> Prompt:
-        """`image_size` is unused: every image gives the tier's number of placeholders."""
-        text = self.manifest.prompt_format.replace("{prompt}", " ".join(prompt.split()))
-        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
-        if ids.count(self.image_id) != 1:
-            raise InputError(f"the prompt must not contain the image token {self.manifest.image_token}")
-        start = ids.index(self.image_id)
-        ids[start:start + 1] = [self.image_id] * tier.image_tokens
-        unknown = sum(1 for i in ids if i == self.unk_id) if self.unk_id is not None else 0
-        return Prompt(np.asarray([ids], np.int64), start, tier.image_tokens, unknown)
+        """The user's text → input ids with the image placeholders for an image of `image_size` (h, w)."""
+        ...
 
     def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode([i for i in ids if i not in self.stop_ids], skip_special_tokens=True)
+        """Generated ids → the answer's text (stop tokens left out)."""
+        ...
 
 
-def families() -> dict[str, type]:
-    from edgemm.model.idefics3 import Idefics3Adapter  # it builds on Prompt, above
-    return {"tiny-vlm": TinyVLMAdapter, "idefics3": Idefics3Adapter}
+@dataclass
+class FamilyFields:
+    """What a family reads from a Hugging Face folder for its ModelManifest."""
+    tiers: dict[str, ResolutionTier]  # cheapest first
+    preprocessing: Preprocessing
+    image_token: str
+    stop_tokens: list[str]
+    family_config: dict  # whatever else the family's adapter needs (ModelManifest.family_config)
+    default_tier: str | None = None  # None: the richest tier
 
 
-def adapter_for(manifest: ModelManifest):
-    known = families()
-    if manifest.family not in known:
-        raise ModelError(f"{Path(manifest.path) / 'model.yaml'}: unknown family {manifest.family!r} "
-                         f"(known: {', '.join(known)})")
-    return known[manifest.family](manifest)
+HFReader = Callable[[Path, dict], FamilyFields]  # (folder, its config.json) → the family's fields
+
+
+@dataclass(frozen=True)
+class FamilyEntry:
+    name: str  # ModelManifest.family of the models it loads
+    model_types: tuple[str, ...]
+    adapter: Callable[[ModelManifest], Family]  # the family's class
+    hf_folder: HFReader | None = None  # None: its models come with a model.yaml
+
+
+_registry: dict[str, FamilyEntry] = {}  # model type → family
+_discovered = False
+_lock = threading.RLock()  # a family module registers from inside the discovery's import
+F = TypeVar("F")
+
+
+def register(name: str, *model_types: str, hf_folder: HFReader | None = None) -> Callable[[F], F]:
+    """Class decorator: the class is the family `name`, also known by `model_types`."""
+    def add(cls: F) -> F:
+        entry = FamilyEntry(name, (name, *model_types), cls, hf_folder)  # type: ignore[arg-type]
+        with _lock:
+            for key in entry.model_types:
+                known = _registry.get(key)
+                # the same class again is its module imported twice (e.g. reloaded), not a clash
+                if known is not None and _where(known.adapter) != _where(cls):
+                    raise ValueError(f"model type {key!r} is already the family {known.name}")
+            _registry.update(dict.fromkeys(entry.model_types, entry))
+        return cls
+    return add
+
+
+def _where(cls: object) -> str:
+    return f"{getattr(cls, '__module__', '')}.{getattr(cls, '__qualname__', repr(cls))}"
+
+
+def _discover() -> None:
+    """Import every module of edgemm.model.families once; each registers its family."""
+    global _discovered
+    with _lock:
+        if _discovered:
+            return
+        package = importlib.import_module(BUILTIN_FAMILIES)
+        for module in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
+            if not module.name.startswith("_"):
+                importlib.import_module(f"{BUILTIN_FAMILIES}.{module.name}")
+        _discovered = True
+
+
+def registered() -> dict[str, FamilyEntry]:
+    """Every known model type → its family (the built-in ones and any registered since)."""
+    _discover()
+    with _lock:
+        return dict(_registry)
+
+
+def family_entry(model_type: object, refused: str, hf_folder: bool = False) -> FamilyEntry:
+    """The family of `model_type`, or a one-line ModelError starting with `refused` that
+    names the known model types. `hf_folder`: only families that read Hugging Face folders."""
+    known = {k: e for k, e in registered().items() if e.hf_folder is not None or not hf_folder}
+    entry = known.get(model_type) if isinstance(model_type, str) else None
+    if entry is None:
+        hint = ""
+        if isinstance(model_type, str) and model_type in registered():
+            hint = f"; {model_type} models are folders with a model.yaml"
+        raise ModelError(f"{refused} {model_type!r} (known: {', '.join(sorted(known))}){hint}")
+    return entry
+
+
+def family_for(manifest: ModelManifest) -> Family:
+    """The family adapter for a loaded manifest, by ModelManifest.family."""
+    where = Path(manifest.path) / "model.yaml"
+    return family_entry(manifest.family, f"{where}: unknown family").adapter(manifest)
+
+
+adapter_for = family_for  # the name the runtime has always called

@@ -9,6 +9,9 @@ The layout SmolVLM and other VLMs are published in (transformers.js / Optimum):
 
 What model.yaml spells out by hand is read from these files; what the graphs
 declare (input names, KV dtypes, int widths) is read from the sessions later.
+config.json's `model_type` picks the family (edgemm.model.family's registry), and the
+family reads its own part (tiers, preprocessing, image and stop tokens) through the
+`hf_folder` reader it registered.
 """
 from __future__ import annotations
 
@@ -16,11 +19,11 @@ import json
 from pathlib import Path
 
 from edgemm.errors import ModelError
-from edgemm.model.manifest import PRECISIONS, ModelManifest, Preprocessing
+from edgemm.model.family import family_entry
+from edgemm.model.manifest_types import PRECISIONS, ModelManifest
 
 ONNX_FILES = {"vision_encoder": "onnx/vision_encoder.onnx", "embed_tokens": "onnx/embed_tokens.onnx",
               "decoder": "onnx/decoder_model_merged.onnx"}
-FAMILY_OF_MODEL_TYPE = {"idefics3": "idefics3", "smolvlm": "idefics3"}  # SmolVLM2 says "smolvlm"
 CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json", "processor_config.json",
                        "tokenizer_config.json")
 
@@ -65,27 +68,18 @@ def precisions_present(path: Path) -> list[str]:
 
 def load_hf_manifest(path: Path) -> ModelManifest:
     config = read_json(path / "config.json")
-    model_type = config.get("model_type")
-    family = FAMILY_OF_MODEL_TYPE.get(model_type)
-    if family is None:
-        raise ModelError(f"{path / 'config.json'}: model_type {model_type!r} is not a family edgemm knows "
-                         f"(known: {', '.join(sorted(FAMILY_OF_MODEL_TYPE))})")
-    preprocessor = read_json(path / "preprocessor_config.json")
+    entry = family_entry(config.get("model_type"), f"{path / 'config.json'}: unknown model_type",
+                         hf_folder=True)
     for name in (*ONNX_FILES.values(), "tokenizer.json"):
         if not (path / name).is_file():
             raise ModelError(f"{path} is a Hugging Face model folder without {name}")
-    precisions = precisions_present(path)
-    from edgemm.model import idefics3  # the only tiled family so far
-    family_config = idefics3.family_config(path, config, preprocessor,
-                                           read_json(path / "processor_config.json", required=False),
-                                           read_json(path / "generation_config.json", required=False))
-    tiers = idefics3.tiers(family_config)
+    assert entry.hf_folder is not None  # family_entry(hf_folder=True) only returns such families
+    own = entry.hf_folder(path, config)
     text = config.get("text_config", {})
     return ModelManifest(
-        path=path, name=path.name, family=family, files={**ONNX_FILES, "tokenizer": "tokenizer.json"},
-        tiers=tiers, default_tier=list(tiers)[-1],
-        preprocessing=Preprocessing(tuple(family_config["image_mean"]), tuple(family_config["image_std"]),
-                                    "rgb", "tiles"),
-        special_tokens={}, image_token=idefics3.IMAGE_TOKEN, prompt_format="",
-        stop_tokens=[idefics3.END_OF_UTTERANCE], max_context=int(text.get("max_position_embeddings", 8192)),
-        precisions=precisions or ["fp32"], chat_template=chat_template(path), family_config=family_config)
+        path=path, name=path.name, family=entry.name, files={**ONNX_FILES, "tokenizer": "tokenizer.json"},
+        tiers=own.tiers, default_tier=own.default_tier or list(own.tiers)[-1], preprocessing=own.preprocessing,
+        special_tokens={}, image_token=own.image_token, prompt_format="", stop_tokens=own.stop_tokens,
+        max_context=int(text.get("max_position_embeddings", 8192)),
+        precisions=precisions_present(path) or ["fp32"], chat_template=chat_template(path),
+        family_config=own.family_config)

@@ -7,76 +7,17 @@ model folder by hand knows where to look.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
-from edgemm.errors import InputError, ModelError
+from edgemm.errors import ModelError
+from edgemm.model.hf_folder import load_hf_manifest
+# The dataclasses live in manifest_types (hf_folder and the families use them too); they
+# are named here as well because this is where callers have always imported them from.
+from edgemm.model.manifest_types import COMPONENTS, PRECISIONS, ModelManifest, Preprocessing, ResolutionTier
 
-COMPONENTS = ("vision_encoder", "embed_tokens", "decoder")
-PRECISIONS = ("fp32", "fp16", "int8")
-
-
-@dataclass(frozen=True)
-class ResolutionTier:
-    name: str
-    height: int
-    width: int
-    image_tokens: int  # placeholders the prompt gets for this tier
-
-    @property
-    def pixels(self) -> int:
-        return self.height * self.width
-
-
-@dataclass(frozen=True)
-class Preprocessing:
-    mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
-    std: tuple[float, float, float] = (0.5, 0.5, 0.5)
-    color: str = "rgb"
-    resize: str = "stretch"
-
-
-@dataclass
-class ModelManifest:
-    path: Path
-    name: str
-    family: str
-    files: dict[str, str]
-    tiers: dict[str, ResolutionTier]  # ordered from cheapest to richest
-    default_tier: str
-    preprocessing: Preprocessing
-    special_tokens: dict[str, str]
-    image_token: str
-    prompt_format: str
-    stop_tokens: list[str]
-    max_context: int
-    precisions: list[str] = field(default_factory=lambda: ["fp32"])
-    decoder: dict = field(default_factory=dict)
-    chat_template: str | None = None  # Jinja chat template (Hugging Face folders)
-    family_config: dict = field(default_factory=dict)  # what the family adapter needs beyond this
-
-    def tier(self, name: str | None) -> ResolutionTier:
-        name = name or self.default_tier
-        if name not in self.tiers:
-            raise InputError(f"unknown tier {name!r} for model {self.name} "
-                             f"(tiers: {', '.join(self.tiers)})")
-        return self.tiers[name]
-
-    def graph_path(self, component: str, precision: str) -> Path:
-        """The ONNX file of `component` in `precision`, by the Optimum suffix convention."""
-        base = self.path / self.files[component]
-        if precision == "fp32":
-            path = base
-        else:
-            path = base.with_name(f"{base.stem}_{precision}{base.suffix}")
-        if not path.is_file():
-            hint = (f"; make it with: python tools/quantize.py {self.path}"
-                    if precision == "int8" else "")
-            raise ModelError(f"model {self.name}: {component} has no {precision} graph "
-                             f"({path} not found){hint}")
-        return path
+__all__ = ["COMPONENTS", "PRECISIONS", "ModelManifest", "Preprocessing", "ResolutionTier", "load_manifest"]
 
 
 def _require(data: dict, key: str, kind: type, where: str):
@@ -109,7 +50,6 @@ def load_manifest(model_dir: str | Path) -> ModelManifest:
     if not path.is_dir():
         raise ModelError(f"model folder not found: {path}")
     if not yaml_path.is_file() and (path / "config.json").is_file():
-        from edgemm.model.hf_folder import load_hf_manifest  # it builds on this module's types
         return load_hf_manifest(path)
     if not yaml_path.is_file():
         raise ModelError(f"{path} is not a model folder: model.yaml not found")

@@ -14,6 +14,9 @@ tile by tile, fills the `<image>` positions in order.
 
 Resolution tiers turn the longest edge the image is resized to: `global` (one
 tile), `2x2`, up to the model's `size.longest_edge` (e.g. `4x4` for SmolVLM).
+
+Registered for the model types `idefics3` and `smolvlm` (SmolVLM2's config.json says
+"smolvlm"); its folders are Hugging Face folders, read by `read_hf_folder`.
 """
 from __future__ import annotations
 
@@ -22,12 +25,12 @@ from datetime import datetime
 from pathlib import Path
 
 import numpy as np
-from tokenizers import Tokenizer
-
 from edgemm.errors import InputError, ModelError
-from edgemm.model.family import Prompt, token_id
-from edgemm.model.manifest import ModelManifest, ResolutionTier
+from edgemm.model.family import FamilyFields, Prompt, register
+from edgemm.model.hf_folder import read_json
+from edgemm.model.manifest_types import ModelManifest, Preprocessing, ResolutionTier
 from edgemm.model.tiling import tile_layout, tile_pixels
+from edgemm.model.tokenizer import load_tokenizer, token_id
 
 IMAGE_TOKEN = "<image>"
 FAKE_TOKEN = "<fake_token_around_image>"
@@ -76,6 +79,17 @@ def tiers(cfg: dict) -> dict[str, ResolutionTier]:
     return out
 
 
+def read_hf_folder(path: Path, config: dict) -> FamilyFields:
+    """This family's part of a Hugging Face folder's manifest (edgemm.model.hf_folder)."""
+    cfg = family_config(path, config, read_json(path / "preprocessor_config.json"),
+                        read_json(path / "processor_config.json", required=False),
+                        read_json(path / "generation_config.json", required=False))
+    return FamilyFields(tiers=tiers(cfg), image_token=IMAGE_TOKEN, stop_tokens=[END_OF_UTTERANCE],
+                        preprocessing=Preprocessing(tuple(cfg["image_mean"]), tuple(cfg["image_std"]),
+                                                    "rgb", "tiles"),
+                        family_config=cfg)
+
+
 def expand_image(rows: int, cols: int, seq_len: int) -> str:
     """The text that replaces one `<image>`, exactly as Idefics3Processor writes it."""
     tokens = IMAGE_TOKEN * seq_len
@@ -105,17 +119,14 @@ def _compile_template(source: str, where: Path):
         raise ModelError(f"{where}: chat template does not compile ({e})") from None
 
 
+@register("idefics3", "smolvlm", hf_folder=read_hf_folder)
 class Idefics3Adapter:
     """Prompt building and pixels for Idefics3 / SmolVLM folders (see the module docstring)."""
 
     def __init__(self, manifest: ModelManifest):
         self.manifest = manifest
         self.cfg = manifest.family_config
-        path = manifest.path / manifest.files["tokenizer"]
-        try:
-            self.tokenizer = Tokenizer.from_file(str(path))
-        except Exception as e:
-            raise ModelError(f"cannot read tokenizer {path}: {str(e).splitlines()[0] if str(e) else e}") from None
+        self.tokenizer = load_tokenizer(manifest.path / manifest.files["tokenizer"])
         self.image_id = self._id(IMAGE_TOKEN)
         for token in (FAKE_TOKEN, GLOBAL_TOKEN, END_OF_UTTERANCE):
             self._id(token)

@@ -1,0 +1,48 @@
+"""The built-in family (models/tiny-vlm): a model.yaml prompt format with one image token.
+
+The prompt format's `{prompt}` gets the user's text; its single image token expands to
+one placeholder per image feature of the tier; the image is stretched to the tier's size.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from edgemm.errors import InputError
+from edgemm.model.family import Prompt, register
+from edgemm.model.manifest_types import ModelManifest, ResolutionTier
+from edgemm.model.preprocess import to_pixel_values
+from edgemm.model.tokenizer import load_tokenizer, token_id
+
+
+@register("tiny-vlm")
+class TinyVLMAdapter:
+    """Prompt format with one `<image>` token, expanded to N for the tier."""
+
+    def __init__(self, manifest: ModelManifest):
+        self.manifest = manifest
+        self.tokenizer = load_tokenizer(manifest.path / manifest.files["tokenizer"])
+        self.image_id = self._id(manifest.image_token)
+        self.stop_ids = {self._id(t) for t in manifest.stop_tokens}
+        self.unk_id = self.tokenizer.token_to_id(manifest.special_tokens.get("unk", "<unk>"))
+
+    def _id(self, token: str) -> int:
+        return token_id(self.tokenizer, token, f"{self.manifest.path}: token {token!r} from model.yaml")
+
+    def pixels(self, rgb: np.ndarray, tier: ResolutionTier) -> np.ndarray:
+        """RGB8 → float32 [1, 3, H, W] at the tier's size."""
+        pre = self.manifest.preprocessing
+        return to_pixel_values(rgb, tier.height, tier.width, pre.mean, pre.std)
+
+    def build_prompt(self, prompt: str, tier: ResolutionTier, image_size: tuple[int, int] | None = None) -> Prompt:
+        """`image_size` is unused: every image gives the tier's number of placeholders."""
+        text = self.manifest.prompt_format.replace("{prompt}", " ".join(prompt.split()))
+        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        if ids.count(self.image_id) != 1:
+            raise InputError(f"the prompt must not contain the image token {self.manifest.image_token}")
+        start = ids.index(self.image_id)
+        ids[start:start + 1] = [self.image_id] * tier.image_tokens
+        unknown = sum(1 for i in ids if i == self.unk_id) if self.unk_id is not None else 0
+        return Prompt(np.asarray([ids], np.int64), start, tier.image_tokens, unknown)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode([i for i in ids if i not in self.stop_ids], skip_special_tokens=True)

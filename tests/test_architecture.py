@@ -1,0 +1,198 @@
+"""How edgemm's modules depend on each other, and how model families are found.
+
+The import graph is read from the source with `ast`, not by importing: an import at
+module level (including class bodies and module-level try/if, but not
+`if TYPE_CHECKING:`) runs when the module is imported; one inside a function runs later.
+"""
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+import edgemm
+from edgemm.errors import ModelError
+from edgemm.model import family
+from edgemm.model.families.idefics3 import Idefics3Adapter
+from edgemm.model.families.tiny_vlm import TinyVLMAdapter
+from edgemm.model.family import Family, family_entry, family_for, register, registered
+from edgemm.model.manifest import load_manifest
+
+PACKAGE = Path(edgemm.__file__).resolve().parent
+IDEFICS3_FIXTURE = Path(__file__).resolve().parent / "fixtures" / "idefics3-tiny"
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+def _imported(node: ast.Import | ast.ImportFrom, module: str, is_package: bool) -> list[str]:
+    """Dotted names an import statement may load (`from a import b` may load a.b)."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    base = node.module or ""
+    if node.level:  # relative: from the module's package, up level - 1
+        package = module.split(".") if is_package else module.split(".")[:-1]
+        package = package[:len(package) - node.level + 1]
+        base = ".".join(package + ([base] if base else []))
+    return [base] + [f"{base}.{alias.name}" for alias in node.names]
+
+
+FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
+
+
+def _imports(node: ast.AST, in_function: bool = False):
+    """(import statement, inside a function?) for every import under `node`."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, (ast.Import, ast.ImportFrom)):
+            yield child, in_function
+        elif isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+            for other in child.orelse:  # the body is for type checkers only, never run
+                yield from _imports(ast.Module(body=[other], type_ignores=[]), in_function)
+        else:
+            yield from _imports(child, in_function or isinstance(child, FUNCTIONS))
+
+
+def import_graph(with_function_imports: bool = False) -> dict[str, set[str]]:
+    """edgemm module → the edgemm modules it imports (at module level, or anywhere)."""
+    known = modules()
+
+    def owner(name: str) -> str | None:  # `edgemm.model.family.Prompt` → `edgemm.model.family`
+        while name and name not in known:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for module, path in known.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        targets: set[str] = set()
+        for node, in_function in _imports(tree):
+            if in_function and not with_function_imports:
+                continue
+            for name in _imported(node, module, path.name == "__init__.py"):
+                target = owner(name) if name.startswith("edgemm") else None
+                if target is not None and target != module and not module.startswith(target + "."):
+                    targets.add(target)  # a module's own package is imported first anyway: not an edge
+        graph[module] = targets
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every cycle a depth-first search meets, as a path that starts and ends at one module."""
+    found, state, path = [], {}, []
+
+    def visit(node: str) -> None:
+        state[node] = "open"
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                found.append(path[path.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt)
+        path.pop()
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    return found
+
+
+# ---- the import graph ---------------------------------------------------------------------
+
+def test_the_graph_reader_sees_imports_and_cycles():
+    """The checks below are only worth something if the reader finds real edges and cycles."""
+    graph = import_graph()
+    assert "edgemm.model.family" in graph["edgemm.runtime"]
+    assert "edgemm.model.manifest_types" in graph["edgemm.model.hf_folder"]
+    assert "edgemm.model.families.tiny_vlm" not in graph["edgemm.model.family"]
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycles_among_edgemm_modules():
+    assert cycles(import_graph()) == []
+
+
+def test_model_package_has_no_cycles_even_through_function_level_imports():
+    """Deferring an import into a function hides a cycle, it doesn't remove it: the model
+    package (families, manifests, folders) has none at all."""
+    graph = import_graph(with_function_imports=True)
+    model = {m: {t for t in targets if t.startswith("edgemm.model")}
+             for m, targets in graph.items() if m.startswith("edgemm.model")}
+    assert cycles(model) == []
+
+
+def test_family_module_imports_no_family():
+    """The registry finds the families; it never names one."""
+    graph = import_graph(with_function_imports=True)
+    assert not any(t.startswith("edgemm.model.families") for t in graph["edgemm.model.family"])
+    assert "edgemm.model.hf_folder" not in graph["edgemm.model.manifest_types"]
+
+
+# ---- the family registry ----------------------------------------------------------------
+
+def test_built_in_families_are_registered_by_model_type():
+    known = registered()
+    assert known["tiny-vlm"].adapter is TinyVLMAdapter
+    assert known["idefics3"].adapter is known["smolvlm"].adapter is Idefics3Adapter
+    assert known["smolvlm"].name == "idefics3"  # what ModelManifest.family says for either
+    assert known["tiny-vlm"].hf_folder is None and known["idefics3"].hf_folder is not None
+
+
+@pytest.mark.parametrize("folder, cls", [(PACKAGE.parent / "models" / "tiny-vlm", TinyVLMAdapter),
+                                         (IDEFICS3_FIXTURE, Idefics3Adapter)])
+def test_each_family_is_what_the_runtime_expects(folder, cls):
+    adapter = family_for(load_manifest(folder))
+    assert type(adapter) is cls and isinstance(adapter, Family)
+
+
+def test_unknown_model_type_is_one_line_naming_the_known_ones():
+    with pytest.raises(ModelError) as info:
+        family_entry("llava", "models/x/config.json: unknown model_type")
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith("models/x/config.json: unknown model_type 'llava' (known: ")
+    assert all(name in message for name in ("idefics3", "smolvlm", "tiny-vlm"))
+
+
+def test_a_new_family_is_one_new_module(tmp_path, monkeypatch):
+    """A module dropped into the families package is found and registered, with no other edit."""
+    registered()  # the real built-ins, before the package is swapped
+    package = tmp_path / "more_families"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "_helpers.py").write_text("raise AssertionError('modules starting with _ are skipped')\n")
+    (package / "llava.py").write_text(
+        "from edgemm.model.family import register\n\n\n"
+        "@register('llava', 'llava_next')\n"
+        "class Llava:\n"
+        "    def __init__(self, manifest):\n"
+        "        self.manifest = manifest\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(family, "BUILTIN_FAMILIES", "more_families")
+    monkeypatch.setattr(family, "_registry", dict(family._registry))  # restored afterwards
+    monkeypatch.setattr(family, "_discovered", False)
+    monkeypatch.delitem(sys.modules, "more_families", raising=False)
+    entry = family_entry("llava_next", "unknown model_type")
+    assert entry.name == "llava" and entry.adapter.__module__ == "more_families.llava"
+    assert "tiny-vlm" in registered()  # the built-ins are still there
+
+
+def test_two_families_cannot_claim_one_model_type(monkeypatch):
+    monkeypatch.setattr(family, "_registry", dict(registered()))
+
+    class Impostor:
+        pass
+
+    with pytest.raises(ValueError, match="'smolvlm' is already the family idefics3"):
+        register("impostor", "smolvlm")(Impostor)
+    assert "impostor" not in family._registry  # refused whole, not half-registered
