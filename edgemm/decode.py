@@ -98,7 +98,9 @@ class DecodingBatch:
     (a Generation) or fails (the exception), from the thread that calls join/step.
     """
 
-    def __init__(self, gen: Generator, finished: Finished):
+    def __init__(self, gen: Generator, finished: Finished, steps_by_rows: Counter | None = None):
+        """`steps_by_rows`: where to count decoder calls by rows stepped together (the
+        caller's running tally, so that it is current whenever an answer is handed over)."""
         self.gen, self.finished = gen, finished
         self.answers: list[_Answer] = []
         self.logits = np.zeros((0, 0), np.float32)  # [R, V]: each row's next-token logits
@@ -114,7 +116,7 @@ class DecodingBatch:
         self._positions = np.zeros((0, 1), gen.position_dtype)
         self._position_col = 0
         self._rows = np.arange(0)  # [R]: 0 … R-1, for indexing every row at once
-        self.steps_by_rows: Counter = Counter()  # rows stepped together → decoder calls
+        self.steps_by_rows: Counter = Counter() if steps_by_rows is None else steps_by_rows
 
     def __len__(self) -> int:
         return len(self.answers)

@@ -25,7 +25,7 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -73,7 +73,7 @@ class StageStats:
     items: dict[str, int] = field(default_factory=lambda: {"prepare": 0, "encode": 0, "decode": 0})
     batches: list[int] = field(default_factory=list)  # encoder batch sizes (last 1000)
     batch_counts: dict[int, int] = field(default_factory=dict)  # batch size → encoder calls, ever
-    decode_steps: dict[int, int] = field(default_factory=dict)  # rows stepped together → decoder calls, ever
+    decode_steps: Counter = field(default_factory=Counter)  # rows stepped together → decoder calls, ever
     completed: int = 0
     failed: int = 0
     rejected: int = 0
@@ -258,7 +258,7 @@ class Pipeline:
         devices) closes the batch to newcomers, so that it goes next.
         Returns how many requests were answered."""
         devices = self.runtime.resolve(first.prepared.route)
-        batch = self.runtime.open_batch(first.prepared.route, self._answer)
+        batch = self.runtime.open_batch(first.prepared.route, self._answer, self.stats.decode_steps)
         joining = [first] + self._joiners(devices, self.max_batch - 1)
         answered = 0
         while joining or batch:
@@ -275,8 +275,6 @@ class Pipeline:
                 self.joins.stepped(time.perf_counter() - started)
             room = self.max_batch - len(batch)
             joining = self._joiners(devices, room) if room and self.joins.now(batch.progress()) else []
-        for rows, calls in batch.steps_by_rows.items():
-            self.stats.decode_steps[rows] = self.stats.decode_steps.get(rows, 0) + calls
         return answered
 
     def _joiners(self, devices: tuple, room: int) -> list[Request]:

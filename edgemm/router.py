@@ -65,7 +65,7 @@ class Router:
             request.options["route"] = self.local_route()
             return pipeline.submit(request, block=False).result()
         if request.on_token is not None:
-            request.on_token(-1, reply.text)  # streams get the whole answer as one piece; a gone client stops here
+            request.on_token(-1, reply.text)  # a stream gets the whole answer as one piece (edgemm.detokenize.END_OF_TEXT)
         return cloud_result(reply, route)
 
     def local_route(self, queue_depth: int = 0) -> Route:

@@ -14,6 +14,7 @@ import logging
 import os
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -411,10 +412,11 @@ class Runtime:
                 batch.step()
         return out  # type: ignore[return-value]
 
-    def open_batch(self, route: Route | None, finished) -> "RequestBatch":
+    def open_batch(self, route: Route | None, finished, steps_by_rows: Counter | None = None) -> "RequestBatch":
         """An empty batch on the decoder `route` resolves to, that requests join and leave
         between steps (continuous batching, edgemm/decode.py). `finished(key, result or
-        exception)` is called for each request as soon as its answer ends."""
+        exception)` is called for each request as soon as its answer ends; decoder calls are
+        counted by rows stepped together into `steps_by_rows` (a Counter) if given."""
         generator = self.generator_for(route)
 
         def done(key, outcome) -> None:
@@ -427,7 +429,7 @@ class Runtime:
                 except Exception as e:  # assembling the answer failed: this request alone
                     outcome = e
             finished(caller_key, outcome)
-        return RequestBatch(self, DecodingBatch(generator, done))
+        return RequestBatch(self, DecodingBatch(generator, done, steps_by_rows))
 
     def _prefix_reuse(self, request: PreparedRequest) -> PrefixReuse | None:
         if self.cache is None or request.cache_key is None:

@@ -42,7 +42,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from edgemm.config import Config, ServerConfig
-from edgemm.errors import EdgemmError
+from edgemm.errors import Cancelled, EdgemmError
 from edgemm.metrics import CONTENT_TYPE, Counter, Gauge, Histogram, Registry
 from edgemm.openai_api import (DEFAULT_PROMPT, ApiError, ChatRequest, ImagePolicy, chunk, completion, error_body,
                                extras, finish_reason, generation_options, load_image_url, parse_chat_request,
@@ -57,10 +57,6 @@ log = logging.getLogger("edgemm")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 ENDPOINTS = ("/v1/chat/completions", "/v1/infer", "/v1/models", "/v1/streams", "/v1/status", "/healthz", "/readyz",
              "/metrics")
-
-
-class Cancelled(Exception):
-    """Raised inside the decoder's token callback to stop an answer nobody waits for."""
 
 
 # ---- admission: a bounded number of requests at once ------------------------------------
@@ -105,8 +101,10 @@ class Ticket:
 class TokenFeed:
     """The answer so far, from the decode thread to the event loop.
 
-    Newest text wins (no queue): a slow client gets what was generated meanwhile as
-    one larger delta, so nothing piles up between decoder and socket.
+    The decoder hands over the text each token adds; the feed appends it, and the SSE
+    writer sends what it has not sent yet. No queue: a slow client gets what was
+    generated meanwhile as one larger delta, so nothing piles up between decoder and
+    socket (the text itself is bounded by max_tokens).
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
@@ -122,7 +120,7 @@ class TokenFeed:
 
     def _update(self, text: str | None, finished: bool) -> None:
         if text is not None:
-            self.text = text
+            self.text += text
         self.finished = self.finished or finished
         self.changed.set()
 
@@ -288,16 +286,11 @@ class Service:
                stream: bool = False) -> Job:
         """Into the pipeline without waiting; a full pipeline raises Overloaded (503)."""
         loop = asyncio.get_running_loop()
-        cancelled = threading.Event()
         feed = TokenFeed(loop) if stream else None
-
-        def on_token(_token: int, text: str) -> None:  # in the decode thread
-            if cancelled.is_set():
-                raise Cancelled("cancelled: the client went away or the request timed out")
-            if feed is not None:
-                feed.push(text)
-
-        request = Request(image, prompt, options, on_token=on_token)
+        # only a streamed answer is detokenized as it goes; the decode loop checks the
+        # request's cancel flag between steps (edgemm/decode.py)
+        request = Request(image, prompt, options, on_token=(lambda _token, text: feed.push(text)) if feed else None)
+        cancelled = request.cancelled
         future = self.router.submit(request, self.pipeline, self.admission.count - 1)  # local, or the cloud
         future.add_done_callback(ticket.release)
         if feed is not None:

@@ -66,9 +66,9 @@ class RecordingDecode:
     def __call__(self, request, features, on_token=None, cancelled=None):
         return self.original(request, features, on_token, cancelled)  # a batch of one: recorded in its join
 
-    def open_batch(self, route, finished):
+    def open_batch(self, route, finished, steps_by_rows=None):
         self.opened += 1
-        batch = self.original_open(route, finished)
+        batch = self.original_open(route, finished, steps_by_rows)
         join = batch.join
 
         def recording_join(requests):
