@@ -371,22 +371,29 @@ class DecodingBatch:
             return out
 
         self.feeds = self.gen.step_feeds({name: stacked(name) for name in self.gen.past_names})
-        mask = np.zeros((old_rows + len(answers), width), self.gen.mask_dtype)
-        mask[:old_rows, width - old_width:] = self.mask
+        old_mask = self.mask
+        mask = self._new_mask(old_rows + len(answers), width)
+        mask[:old_rows, :width - old_width] = 0
+        mask[:old_rows, width - old_width:width] = old_mask
         for j, a in enumerate(answers, start=old_rows):
-            mask[j, width - a.length:] = 1
-        self._set_mask(mask)
+            mask[j, :width - a.length] = 0
         # a joining row's first generated token goes at the position after its prompt
-        self._set_positions(np.concatenate([self._next_positions()[:old_rows], [a.length for a in answers]]))
+        following = [a.length for a in answers]
+        self._set_positions(np.concatenate([self._next_positions(), following]) if old_rows else following)
         self.logits = np.concatenate([self.logits, logits]) if old_rows else logits
         self.answers = self.answers + answers
 
     def _set_mask(self, mask: np.ndarray, spare: int = 32) -> None:
-        self.width = mask.shape[1]
-        if len(self._rows) != mask.shape[0]:
-            self._rows = np.arange(mask.shape[0])
-        self._mask = np.ones((mask.shape[0], self.width + spare), self.gen.mask_dtype)
-        self._mask[:, :self.width] = mask
+        self._new_mask(mask.shape[0], mask.shape[1], spare)[:, :self.width] = mask
+
+    def _new_mask(self, rows: int, width: int, spare: int = 32) -> np.ndarray:
+        """A mask buffer of `rows` × `width` used columns (all 1: the caller writes the
+        padding's zeros) and `spare` more."""
+        self.width = width
+        if len(self._rows) != rows:
+            self._rows = np.arange(rows)
+        self._mask = np.ones((rows, width + spare), self.gen.mask_dtype)
+        return self._mask
 
     def _next_positions(self) -> np.ndarray:
         """[R]: the position id each row's next token gets."""

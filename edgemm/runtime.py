@@ -388,10 +388,14 @@ class Runtime:
     def decode(self, request: PreparedRequest, features: np.ndarray, on_token: TextCallback | None = None,
                cancelled: threading.Event | None = None) -> InferenceResult:
         """Stage 3 for one request, its features [1,N,D]: a decoding batch of one."""
-        outcome = self.decode_batch([request], [features], [on_token], [cancelled])[0]
-        if isinstance(outcome, Exception):
-            raise outcome
-        return outcome
+        outcome: list = []
+        batch = self.open_batch(request.route, lambda _key, result: outcome.append(result))
+        batch.join([(None, request, features, on_token, cancelled)])
+        while batch:
+            batch.step()
+        if isinstance(outcome[0], Exception):
+            raise outcome[0]
+        return outcome[0]
 
     def decode_batch(self, requests: list[PreparedRequest], features: list[np.ndarray],
                      on_tokens: list[TextCallback | None] | None = None,
