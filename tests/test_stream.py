@@ -1,6 +1,7 @@
-"""Stream mode: the newest-wins slot, frame filtering, change gating, run_stream on files
-(lossless, errors in place), max_frames, drops on a fast live source, graceful stop, and
-`edgemm stream` on the command line.
+"""Stream mode: the newest-wins slot, frame filtering, change gating (frames that barely
+changed never reach the pipeline), run_stream on files (lossless, errors in place),
+max_frames, drops on a fast live source, graceful stop, streams sharing one pipeline that
+outlives them, and `edgemm stream` on the command line.
 
 Timing is controlled with threading.Events wrapped around the runtime's stages, never by
 sleeping. Only the last test looks at what the model answers: it needs the trained model.
@@ -19,7 +20,6 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-import edgemm.stream
 from edgemm.cli import main
 from edgemm.pipeline import Pipeline, Request
 from edgemm.scenes import make_scene
@@ -35,13 +35,16 @@ def frame(index: int, image=None) -> Frame:
     return Frame(index, image, 0.0, "test://")
 
 
-def run_in_thread(*args, **kwargs):
-    """run_stream, bounded: a hang fails the test instead of freezing the run."""
+def run_in_thread(runtime, source, options, emit, stop=None, pipeline=None):
+    """run_stream, bounded: a hang fails the test instead of freezing the run. Without a
+    `pipeline`, in one of its own that is closed at the end (as `edgemm stream` runs it)."""
+    own = pipeline is None
+    pipeline = pipeline if pipeline is not None else Pipeline(runtime, queue_size=options.share(source.live))
     out: dict = {}
 
     def target():
         try:
-            out["summary"] = run_stream(*args, **kwargs)
+            out["summary"] = run_stream(pipeline, source, options, emit, stop)
         except BaseException as e:  # surfaced below
             out["error"] = e
 
@@ -49,6 +52,9 @@ def run_in_thread(*args, **kwargs):
     thread.start()
     thread.join(WAIT_S)
     assert not thread.is_alive(), "run_stream did not return"
+    assert pipeline.alive() and not pipeline._closed, "run_stream closed the pipeline it was given"
+    if own:
+        pipeline.close()
     if "error" in out:
         raise out["error"]
     return out["summary"]
@@ -137,12 +143,14 @@ def test_frame_filter_every_and_fps_together():
 def test_change_gate_reuses_for_an_identical_frame_only():
     gate = ChangeGate(threshold=2.0)
     scene = make_scene(7).image
-    assert gate(Request(scene, "p")) is False  # nothing to compare with yet
-    assert gate(Request(scene.copy(), "p")) is True
-    assert gate(Request(255 - scene, "p")) is False  # very different
+    assert gate(scene) is False  # nothing to compare with yet
+    assert gate(scene.copy()) is True
+    assert gate(255 - scene) is False  # very different
     other = make_scene(8).image
-    assert gate(Request(other, "p")) is False
-    assert gate(Request(other.copy(), "p")) is True  # compared with the last processed frame
+    assert gate(other) is False
+    assert gate(other.copy()) is True  # compared with the last processed frame
+    gate.forget()  # the last processed frame failed: the next one is processed
+    assert gate(other.copy()) is False
 
 
 # ---- run_stream on files ------------------------------------------------------------------------
@@ -162,7 +170,7 @@ def folder(tmp_path) -> Path:
 def test_folder_is_lossless_in_order_with_the_bad_file_in_place(runtime, folder):
     records = []
     source = open_source(str(folder))
-    summary = run_in_thread(runtime, source, StreamOptions("how many shapes are there ?", queue_size=1,
+    summary = run_in_thread(runtime, source, StreamOptions("how many shapes are there ?", lossless_inflight=1,
                                                            generation=FAST), records.append)
     assert len(records) == 7
     assert set(records[3]) == {"error"} and "03.png" in records[3]["error"]
@@ -290,7 +298,6 @@ def test_stop_answers_every_frame_already_taken(runtime, monkeypatch):
         assert three_in.wait(WAIT_S)  # so that frames are in flight when the stop comes
         return decode(request, features, on_token)
 
-    monkeypatch.setattr(edgemm.stream, "Pipeline", CountingPipeline)
     monkeypatch.setattr(runtime, "decode", decode_once_three_are_in)
     stop = threading.Event()
     records = []
@@ -300,7 +307,8 @@ def test_stop_answers_every_frame_already_taken(runtime, monkeypatch):
         stop.set()  # after the first answer
 
     source = open_source("synthetic://?count=50&size=64")
-    summary = run_in_thread(runtime, source, StreamOptions("p", generation=FAST), emit, stop)
+    with CountingPipeline(runtime) as pipeline:
+        summary = run_in_thread(runtime, source, StreamOptions("p", generation=FAST), emit, stop, pipeline)
     assert 3 <= len(submitted) < 50
     assert [r["frame"] for r in records] == submitted == list(range(len(submitted)))
     assert all("error" not in r for r in records)
@@ -321,7 +329,8 @@ def test_stop_while_a_live_camera_is_reconnecting(runtime, monkeypatch):
     source = UnpluggedCamera()
     stop = threading.Event()
     done = threading.Event()
-    thread = threading.Thread(target=lambda: (run_stream(runtime, source, StreamOptions("p"),
+    pipeline = Pipeline(runtime)
+    thread = threading.Thread(target=lambda: (run_stream(pipeline, source, StreamOptions("p"),
                                                          lambda r: None, stop), done.set()),
                               daemon=True)
     thread.start()
@@ -335,6 +344,7 @@ def test_stop_while_a_live_camera_is_reconnecting(runtime, monkeypatch):
     finally:
         source.close()  # lets the reader out if run_stream did not
         thread.join(WAIT_S)
+        pipeline.close()
 
 
 # ---- the command line ----------------------------------------------------------------------------
