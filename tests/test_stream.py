@@ -203,6 +203,102 @@ def test_every_skips_are_counted(runtime):
     assert summary.frames == 3 and summary.skipped == 4
 
 
+# ---- change gating in the stream: a frame that barely changed never enters the pipeline ----------
+
+class EncodedImages:
+    """runtime.encode counting the images that reach it (the pipeline's encode stage)."""
+
+    def __init__(self, runtime):
+        self.original, self.count = runtime.encode, 0
+
+    def __call__(self, pixel_values, keys=None, route=None):
+        self.count += len(pixel_values)
+        return self.original(pixel_values, keys, route)
+
+
+def test_change_gate_on_files_reuses_answers_without_the_encoder(runtime, tmp_path, monkeypatch):
+    a, b = make_scene(7, size=64).image, make_scene(8, size=64).image
+    for i, image in enumerate((a, a, a, b, b, a)):  # PNG is lossless: repeats are identical
+        cv2.imwrite(str(tmp_path / f"{i:02d}.png"), cv2.cvtColor(image, cv2.COLOR_RGB2BGR))
+    encoded = EncodedImages(runtime)
+    monkeypatch.setattr(runtime, "encode", encoded)
+    records = []
+    with Pipeline(runtime) as pipeline:
+        summary = run_in_thread(runtime, open_source(str(tmp_path)),
+                                StreamOptions("p", change_threshold=2.0, generation=FAST), records.append,
+                                pipeline=pipeline)
+    assert [r["frame"] for r in records] == list(range(6))
+    assert [r["reused"] for r in records] == [False, True, True, False, True, False]
+    assert encoded.count == 3  # only the processed frames reached the encoder …
+    assert pipeline.stats.items["prepare"] == 3  # … or entered the pipeline at all
+    for i in (1, 2, 4):  # the answer of the processed frame it resembles, with no stage time
+        assert (records[i]["answer"], records[i]["tier"]) == (records[i - 1]["answer"], records[i - 1]["tier"])
+        assert records[i]["stage_ms"] == {} and records[i]["latency_ms"] == 0.0
+    assert all(ANSWER_FIELDS <= set(r) for r in records)
+    assert (summary.frames, summary.reused, summary.errors) == (6, 3, 0)
+
+
+class StaticLiveSource(Source):
+    """A camera looking at a scene where nothing happens: `count` identical frames, each
+    one made only once the previous one's line was emitted (so none is dropped)."""
+
+    def __init__(self, count: int):
+        super().__init__("fake://static-camera", live=True)
+        self.count = count
+        self.image = make_scene(9, size=64).image
+        self.emitted = threading.Semaphore(0)  # released by the test's emit
+
+    def _next_frame(self):
+        if self._next_index > 0:
+            assert self.emitted.acquire(timeout=WAIT_S), "the stream stopped emitting"
+        return None if self._next_index >= self.count else self._frame(self.image.copy())
+
+
+def test_change_gate_on_a_live_camera_reaches_the_encoder_once(runtime, monkeypatch):
+    encoded = EncodedImages(runtime)
+    monkeypatch.setattr(runtime, "encode", encoded)
+    source = StaticLiveSource(count=20)
+    records = []
+
+    def emit(record):
+        records.append(record)
+        source.emitted.release()
+
+    summary = run_in_thread(runtime, source, StreamOptions("p", change_threshold=1.0, generation=FAST), emit)
+    assert [r["frame"] for r in records] == list(range(20))
+    assert encoded.count == 1  # the first frame; every later one was answered from it
+    assert records[0]["reused"] is False and all(r["reused"] for r in records[1:])
+    assert len({r["answer"] for r in records}) == 1
+    assert (summary.frames, summary.reused, summary.dropped, summary.errors) == (20, 19, 0, 0)
+
+
+# ---- one pipeline for several streams ---------------------------------------------------------------
+
+def test_streams_share_one_pipeline_that_outlives_them(runtime):
+    with Pipeline(runtime, queue_size=2, reserved=2 * 2) as pipeline:
+        runs = {}
+
+        def one(name, seed):
+            source = open_source(f"synthetic://?count=6&size=64&seed={seed}")
+            records = []
+            runs[name] = (run_stream(pipeline, source, StreamOptions("p", lossless_inflight=2, generation=FAST),
+                                     records.append), records)
+
+        threads = [threading.Thread(target=one, args=(name, seed), daemon=True)
+                   for name, seed in (("a", 0), ("b", 100))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(WAIT_S)
+        assert not any(t.is_alive() for t in threads)
+        for name in "ab":
+            summary, records = runs[name]
+            assert [r["frame"] for r in records] == list(range(6)) and summary.frames == 6, name
+        # both streams ended: the pipeline is still open and answering
+        assert pipeline.alive() and pipeline.infer(make_scene(1, size=64).image, "p", **FAST).text is not None
+        assert pipeline.stats.completed == 13
+
+
 # ---- a fast live source: newest frame wins ------------------------------------------------------
 
 class FastLiveSource(Source):
