@@ -1,7 +1,8 @@
 """Stream mode: a source of frames through a pipeline to one JSON object per frame.
 
-    source ─► reader thread ─► (live: LatestSlot, newest frame wins) ─► change gate ─► pipeline ─► sink
-                               (files: straight on, waiting for a share: lossless)     └─ reused ─┘
+    source ─► reader ─► (live: LatestSlot, newest frame wins) ─► a share ─► change gate ─► pipeline ─► sink
+                        (files: straight on, waiting: lossless)                    └─ barely changed: ─┘
+                                                                                      the last answer
 
 The pipeline is the caller's: `edgemm stream` makes one for itself, the daemon passes
 its one pipeline, shared by the API and every stream (edgemm.streams), and a stream
@@ -206,23 +207,26 @@ def run_stream(pipeline: Pipeline, source: Source, options: StreamOptions,
             stop.set()
             return False
         taken += 1
-        if gate is not None and gate(frame.image) and last is not None:
-            give_back()  # it never enters the pipeline
-            pending.put(_Taken(frame, last, reused=True))
-            return True
-        request = Request(frame.image, options.prompt, dict(options.generation), tag=frame)
-        if options.route is not None:
-            request.options["route"] = options.route()
         try:
-            # the shares keep the pipeline's inbox from filling: this does not wait in practice
-            future = pipeline.submit(request, timeout=SUBMIT_WAIT_S)
+            if gate is not None and gate(frame.image) and last is not None:
+                future, reused = last, True
+            else:
+                request = Request(frame.image, options.prompt, dict(options.generation), tag=frame)
+                if options.route is not None:
+                    request.options["route"] = options.route()
+                # The shares keep the pipeline's inbox from filling, so this does not wait in
+                # practice; it must not (a waiting submit holds the pipeline's admission lock).
+                future, reused = pipeline.submit(request, timeout=SUBMIT_WAIT_S), False
         except BaseException:
             give_back()
             raise
-        future.add_done_callback(give_back)
-        future.add_done_callback(forget_if_failed)
-        last = future
-        pending.put(_Taken(frame, future))
+        if reused:
+            give_back()  # it never entered the pipeline
+        else:
+            future.add_done_callback(give_back)
+            future.add_done_callback(forget_if_failed)
+            last = future
+        pending.put(_Taken(frame, future, reused))
         return True
 
     def read_frames() -> None:

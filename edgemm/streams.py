@@ -1,15 +1,16 @@
 """Camera streams run by the daemon: `streams:` in the config, or POST /v1/streams.
 
 Each stream is edgemm.stream.run_stream (latest frame wins for live sources) in a thread
-of its own, submitting into the daemon's one pipeline, the one the API uses: so every
+of its own, submitting into the daemon's one pipeline, the one the API uses, so every
 backend component is driven by one pipeline stage thread only. Each stream keeps to a
-share of STREAM_SHARE frames in flight, and all of them together to the manager's pool
+share of STREAM_SHARE frames in flight, and all streams together to the manager's pool
 of max_streams × STREAM_SHARE; the daemon's pipeline keeps that many inbox places beyond
 the API's queue_size (Pipeline `reserved`), so streams and API never crowd each other
 out. Stopping a stream never closes the pipeline; its frames in flight are answered.
-Its results go to whoever listens on
-/v1/streams/{id}/events, through a bounded buffer per listener: a listener that
-falls behind loses the oldest results (counted), never the daemon's memory.
+
+Its results go to whoever listens on /v1/streams/{id}/events, through a bounded buffer
+per listener: a listener that falls behind loses the oldest results (counted), never
+the daemon's memory.
 
 A source that fails (a camera unplugged, a network camera down) is retried with
 backoff (0.5 s doubling to 30 s) and its status says "retrying" with the error;

@@ -21,7 +21,7 @@ import pytest
 from click.testing import CliRunner
 
 from edgemm.cli import main
-from edgemm.pipeline import Pipeline, Request
+from edgemm.pipeline import Pipeline
 from edgemm.scenes import make_scene
 from edgemm.sources import CaptureSource, Frame, Source, SourceError, gstreamer_available, open_source
 from edgemm.stream import _END, ChangeGate, FrameFilter, LatestSlot, StreamOptions, run_stream
@@ -275,14 +275,15 @@ def test_change_gate_on_a_live_camera_reaches_the_encoder_once(runtime, monkeypa
 # ---- one pipeline for several streams ---------------------------------------------------------------
 
 def test_streams_share_one_pipeline_that_outlives_them(runtime):
+    pool = threading.BoundedSemaphore(2 * 2)  # as the daemon's: both streams' shares together
     with Pipeline(runtime, queue_size=2, reserved=2 * 2) as pipeline:
         runs = {}
 
         def one(name, seed):
             source = open_source(f"synthetic://?count=6&size=64&seed={seed}")
             records = []
-            runs[name] = (run_stream(pipeline, source, StreamOptions("p", lossless_inflight=2, generation=FAST),
-                                     records.append), records)
+            options = StreamOptions("p", lossless_inflight=2, generation=FAST, change_threshold=0.5, pool=pool)
+            runs[name] = (run_stream(pipeline, source, options, records.append), records)
 
         threads = [threading.Thread(target=one, args=(name, seed), daemon=True)
                    for name, seed in (("a", 0), ("b", 100))]
@@ -297,6 +298,8 @@ def test_streams_share_one_pipeline_that_outlives_them(runtime):
         # both streams ended: the pipeline is still open and answering
         assert pipeline.alive() and pipeline.infer(make_scene(1, size=64).image, "p", **FAST).text is not None
         assert pipeline.stats.completed == 13
+    # every share taken was given back (a BoundedSemaphore refuses one given back twice)
+    assert all(pool.acquire(timeout=WAIT_S) for _ in range(4)) and not pool.acquire(blocking=False)
 
 
 # ---- a fast live source: newest frame wins ------------------------------------------------------
