@@ -272,6 +272,47 @@ def test_change_gate_on_a_live_camera_reaches_the_encoder_once(runtime, monkeypa
     assert (summary.frames, summary.reused, summary.dropped, summary.errors) == (20, 19, 0, 0)
 
 
+def test_change_gate_processes_the_next_frame_after_a_failed_one(runtime, monkeypatch):
+    """The frame the gate compares with failed: a frame like it is processed, not given
+    the error (the source waits for that failure before it delivers the second frame)."""
+    failed = threading.Event()
+
+    class FailureSignalling(Pipeline):
+        def _fail(self, req, error):
+            super()._fail(req, error)  # the future's callbacks (the gate's forget) run in here
+            failed.set()
+
+    class TwoIdenticalFrames(Source):
+        image = make_scene(5, size=64).image
+
+        def __init__(self):
+            super().__init__("fake://two", live=False)
+
+        def _next_frame(self):
+            if self._next_index == 1:
+                assert failed.wait(WAIT_S), "the first frame never failed"
+            return None if self._next_index >= 2 else self._frame(self.image.copy())
+
+    prepare = runtime.prepare
+    calls = []
+
+    def fail_first(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("the first frame's preprocessing broke")
+        return prepare(*args, **kwargs)
+
+    monkeypatch.setattr(runtime, "prepare", fail_first)
+    records = []
+    with FailureSignalling(runtime) as pipeline:
+        summary = run_in_thread(runtime, TwoIdenticalFrames(), StreamOptions("p", change_threshold=2.0,
+                                                                             generation=FAST),
+                                records.append, pipeline=pipeline)
+    assert "broke" in records[0]["error"]
+    assert records[1]["frame"] == 1 and records[1]["reused"] is False and "answer" in records[1]
+    assert (summary.frames, summary.errors, summary.reused) == (1, 1, 0)
+
+
 # ---- one pipeline for several streams ---------------------------------------------------------------
 
 def test_streams_share_one_pipeline_that_outlives_them(runtime):
