@@ -177,6 +177,7 @@ def stream(source_uri, prompt, fps, every, max_frames, out, change_threshold, ti
     import signal
     import threading
 
+    from edgemm.pipeline import Pipeline
     from edgemm.runtime import Runtime
     from edgemm.sources import open_source
     from edgemm.stream import StreamOptions, run_stream
@@ -196,10 +197,13 @@ def stream(source_uri, prompt, fps, every, max_frames, out, change_threshold, ti
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     sink = open(out, "w", buffering=1) if out else sys.stdout
+    # alone in this process: a pipeline of its own, with room for the stream's share
+    pipeline = Pipeline(runtime, queue_size=options.share(source.live))
     try:
-        summary = run_stream(runtime, source, options,
+        summary = run_stream(pipeline, source, options,
                              lambda record: print(json.dumps(record), file=sink, flush=True), stop)
     finally:
+        pipeline.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         if out:

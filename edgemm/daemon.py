@@ -33,7 +33,7 @@ from edgemm.power import Sampler
 from edgemm.router import Router
 from edgemm.runtime import Runtime
 from edgemm.server import Service, create_app
-from edgemm.streams import check_configured
+from edgemm.streams import check_configured, reserved_places
 from edgemm.systemd import Notifier, listen_sockets, watchdog_interval
 
 HTTPTOOLS = importlib.util.find_spec("httptools") is not None  # a dependency; h11 if a distro lacks it
@@ -196,8 +196,11 @@ class Daemon:
                     raise
             self.notifier.status("timing encoder batches")
             limits = encoder_batch_limits(self.runtime, cfg.max_batch, cfg.encoder_batching)
+            # one pipeline for the API and every stream: places for the API's queue_size and
+            # for the streams' shares, so that neither fills the other's
             pipeline = Pipeline(self.runtime, cfg.queue_size, cfg.max_batch, cfg.batch_timeout_ms,
-                                encoder_batch=limits, decoder_joins=cfg.continuous_batching)
+                                encoder_batch=limits, decoder_joins=cfg.continuous_batching,
+                                reserved=reserved_places(cfg.max_streams))
             self.service = Service(self.runtime, pipeline, self.config, router)
             started_draining = run_loop(self._serve())
             self._finish(pipeline, started_draining)

@@ -9,6 +9,13 @@ a Jetson the DLA (encoder) and the GPU (decoder) are busy at once; here two CPU
 cores are. Every queue is bounded: when the pipeline is full, `submit` waits
 (lossless sources) or refuses with `Overloaded` (the daemon answers 503).
 
+One pipeline serves every producer of a process: the daemon's API and its camera
+streams submit into the same one, so each backend component is only ever called from
+one stage thread (a TensorRT execution context may be driven by one thread at a time).
+`reserved` sizes the inbox for producers that bound themselves (each stream's share,
+edgemm.stream): queue_size places for the API's Admission plus the streams' shares, so
+neither can fill the other's part.
+
 The encoder stage batches: it takes up to `max_batch` requests of the same tier
 that are already waiting into one call, and waits up to `batch_timeout_ms` for more
 only while other requests are still being prepared (a lone request never waits).
@@ -62,7 +69,6 @@ class Request:
     submitted: float = field(default_factory=time.perf_counter)
     prepared: PreparedRequest | None = None
     features: np.ndarray | None = None
-    reuse: bool = False  # set by a gate: answer with the previous result, skip the models
     marks: dict[str, float] = field(default_factory=dict)  # stage → perf_counter when it ended
 
 
@@ -86,21 +92,23 @@ class StageStats:
 
 class Pipeline:
     def __init__(self, runtime: Runtime, queue_size: int = 4, max_batch: int = 1,
-                 batch_timeout_ms: float = 0.0, gate: Callable[[Request], bool] | None = None,
-                 encoder_batch: dict[str, int] | None = None, decoder_joins: str = "auto"):
+                 batch_timeout_ms: float = 0.0, encoder_batch: dict[str, int] | None = None,
+                 decoder_joins: str = "auto", reserved: int = 0):
+        """`reserved`: inbox places beyond queue_size, for producers that each keep to a
+        bounded share of their own (the daemon's streams): with the API admitted up to
+        queue_size, the inbox then has room for everything in flight, so nobody's submit
+        finds it full because of another producer."""
         self.runtime = runtime
         self.max_batch = max_batch
         self.joins = JoinPolicy(decoder_joins)  # do newcomers join a running decoder batch?
         self.encoder_batch = encoder_batch or {}  # tier → most images per encoder call (else max_batch)
         self.batch_timeout_s = batch_timeout_ms / 1e3
-        self.gate = gate  # optional: True → reuse the previous answer for this request
-        self.inbox: queue.Queue = queue.Queue(queue_size)
+        self.inbox: queue.Queue = queue.Queue(queue_size + reserved)
         self.to_encode: queue.Queue = queue.Queue(queue_size)
         self.to_decode: queue.Queue = queue.Queue(queue_size)
         self.stats = StageStats()
         self._held: deque = deque()  # taken from to_encode but not batchable with the current tier
         self._held_decode: deque = deque()  # taken from to_decode, can't join the running batch: goes next
-        self._last_result: InferenceResult | None = None
         self._preparing = False  # the prepare stage holds a request (written by its thread only)
         self._closed = False
         self._admission = threading.Lock()  # no request may slip in behind the stop marker
@@ -163,10 +171,7 @@ class Pipeline:
             started = time.perf_counter()
             self._preparing = True
             try:
-                if self.gate is not None and self.gate(req):
-                    req.reuse = True
-                else:
-                    req.prepared = self.runtime.prepare(req.image, req.prompt, **req.options)
+                req.prepared = self.runtime.prepare(req.image, req.prompt, **req.options)
                 req.image = None  # the decoded pixels are all we need from here on
             except Exception as e:  # a bad request fails alone; the pipeline goes on
                 self._preparing = False
@@ -184,9 +189,6 @@ class Pipeline:
             first = self._held.popleft() if self._held else self.to_encode.get()
             if first is _STOP:
                 break
-            if first.reuse:
-                self.to_decode.put(first)
-                continue
             batch, stop = self._gather(first)
             started = time.perf_counter()
             try:
@@ -229,7 +231,7 @@ class Pipeline:
                 return batch, True
             # one encoder batch needs one pixel shape: same tier (and, for tiled families, same
             # tiles), and one encoder: the same devices from the power policy
-            if (nxt.reuse or nxt.prepared.tier.name != first.prepared.tier.name
+            if (nxt.prepared.tier.name != first.prepared.tier.name
                     or nxt.prepared.pixel_values.shape != first.prepared.pixel_values.shape
                     or self.runtime.resolve(nxt.prepared.route) != self.runtime.resolve(first.prepared.route)):
                 self._held.append(nxt)  # keeps its place: it goes next
@@ -243,7 +245,7 @@ class Pipeline:
             if first is _STOP:
                 break
             started = time.perf_counter()
-            if first.reuse or self.max_batch == 1:
+            if self.max_batch == 1:
                 self._answer(first, self._decode_alone(first))
                 answered = 1
             else:
@@ -254,8 +256,8 @@ class Pipeline:
         """`first` and the requests waiting behind it decode as one batch (edgemm/decode.py),
         each answered as soon as its own answer ends. Between steps, requests that arrived
         meanwhile join while there is room (max_batch) and JoinPolicy agrees; an empty
-        batch takes anyone. A waiting request that can't join at all (a reuse, other
-        devices) closes the batch to newcomers, so that it goes next.
+        batch takes anyone. A waiting request that can't join at all (other devices)
+        closes the batch to newcomers, so that it goes next.
         Returns how many requests were answered."""
         devices = self.runtime.resolve(first.prepared.route)
         batch = self.runtime.open_batch(first.prepared.route, self._answer, self.stats.decode_steps)
@@ -286,7 +288,7 @@ class Pipeline:
                 nxt = self.to_decode.get_nowait()
             except queue.Empty:
                 break
-            if nxt is _STOP or nxt.reuse or self.runtime.resolve(nxt.prepared.route) != devices:
+            if nxt is _STOP or self.runtime.resolve(nxt.prepared.route) != devices:
                 self._held_decode.append(nxt)
                 break
             out.append(nxt)
@@ -294,10 +296,6 @@ class Pipeline:
 
     def _decode_alone(self, req: Request) -> InferenceResult | BaseException:
         try:
-            if req.reuse:
-                if self._last_result is None:
-                    raise RuntimeError("nothing to reuse yet")
-                return self._reused(req)
             result = self.runtime.decode(req.prepared, req.features, req.on_token, req.cancelled)
         except Exception as e:
             return e
@@ -312,19 +310,11 @@ class Pipeline:
         if isinstance(outcome, BaseException):
             self._fail(req, outcome)
             return
-        if outcome.finish_reason != "reused":
-            self._last_result = outcome
-            self.joins.answered(len(outcome.tokens))
+        self.joins.answered(len(outcome.tokens))
         outcome.timings_ms["total"] = (time.perf_counter() - req.submitted) * 1e3
         self.stats.completed += 1
         if not req.future.done():
             req.future.set_result(outcome)
-
-    def _reused(self, req: Request) -> InferenceResult:
-        last = self._last_result
-        return InferenceResult(text=last.text, tokens=list(last.tokens), finish_reason="reused",
-                               prompt_tokens=0, tier=last.tier, image_tokens=0,
-                               precision=last.precision, devices={}, timings_ms={}, model=last.model)
 
     def _fail(self, req: Request, error: BaseException) -> None:
         self.stats.failed += 1

@@ -17,7 +17,8 @@ cannot be taken out of the pipeline (it has no cancel), so it is encoded and the
 dropped at its first token.
 
 Camera streams the daemon runs (edgemm.streams) are listed, added and removed under
-/v1/streams; their results go out as server-sent events.
+/v1/streams; their frames go into the same pipeline as the API's requests (each stream
+within its own share, edgemm.streams) and their results go out as server-sent events.
 
 The daemon around it (sockets, systemd, signals, draining) is edgemm.daemon.
 """
@@ -149,7 +150,7 @@ class Service:
         self.admission = Admission(self.server.queue_size)
         self.images = ImagePolicy(self.server.image_dirs, self.server.remote_images,
                                   self.server.remote_timeout_s, config.limits.max_image_bytes)
-        self.streams = StreamManager(runtime, config.streams, self.server.max_streams,
+        self.streams = StreamManager(pipeline, config.streams, self.server.max_streams,
                                      route=self.router.local_route)
         self.draining = False
         self.metrics = ServiceMetrics(self)

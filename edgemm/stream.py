@@ -1,14 +1,23 @@
-"""Stream mode: a source of frames through the pipeline to one JSON object per frame.
+"""Stream mode: a source of frames through a pipeline to one JSON object per frame.
 
-    source ─► reader thread ─► (live: LatestSlot, newest frame wins) ─► pipeline ─► sink
-                               (files: straight in, waiting when full: lossless)
+    source ─► reader ─► (live: LatestSlot, newest frame wins) ─► a share ─► change gate ─► pipeline ─► sink
+                        (files: straight on, waiting: lossless)                    └─ barely changed: ─┘
+                                                                                      the last answer
+
+The pipeline is the caller's: `edgemm stream` makes one for itself, the daemon passes
+its one pipeline, shared by the API and every stream (edgemm.streams), and a stream
+that ends never closes it. Each stream keeps to its own share of that pipeline: at
+most `share` frames in flight (a semaphore taken before a frame goes in, given back
+when it is answered), so a fast camera cannot crowd out the API or another stream,
+and the pipeline's inbox is sized for all the shares (Pipeline `reserved`).
 
 A live camera keeps producing frames whether or not the model keeps up; the slot
-holds only the newest, so a stale frame is dropped (and counted) before it costs
-any encoder time and every answer is about a recent frame. Files, folders and
-unpaced synthetic sources are read only as fast as the pipeline takes them, so
-nothing is dropped. Optional change gating reuses the last answer for a frame that
-barely differs from the last one processed.
+holds only the newest, and a frame is taken from it only when the stream has a free
+share, so a stale frame is dropped (and counted) before it costs any encoder time and
+every answer is about a recent frame. Files, folders and unpaced synthetic sources are
+read only as fast as the stream's share frees up, so nothing is dropped. Optional
+change gating (in the stream, before the pipeline) answers a frame that barely differs
+from the last one processed with that frame's answer: it never reaches the models.
 """
 from __future__ import annotations
 
@@ -16,18 +25,20 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
 import cv2
 import numpy as np
 
 from edgemm.errors import InputError
 from edgemm.pipeline import Pipeline, Request
-from edgemm.runtime import Runtime
 from edgemm.sources import Frame, Source
 
 _END = object()
+PENDING_EXTRA = 8  # reused frames and errors queued for emitting beyond the frames in flight
+SUBMIT_WAIT_S = 60.0  # bound on a submit that should never wait (the pipeline is sized for the shares)
 
 
 @dataclass
@@ -37,10 +48,18 @@ class StreamOptions:
     fps: float | None = None  # process at most this many frames per second
     max_frames: int | None = None  # stop after this many processed frames
     change_threshold: float | None = None  # mean abs pixel change (0-255) below which the last answer is reused
-    queue_size: int = 2
+    lossless_inflight: int = 4  # files: frames in the pipeline at once (one per stage and one waiting)
     live_inflight: int = 2  # live sources: frames in the pipeline at once (one encoding, one decoding)
     generation: dict = field(default_factory=dict)  # tier, max_new_tokens, … for every frame
     route: Callable[[], Any] | None = None  # the daemon's power policy: where this frame's stages run
+    # the daemon's: one slot per frame in flight of all its streams together (max_streams × share),
+    # so a removed stream whose last frames are still in flight can't push the total past what
+    # the pipeline's inbox keeps for streams
+    pool: threading.Semaphore | None = None
+
+    def share(self, live: bool) -> int:
+        """Most frames of this stream in the pipeline at once."""
+        return self.live_inflight if live else self.lossless_inflight
 
 
 @dataclass
@@ -90,19 +109,36 @@ class LatestSlot:
 
 
 class ChangeGate:
-    """Reuse the last answer when a frame barely differs from the last one processed."""
+    """Reuse the last answer when a frame barely differs from the last one processed.
+    Called by the stream's feeding thread only; forget() may come from any thread."""
 
     def __init__(self, threshold: float, thumb: int = 32):
         self.threshold, self.thumb = threshold, thumb
         self._last: np.ndarray | None = None
 
-    def __call__(self, request: Request) -> bool:
-        small = cv2.resize(request.image, (self.thumb, self.thumb), interpolation=cv2.INTER_AREA)
+    def __call__(self, image: np.ndarray) -> bool:
+        """True: answer `image` with the last processed frame's answer. False: process it
+        (it becomes the frame the next ones are compared with)."""
+        small = cv2.resize(image, (self.thumb, self.thumb), interpolation=cv2.INTER_AREA)
         small = cv2.cvtColor(small, cv2.COLOR_RGB2GRAY).astype(np.float32)
-        if self._last is not None and float(np.mean(np.abs(small - self._last))) < self.threshold:
+        last = self._last
+        if last is not None and float(np.mean(np.abs(small - last))) < self.threshold:
             return True
         self._last = small
         return False
+
+    def forget(self) -> None:
+        """The frame compared with failed: process the next one rather than repeat the error."""
+        self._last = None
+
+
+@dataclass
+class _Taken:
+    """A frame in the emit queue: `future` is its own answer, or, when `reused`, the answer
+    of the processed frame it resembles (queued before it, so already awaited in order)."""
+    frame: Frame
+    future: Future
+    reused: bool = False
 
 
 class FrameFilter:
@@ -123,39 +159,74 @@ class FrameFilter:
         return True
 
 
-def run_stream(runtime: Runtime, source: Source, options: StreamOptions,
+def run_stream(pipeline: Pipeline, source: Source, options: StreamOptions,
                emit: Callable[[dict], None], stop: threading.Event | None = None) -> StreamSummary:
-    """Process `source` until it ends, `max_frames` were taken, or `stop` is set.
+    """Process `source` through `pipeline` until it ends, `max_frames` were taken, or `stop` is set.
 
-    Every frame taken into the pipeline is answered and emitted, also after a stop.
+    Every frame taken is answered and emitted, in frame order, also after a stop. The
+    pipeline is the caller's and stays open: in the daemon the API and the other streams
+    go on using it, and this stream's frames in flight are answered whatever happens here.
     """
     stop = stop or threading.Event()
     summary = StreamSummary()
     gate = ChangeGate(options.change_threshold) if options.change_threshold is not None else None
-    pipeline = Pipeline(runtime, queue_size=options.queue_size, gate=gate)
-    pending: queue.Queue = queue.Queue(maxsize=3 * options.queue_size + 3)  # in submission order
+    share_size = options.share(source.live)
+    share = threading.BoundedSemaphore(share_size)
+    pool = options.pool
+    # in frame order: the frames in flight (at most the share) and the reused or failed ones
+    # between them; when it is full the reader waits (files) or the slot drops (live)
+    pending: queue.Queue = queue.Queue(maxsize=share_size + PENDING_EXTRA)
     slot = LatestSlot() if source.live else None
     frame_filter = FrameFilter(options.every, options.fps)
     taken = 0
+    last: Future | None = None  # the last processed frame's answer: what a reused frame is given
     started = time.perf_counter()
-    # Live: a frame is taken from the slot only when the pipeline has room for it, so it
-    # never waits in a queue going stale while a newer frame sits in the slot.
-    inflight = threading.BoundedSemaphore(options.live_inflight)
+
+    def take_share() -> None:
+        """One of this stream's places in the pipeline (and one of the daemon's pool): the
+        wait ends when a frame of ours (or, for the pool, of a stream just removed) is answered."""
+        share.acquire()
+        if pool is not None:
+            pool.acquire()
+
+    def give_back(_: Future | None = None) -> None:
+        if pool is not None:
+            pool.release()
+        share.release()
+
+    def forget_if_failed(future: Future) -> None:
+        if gate is not None and not future.cancelled() and future.exception() is not None:
+            gate.forget()
 
     def submit(frame: Frame) -> bool:
-        """Into the pipeline (waits while it is full); False once max_frames were taken."""
-        nonlocal taken
+        """A frame holding a share: into the pipeline, or answered with the last processed
+        frame's answer when the gate says it barely changed. False once max_frames were taken."""
+        nonlocal taken, last
         if options.max_frames is not None and taken >= options.max_frames:
+            give_back()
             stop.set()
             return False
-        request = Request(frame.image, options.prompt, dict(options.generation), tag=frame)
-        if options.route is not None:
-            request.options["route"] = options.route()
-        future = pipeline.submit(request)
-        if slot is not None:
-            future.add_done_callback(lambda _: inflight.release())
-        pending.put((frame, future))
         taken += 1
+        try:
+            if gate is not None and gate(frame.image) and last is not None:
+                future, reused = last, True
+            else:
+                request = Request(frame.image, options.prompt, dict(options.generation), tag=frame)
+                if options.route is not None:
+                    request.options["route"] = options.route()
+                # The shares keep the pipeline's inbox from filling, so this does not wait in
+                # practice; it must not (a waiting submit holds the pipeline's admission lock).
+                future, reused = pipeline.submit(request, timeout=SUBMIT_WAIT_S), False
+        except BaseException:
+            give_back()
+            raise
+        if reused:
+            give_back()  # it never entered the pipeline
+        else:
+            future.add_done_callback(give_back)
+            future.add_done_callback(forget_if_failed)
+            last = future
+        pending.put(_Taken(frame, future, reused))
         return True
 
     def read_frames() -> None:
@@ -174,24 +245,35 @@ def run_stream(runtime: Runtime, source: Source, options: StreamOptions,
                     summary.skipped += 1
                 elif slot is not None:
                     slot.put(frame)
-                elif not submit(frame):
-                    break
+                else:
+                    take_share()  # lossless: the reader waits here until the stream has room
+                    if stop.is_set():
+                        give_back()
+                        break
+                    if not submit(frame):
+                        break
         except Exception as e:  # the source failed for good: say so after what was read
             (slot.put(e) if slot is not None else pending.put(e))
         finally:
             slot.put(_END) if slot is not None else pending.put(_END)
 
     def feed_latest() -> None:  # live only: the newest frame from the slot into the pipeline
-        while True:
-            inflight.acquire()
-            item = slot.get()
-            if item is _END or isinstance(item, Exception):
-                if item is not _END:
-                    pending.put(item)
-                break
-            if not submit(item):
-                break
-        pending.put(_END)
+        try:
+            while True:
+                # a share first, the frame second: the frame taken is the newest when there is room
+                take_share()
+                item = slot.get()
+                if item is _END or isinstance(item, Exception):
+                    give_back()
+                    if item is not _END:
+                        pending.put(item)
+                    break
+                if not submit(item):
+                    break
+        except Exception as e:  # e.g. the pipeline is closing: this stream ends, with the reason
+            pending.put(e)
+        finally:
+            pending.put(_END)
 
     def close_on_stop() -> None:  # a reader stuck on a camera (or reconnecting) wakes up
         stop.wait()
@@ -210,31 +292,31 @@ def run_stream(runtime: Runtime, source: Source, options: StreamOptions,
                 emit({"error": str(item)})
                 continue
             summary.dropped = slot.dropped if slot is not None else 0
-            emit(_answer(*item, summary))
+            emit(_answer(item, summary))
     finally:
         stop.set()
         source.close()  # wakes a reader waiting on a camera or a paced source
-        pipeline.close()
         summary.dropped = slot.dropped if slot is not None else 0
         summary.seconds = time.perf_counter() - started
-        stats = pipeline.stats
+        stats = pipeline.stats  # the whole pipeline's (in the daemon: shared with the API and other streams)
         summary.stage_ms = {k: 1e3 * stats.busy_s[k] / max(1, stats.items[k]) for k in stats.busy_s}
     return summary
 
 
-def _answer(frame: Frame, future, summary: StreamSummary) -> dict:
+def _answer(taken: _Taken, summary: StreamSummary) -> dict:
+    frame = taken.frame
     try:
-        result = future.result()
+        result = taken.future.result()
     except Exception as e:
         summary.errors += 1
         return {"frame": frame.index, "name": frame.name, "error": str(e)}
     age_ms = (time.time() - frame.capture_time) * 1e3
     summary.frames += 1
     summary.latencies_ms.append(age_ms)
-    reused = result.finish_reason == "reused"
-    summary.reused += reused
-    stage = {k: round(v, 2) for k, v in result.timings_ms.items() if k != "total"}
+    summary.reused += taken.reused
+    # a reused frame spent no time in any stage, nor in the pipeline
+    stage = {} if taken.reused else {k: round(v, 2) for k, v in result.timings_ms.items() if k != "total"}
+    latency = 0.0 if taken.reused else result.timings_ms.get("total", 0.0)
     return {"frame": frame.index, "name": frame.name, "capture_time": round(frame.capture_time, 6),
-            "tier": result.tier, "answer": result.text, "reused": reused, "stage_ms": stage,
-            "e2e_ms": round(age_ms, 2), "latency_ms": round(result.timings_ms.get("total", 0.0), 2),
-            "dropped": summary.dropped}
+            "tier": result.tier, "answer": result.text, "reused": taken.reused, "stage_ms": stage,
+            "e2e_ms": round(age_ms, 2), "latency_ms": round(latency, 2), "dropped": summary.dropped}

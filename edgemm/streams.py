@@ -1,9 +1,16 @@
 """Camera streams run by the daemon: `streams:` in the config, or POST /v1/streams.
 
-Each stream is edgemm.stream.run_stream (its own small pipeline, latest frame wins
-for live sources) in a thread of its own. Its results go to whoever listens on
-/v1/streams/{id}/events, through a bounded buffer per listener: a listener that
-falls behind loses the oldest results (counted), never the daemon's memory.
+Each stream is edgemm.stream.run_stream (latest frame wins for live sources) in a thread
+of its own, submitting into the daemon's one pipeline, the one the API uses, so every
+backend component is driven by one pipeline stage thread only. Each stream keeps to a
+share of STREAM_SHARE frames in flight, and all streams together to the manager's pool
+of max_streams × STREAM_SHARE; the daemon's pipeline keeps that many inbox places beyond
+the API's queue_size (Pipeline `reserved`), so streams and API never crowd each other
+out. Stopping a stream never closes the pipeline; its frames in flight are answered.
+
+Its results go to whoever listens on /v1/streams/{id}/events, through a bounded buffer
+per listener: a listener that falls behind loses the oldest results (counted), never
+the daemon's memory.
 
 A source that fails (a camera unplugged, a network camera down) is retried with
 backoff (0.5 s doubling to 30 s) and its status says "retrying" with the error;
@@ -23,7 +30,7 @@ from typing import Any
 from edgemm.backoff import Backoff
 from edgemm.config import ConfigError, StreamConfig, config_from_dict
 from edgemm.errors import EdgemmError, InputError
-from edgemm.runtime import Runtime
+from edgemm.pipeline import Pipeline
 from edgemm.sources import Source, SourceError, open_source, parse_uri
 from edgemm.stream import StreamOptions, run_stream
 
@@ -34,6 +41,7 @@ EVENTS_BUFFER = 32  # results buffered per listener
 # so the API cannot be used to read the daemon's files.
 API_SOURCE_KINDS = ("csi", "v4l2", "rtsp", "synthetic")
 FIRST_RETRY_S, MAX_RETRY_S = 0.5, 30.0  # a stream that fails restarts after 0.5, 1, 2 … s, at most 30
+STREAM_SHARE = 2  # frames of one stream in the pipeline at once: one encoding, one decoding
 END = None  # the last item a listener gets: the stream is gone
 
 
@@ -79,9 +87,10 @@ class StreamFigures:
 
 
 class ManagedStream:
-    def __init__(self, spec: StreamConfig, runtime: Runtime, loop: asyncio.AbstractEventLoop,
-                 route: Callable[[], Any] | None = None):
-        self.spec, self.runtime, self.loop, self.route = spec, runtime, loop, route
+    def __init__(self, spec: StreamConfig, pipeline: Pipeline, loop: asyncio.AbstractEventLoop,
+                 route: Callable[[], Any] | None = None, pool: threading.Semaphore | None = None):
+        self.spec, self.pipeline, self.loop, self.route = spec, pipeline, loop, route
+        self.pool = pool  # the manager's: frames in flight of all streams together
         self.figures = StreamFigures()
         self.listeners: set[asyncio.Queue] = set()  # touched only from the event loop
         self.lagged = 0  # results a slow listener missed
@@ -158,7 +167,7 @@ class ManagedStream:
         failure: list[str] = []
         self._run_stop = run_stop = threading.Event()  # set before _stop is checked: stop() can't miss it
         try:
-            self._source = open_source(spec.source, max_pixels=self.runtime.config.limits.max_pixels)
+            self._source = open_source(spec.source, max_pixels=self.pipeline.runtime.config.limits.max_pixels)
             if self._stop.is_set():
                 return None
             self._source.open()
@@ -167,8 +176,9 @@ class ManagedStream:
                           if v is not None}
             options = StreamOptions(prompt=spec.prompt, every=spec.every, fps=spec.fps,
                                     change_threshold=spec.change_threshold, generation=generation,
-                                    route=self.route)
-            run_stream(self.runtime, self._source, options, lambda record: self._emit(record, failure), run_stop)
+                                    route=self.route, live_inflight=STREAM_SHARE, lossless_inflight=STREAM_SHARE,
+                                    pool=self.pool)
+            run_stream(self.pipeline, self._source, options, lambda record: self._emit(record, failure), run_stop)
         except Exception as e:  # a camera that won't open, a bad URI: the stream's problem only
             return str(e) or type(e).__name__
         if not self._source.live:
@@ -199,6 +209,11 @@ class ManagedStream:
                 setattr(self.figures, key, value)
 
 
+def reserved_places(max_streams: int) -> int:
+    """Pipeline inbox places the daemon's streams may fill, beyond the API's queue_size."""
+    return max_streams * STREAM_SHARE
+
+
 def check_configured(specs: list[StreamConfig], limit: int) -> None:
     """The config's streams, checked as far as can be without opening them (a bad URI fails the start)."""
     for i, spec in enumerate(specs):
@@ -211,12 +226,17 @@ def check_configured(specs: list[StreamConfig], limit: int) -> None:
 
 
 class StreamManager:
-    """The daemon's streams by id. Add and remove from the event loop."""
+    """The daemon's streams by id. Add and remove from the event loop.
 
-    def __init__(self, runtime: Runtime, specs: list[StreamConfig], limit: int,
+    All streams submit into `pipeline` (the daemon's one, which must keep `reserved_places(limit)`
+    inbox places for them). A removed stream may still have frames in flight while a new one
+    starts: the pool keeps their total within those places all the same."""
+
+    def __init__(self, pipeline: Pipeline, specs: list[StreamConfig], limit: int,
                  route: Callable[[], Any] | None = None):
         check_configured(specs, limit)
-        self.runtime, self.specs, self.limit = runtime, specs, limit
+        self.pipeline, self.specs, self.limit = pipeline, specs, limit
+        self.pool = threading.BoundedSemaphore(reserved_places(limit))
         self.route = route  # the power policy's local placement, asked per frame (Router.local_route)
         self.streams: dict[str, ManagedStream] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -239,7 +259,7 @@ class StreamManager:
         if from_api and kind not in API_SOURCE_KINDS:
             raise StreamForbidden(f"a {kind} source can only be configured in the config file's streams: "
                                   f"the API starts {', '.join(API_SOURCE_KINDS)} sources")
-        stream = ManagedStream(spec, self.runtime, self.loop, self.route)
+        stream = ManagedStream(spec, self.pipeline, self.loop, self.route, self.pool)
         self.streams[spec.id] = stream
         stream.start()
         return stream

@@ -1,5 +1,6 @@
 """The staged pipeline: order, completeness, equality with Runtime.infer, failures that stay
-local, encoder batching (same tier only), backpressure (Overloaded), close() and the gate.
+local, encoder batching (same tier only), backpressure (Overloaded), the inbox places
+reserved for producers with shares of their own, and close().
 
 Timing is controlled by wrapping the runtime's stage methods with threading.Events the test
 holds, never by sleeping. Nothing here depends on what the model answers, only on the
@@ -441,6 +442,27 @@ def test_a_full_pipeline_refuses_with_overloaded(runtime, images, blocked):
     assert pipeline.stats.completed == len(accepted)
 
 
+def test_reserved_places_are_inbox_room_beyond_queue_size(runtime, images, blocked):
+    """With every stage holding what it can (the encoder stuck), the inbox still takes
+    queue_size + reserved requests without waiting, and refuses the next."""
+    queue_size, reserved = 1, 3
+    pipeline = Pipeline(runtime, queue_size=queue_size, reserved=reserved)
+    accepted = []
+    try:
+        for i in range(3):  # one in the encoder, one waiting for it, one prepared and waiting behind
+            accepted.append(pipeline.submit(Request(images[i], PROMPT, options("low")), timeout=WAIT_S))
+        wait_until(lambda: blocked.entered.is_set() and pipeline.to_encode.full() and pipeline._preparing
+                   and pipeline.inbox.empty(), "the stages to be full")
+        for i in range(queue_size + reserved):
+            accepted.append(pipeline.submit(Request(images[i], PROMPT, options("low")), block=False))
+        with pytest.raises(Overloaded):
+            pipeline.submit(Request(images[0], PROMPT, options("low")), block=False)
+    finally:
+        blocked.release.set()
+        pipeline.close()
+    assert all(f.done() and f.exception() is None for f in accepted) and len(accepted) == 7
+
+
 def test_close_finishes_everything_submitted_then_refuses(runtime, images, blocked):
     pipeline = Pipeline(runtime, queue_size=8)
     futures = [pipeline.submit(Request(images[i], PROMPT, options("low"))) for i in range(6)]
@@ -463,38 +485,3 @@ def test_close_finishes_everything_submitted_then_refuses(runtime, images, block
         pipeline.submit(Request(images[0], PROMPT, options("low")))
     assert not any(t.is_alive() for t in pipeline._threads)
     pipeline.close()  # a second close is harmless
-
-
-# ---- the gate -------------------------------------------------------------------------------------------
-
-def test_gate_reuses_the_previous_answer(runtime, images, blocked, recorded):
-    seen = []
-
-    def gate(request: Request) -> bool:
-        seen.append((request.tag, isinstance(request.image, np.ndarray)))
-        return request.tag == 1
-
-    with Pipeline(runtime, queue_size=4, max_batch=4, batch_timeout_ms=50, gate=gate) as pipeline:
-        futures = [pipeline.submit(Request(images[i], PROMPT, options("low"), tag=i)) for i in range(3)]
-        order = track_completion(futures)
-        blocked.release.set()
-        first, reused, third = (f.result(timeout=WAIT_S) for f in futures)
-    assert seen == [(0, True), (1, True), (2, True)]  # the gate sees the image, in order
-    assert reused.finish_reason == "reused"
-    assert (reused.tokens, reused.text, reused.tier) == (first.tokens, first.text, first.tier)
-    assert first.finish_reason != "reused" and third.finish_reason != "reused"
-    assert recorded.calls == 2  # the reused request never reached the decoder
-    assert sum(s[0] for s in blocked.shapes) == 2  # … nor the encoder
-    assert third.tokens == expected(runtime, images[2], "low").tokens
-    assert order == [0, 1, 2]
-    assert pipeline.stats.completed == 3
-
-
-def test_gate_with_nothing_to_reuse_fails_that_request_only(runtime, images):
-    with Pipeline(runtime, gate=lambda request: request.tag == 0) as pipeline:
-        first = pipeline.submit(Request(images[0], PROMPT, options("low"), tag=0))
-        second = pipeline.submit(Request(images[1], PROMPT, options("low"), tag=1))
-        with pytest.raises(Exception):
-            first.result(timeout=WAIT_S)
-        assert second.result(timeout=WAIT_S).finish_reason != "reused"
-    assert pipeline.stats.failed == 1 and pipeline.stats.completed == 1

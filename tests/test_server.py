@@ -555,6 +555,11 @@ def test_streams_added_and_removed_at_run_time(runtime):
         assert not thread.is_alive() and all(e["stream"] == "door" for e in out[0])
         assert_error(http.get("/v1/streams/door"), 404)
         assert [s["id"] for s in http.get("/v1/streams").json()["data"]] == ["yard"]
+        # the stream is gone, the pipeline it shared is not: the API and the other stream go on
+        assert d.service.pipeline.alive() and not d.service.pipeline._closed
+        assert post_infer(path, (REPO / "models/tiny-vlm/samples/scene_11.png").read_bytes()).status_code == 200
+        done = d.service.streams.get("yard").figures.frames
+        wait_until(lambda: d.service.streams.get("yard").figures.frames > done, what="the other stream to go on")
 
 
 def test_a_folder_stream_from_the_config_ends_after_its_last_image(runtime, model_dir):
@@ -564,6 +569,68 @@ def test_a_folder_stream_from_the_config_ends_after_its_last_image(runtime, mode
         figures = http.get("/v1/streams/samples").json()
         assert figures["frames"] == len(list((model_dir / "samples").glob("*.png"))) and figures["retries"] == 0
         assert read_events(sock_path(d), "samples") == []  # a listener that comes after the end is told at once
+
+
+class ThreadsPerComponent:
+    """Wraps each of a runtime's components to record the threads that call it."""
+
+    def __init__(self, runtime):
+        self.threads: dict[str, set[tuple[int, str]]] = {}
+        self._lock = threading.Lock()
+        for component in runtime.components.all():
+            component.run = self._recording(component.name, component.run)
+
+    def _recording(self, name: str, run):
+        def recording(feeds):
+            with self._lock:
+                self.threads.setdefault(name, set()).add((threading.get_ident(), threading.current_thread().name))
+            return run(feeds)
+        return recording
+
+
+def test_streams_and_the_api_share_one_pipeline_without_starving_each_other(make_runtime, sample):
+    """Two streams (one lossless and unpaced: it always has its share in flight; one live)
+    and API clients hammering at the same time, on one daemon: every API request is
+    answered (none refused: the streams keep to their shares), both streams go on
+    delivering frames, and every component is only ever called from one thread."""
+    runtime = make_runtime()  # no warm-up: every component call below is the daemon's
+    recorded = ThreadsPerComponent(runtime)
+    streams = [synthetic("flood", fps=0), synthetic("camera", fps=20)]
+    image = sample.read_bytes()
+    # encoder_batching off: no timing calls at start-up, so the only callers are the pipeline's
+    with running(runtime, {"streams": streams}, queue_size=2, max_streams=2, encoder_batching="off") as d:
+        manager = d.service.streams
+        assert manager.pipeline is d.service.pipeline
+        frames = {name: lambda name=name: manager.get(name).figures.frames for name in ("flood", "camera")}
+        wait_until(lambda: all(f() >= 2 for f in frames.values()), what="both streams to deliver")
+        hammering = threading.Event()
+        statuses: list[int] = []
+
+        def hammer() -> None:  # one request after another, as fast as answers come
+            with raw_client(sock_path(d)) as http:
+                while not hammering.is_set():
+                    statuses.append(http.post("/v1/infer", params={"max_tokens": 1}, content=image).status_code)
+
+        clients = [threading.Thread(target=hammer, daemon=True) for _ in range(2)]  # = queue_size
+        before = {name: f() for name, f in frames.items()}
+        for client in clients:
+            client.start()
+        try:
+            wait_until(lambda: len(statuses) >= 10 and all(f() >= before[n] + 3 for n, f in frames.items()),
+                       timeout=60, what="API answers and stream frames, at the same time")
+        finally:
+            hammering.set()
+            for client in clients:
+                client.join(30)
+        assert not any(client.is_alive() for client in clients)
+        assert statuses and set(statuses) == {200}, statuses  # no 503: the streams stayed within their shares
+        figures = {name: manager.get(name).figures for name in frames}
+        assert all(f.errors == 0 and f.state == "running" for f in figures.values()), figures
+    threads = recorded.threads
+    assert set(threads) == {"vision_encoder", "embed_tokens", "decoder"}
+    assert all(len(callers) == 1 for callers in threads.values()), threads
+    assert {name for _, name in threads["vision_encoder"]} == {"edgemm-encode"}
+    assert threads["embed_tokens"] == threads["decoder"] and {n for _, n in threads["decoder"]} == {"edgemm-decode"}
 
 
 def test_stopping_the_daemon_ends_stream_listeners(runtime):

@@ -1,6 +1,7 @@
-"""Stream mode: the newest-wins slot, frame filtering, change gating, run_stream on files
-(lossless, errors in place), max_frames, drops on a fast live source, graceful stop, and
-`edgemm stream` on the command line.
+"""Stream mode: the newest-wins slot, frame filtering, change gating (frames that barely
+changed never reach the pipeline), run_stream on files (lossless, errors in place),
+max_frames, drops on a fast live source, graceful stop, streams sharing one pipeline that
+outlives them, and `edgemm stream` on the command line.
 
 Timing is controlled with threading.Events wrapped around the runtime's stages, never by
 sleeping. Only the last test looks at what the model answers: it needs the trained model.
@@ -19,9 +20,8 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-import edgemm.stream
 from edgemm.cli import main
-from edgemm.pipeline import Pipeline, Request
+from edgemm.pipeline import Pipeline
 from edgemm.scenes import make_scene
 from edgemm.sources import CaptureSource, Frame, Source, SourceError, gstreamer_available, open_source
 from edgemm.stream import _END, ChangeGate, FrameFilter, LatestSlot, StreamOptions, run_stream
@@ -35,13 +35,16 @@ def frame(index: int, image=None) -> Frame:
     return Frame(index, image, 0.0, "test://")
 
 
-def run_in_thread(*args, **kwargs):
-    """run_stream, bounded: a hang fails the test instead of freezing the run."""
+def run_in_thread(runtime, source, options, emit, stop=None, pipeline=None):
+    """run_stream, bounded: a hang fails the test instead of freezing the run. Without a
+    `pipeline`, in one of its own that is closed at the end (as `edgemm stream` runs it)."""
+    own = pipeline is None
+    pipeline = pipeline if pipeline is not None else Pipeline(runtime, queue_size=options.share(source.live))
     out: dict = {}
 
     def target():
         try:
-            out["summary"] = run_stream(*args, **kwargs)
+            out["summary"] = run_stream(pipeline, source, options, emit, stop)
         except BaseException as e:  # surfaced below
             out["error"] = e
 
@@ -49,6 +52,9 @@ def run_in_thread(*args, **kwargs):
     thread.start()
     thread.join(WAIT_S)
     assert not thread.is_alive(), "run_stream did not return"
+    assert pipeline.alive() and not pipeline._closed, "run_stream closed the pipeline it was given"
+    if own:
+        pipeline.close()
     if "error" in out:
         raise out["error"]
     return out["summary"]
@@ -137,12 +143,14 @@ def test_frame_filter_every_and_fps_together():
 def test_change_gate_reuses_for_an_identical_frame_only():
     gate = ChangeGate(threshold=2.0)
     scene = make_scene(7).image
-    assert gate(Request(scene, "p")) is False  # nothing to compare with yet
-    assert gate(Request(scene.copy(), "p")) is True
-    assert gate(Request(255 - scene, "p")) is False  # very different
+    assert gate(scene) is False  # nothing to compare with yet
+    assert gate(scene.copy()) is True
+    assert gate(255 - scene) is False  # very different
     other = make_scene(8).image
-    assert gate(Request(other, "p")) is False
-    assert gate(Request(other.copy(), "p")) is True  # compared with the last processed frame
+    assert gate(other) is False
+    assert gate(other.copy()) is True  # compared with the last processed frame
+    gate.forget()  # the last processed frame failed: the next one is processed
+    assert gate(other.copy()) is False
 
 
 # ---- run_stream on files ------------------------------------------------------------------------
@@ -162,7 +170,7 @@ def folder(tmp_path) -> Path:
 def test_folder_is_lossless_in_order_with_the_bad_file_in_place(runtime, folder):
     records = []
     source = open_source(str(folder))
-    summary = run_in_thread(runtime, source, StreamOptions("how many shapes are there ?", queue_size=1,
+    summary = run_in_thread(runtime, source, StreamOptions("how many shapes are there ?", lossless_inflight=1,
                                                            generation=FAST), records.append)
     assert len(records) == 7
     assert set(records[3]) == {"error"} and "03.png" in records[3]["error"]
@@ -193,6 +201,146 @@ def test_every_skips_are_counted(runtime):
                             StreamOptions("p", every=3, generation=FAST), records.append)
     assert [r["frame"] for r in records] == [0, 3, 6]
     assert summary.frames == 3 and summary.skipped == 4
+
+
+# ---- change gating in the stream: a frame that barely changed never enters the pipeline ----------
+
+class EncodedImages:
+    """runtime.encode counting the images that reach it (the pipeline's encode stage)."""
+
+    def __init__(self, runtime):
+        self.original, self.count = runtime.encode, 0
+
+    def __call__(self, pixel_values, keys=None, route=None):
+        self.count += len(pixel_values)
+        return self.original(pixel_values, keys, route)
+
+
+def test_change_gate_on_files_reuses_answers_without_the_encoder(runtime, tmp_path, monkeypatch):
+    a, b = make_scene(7, size=64).image, make_scene(8, size=64).image
+    for i, image in enumerate((a, a, a, b, b, a)):  # PNG is lossless: repeats are identical
+        cv2.imwrite(str(tmp_path / f"{i:02d}.png"), cv2.cvtColor(image, cv2.COLOR_RGB2BGR))
+    encoded = EncodedImages(runtime)
+    monkeypatch.setattr(runtime, "encode", encoded)
+    records = []
+    with Pipeline(runtime) as pipeline:
+        summary = run_in_thread(runtime, open_source(str(tmp_path)),
+                                StreamOptions("p", change_threshold=2.0, generation=FAST), records.append,
+                                pipeline=pipeline)
+    assert [r["frame"] for r in records] == list(range(6))
+    assert [r["reused"] for r in records] == [False, True, True, False, True, False]
+    assert encoded.count == 3  # only the processed frames reached the encoder …
+    assert pipeline.stats.items["prepare"] == 3  # … or entered the pipeline at all
+    for i in (1, 2, 4):  # the answer of the processed frame it resembles, with no stage time
+        assert (records[i]["answer"], records[i]["tier"]) == (records[i - 1]["answer"], records[i - 1]["tier"])
+        assert records[i]["stage_ms"] == {} and records[i]["latency_ms"] == 0.0
+    assert all(ANSWER_FIELDS <= set(r) for r in records)
+    assert (summary.frames, summary.reused, summary.errors) == (6, 3, 0)
+
+
+class StaticLiveSource(Source):
+    """A camera looking at a scene where nothing happens: `count` identical frames, each
+    one made only once the previous one's line was emitted (so none is dropped)."""
+
+    def __init__(self, count: int):
+        super().__init__("fake://static-camera", live=True)
+        self.count = count
+        self.image = make_scene(9, size=64).image
+        self.emitted = threading.Semaphore(0)  # released by the test's emit
+
+    def _next_frame(self):
+        if self._next_index > 0:
+            assert self.emitted.acquire(timeout=WAIT_S), "the stream stopped emitting"
+        return None if self._next_index >= self.count else self._frame(self.image.copy())
+
+
+def test_change_gate_on_a_live_camera_reaches_the_encoder_once(runtime, monkeypatch):
+    encoded = EncodedImages(runtime)
+    monkeypatch.setattr(runtime, "encode", encoded)
+    source = StaticLiveSource(count=20)
+    records = []
+
+    def emit(record):
+        records.append(record)
+        source.emitted.release()
+
+    summary = run_in_thread(runtime, source, StreamOptions("p", change_threshold=1.0, generation=FAST), emit)
+    assert [r["frame"] for r in records] == list(range(20))
+    assert encoded.count == 1  # the first frame; every later one was answered from it
+    assert records[0]["reused"] is False and all(r["reused"] for r in records[1:])
+    assert len({r["answer"] for r in records}) == 1
+    assert (summary.frames, summary.reused, summary.dropped, summary.errors) == (20, 19, 0, 0)
+
+
+def test_change_gate_processes_the_next_frame_after_a_failed_one(runtime, monkeypatch):
+    """The frame the gate compares with failed: a frame like it is processed, not given
+    the error (the source waits for that failure before it delivers the second frame)."""
+    failed = threading.Event()
+
+    class FailureSignalling(Pipeline):
+        def _fail(self, req, error):
+            super()._fail(req, error)  # the future's callbacks (the gate's forget) run in here
+            failed.set()
+
+    class TwoIdenticalFrames(Source):
+        image = make_scene(5, size=64).image
+
+        def __init__(self):
+            super().__init__("fake://two", live=False)
+
+        def _next_frame(self):
+            if self._next_index == 1:
+                assert failed.wait(WAIT_S), "the first frame never failed"
+            return None if self._next_index >= 2 else self._frame(self.image.copy())
+
+    prepare = runtime.prepare
+    calls = []
+
+    def fail_first(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("the first frame's preprocessing broke")
+        return prepare(*args, **kwargs)
+
+    monkeypatch.setattr(runtime, "prepare", fail_first)
+    records = []
+    with FailureSignalling(runtime) as pipeline:
+        summary = run_in_thread(runtime, TwoIdenticalFrames(), StreamOptions("p", change_threshold=2.0,
+                                                                             generation=FAST),
+                                records.append, pipeline=pipeline)
+    assert "broke" in records[0]["error"]
+    assert records[1]["frame"] == 1 and records[1]["reused"] is False and "answer" in records[1]
+    assert (summary.frames, summary.errors, summary.reused) == (1, 1, 0)
+
+
+# ---- one pipeline for several streams ---------------------------------------------------------------
+
+def test_streams_share_one_pipeline_that_outlives_them(runtime):
+    pool = threading.BoundedSemaphore(2 * 2)  # as the daemon's: both streams' shares together
+    with Pipeline(runtime, queue_size=2, reserved=2 * 2) as pipeline:
+        runs = {}
+
+        def one(name, seed):
+            source = open_source(f"synthetic://?count=6&size=64&seed={seed}")
+            records = []
+            options = StreamOptions("p", lossless_inflight=2, generation=FAST, change_threshold=0.5, pool=pool)
+            runs[name] = (run_stream(pipeline, source, options, records.append), records)
+
+        threads = [threading.Thread(target=one, args=(name, seed), daemon=True)
+                   for name, seed in (("a", 0), ("b", 100))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(WAIT_S)
+        assert not any(t.is_alive() for t in threads)
+        for name in "ab":
+            summary, records = runs[name]
+            assert [r["frame"] for r in records] == list(range(6)) and summary.frames == 6, name
+        # both streams ended: the pipeline is still open and answering
+        assert pipeline.alive() and pipeline.infer(make_scene(1, size=64).image, "p", **FAST).text is not None
+        assert pipeline.stats.completed == 13
+    # every share taken was given back (a BoundedSemaphore refuses one given back twice)
+    assert all(pool.acquire(timeout=WAIT_S) for _ in range(4)) and not pool.acquire(blocking=False)
 
 
 # ---- a fast live source: newest frame wins ------------------------------------------------------
@@ -290,7 +438,6 @@ def test_stop_answers_every_frame_already_taken(runtime, monkeypatch):
         assert three_in.wait(WAIT_S)  # so that frames are in flight when the stop comes
         return decode(request, features, on_token, cancelled)
 
-    monkeypatch.setattr(edgemm.stream, "Pipeline", CountingPipeline)
     monkeypatch.setattr(runtime, "decode", decode_once_three_are_in)
     stop = threading.Event()
     records = []
@@ -300,7 +447,8 @@ def test_stop_answers_every_frame_already_taken(runtime, monkeypatch):
         stop.set()  # after the first answer
 
     source = open_source("synthetic://?count=50&size=64")
-    summary = run_in_thread(runtime, source, StreamOptions("p", generation=FAST), emit, stop)
+    with CountingPipeline(runtime) as pipeline:
+        summary = run_in_thread(runtime, source, StreamOptions("p", generation=FAST), emit, stop, pipeline)
     assert 3 <= len(submitted) < 50
     assert [r["frame"] for r in records] == submitted == list(range(len(submitted)))
     assert all("error" not in r for r in records)
@@ -321,7 +469,8 @@ def test_stop_while_a_live_camera_is_reconnecting(runtime, monkeypatch):
     source = UnpluggedCamera()
     stop = threading.Event()
     done = threading.Event()
-    thread = threading.Thread(target=lambda: (run_stream(runtime, source, StreamOptions("p"),
+    pipeline = Pipeline(runtime)
+    thread = threading.Thread(target=lambda: (run_stream(pipeline, source, StreamOptions("p"),
                                                          lambda r: None, stop), done.set()),
                               daemon=True)
     thread.start()
@@ -335,6 +484,7 @@ def test_stop_while_a_live_camera_is_reconnecting(runtime, monkeypatch):
     finally:
         source.close()  # lets the reader out if run_stream did not
         thread.join(WAIT_S)
+        pipeline.close()
 
 
 # ---- the command line ----------------------------------------------------------------------------

@@ -202,10 +202,18 @@ def _scene_folder(n: int) -> Path:
     return folder
 
 
+def _run_stream(rt: Runtime, source, options, emit, stop: threading.Event | None = None):
+    """run_stream as `edgemm stream` runs it: in a pipeline of its own, closed at the end."""
+    from edgemm.pipeline import Pipeline
+    from edgemm.stream import run_stream
+    with Pipeline(rt, queue_size=options.share(source.live)) as pipeline:
+        return run_stream(pipeline, source, options, emit, stop)
+
+
 def bench_throughput(rt: Runtime, frames: int, prompt: str, repeats: int = 3) -> dict:
     """Same folder, same model: a sequential loop vs the pipeline, interleaved `repeats` times."""
     from edgemm.sources import open_source
-    from edgemm.stream import StreamOptions, run_stream
+    from edgemm.stream import StreamOptions
     folder = _scene_folder(frames)
     seq_fps, pipe_fps, bounds, stage_ms = [], [], [], {}
     for _ in range(repeats):
@@ -215,7 +223,7 @@ def bench_throughput(rt: Runtime, frames: int, prompt: str, repeats: int = 3) ->
                 rt.infer(frame.image, prompt)
         seq_fps.append(frames / (time.perf_counter() - t0))
 
-        summary = run_stream(rt, open_source(str(folder)), StreamOptions(prompt=prompt), lambda r: None)
+        summary = _run_stream(rt, open_source(str(folder)), StreamOptions(prompt=prompt), lambda r: None)
         assert summary.frames == frames and summary.errors == 0, summary.to_dict()
         pipe_fps.append(frames / summary.seconds)
         per = {k: v / 1e3 for k, v in summary.stage_ms.items()}
@@ -232,13 +240,13 @@ def bench_throughput(rt: Runtime, frames: int, prompt: str, repeats: int = 3) ->
 def bench_freshness(rt: Runtime, seconds: float = 20.0, prompt: str = "how many shapes are there ?") -> dict:
     """A live source producing frames faster than the model answers them."""
     from edgemm.sources import open_source
-    from edgemm.stream import StreamOptions, run_stream
+    from edgemm.stream import StreamOptions
     records: list[dict] = []
     source = open_source(f"synthetic://?fps={SOURCE_FPS}")
     stop = threading.Event()
     timer = threading.Timer(seconds, stop.set)
     timer.start()
-    summary = run_stream(rt, source, StreamOptions(prompt=prompt), records.append, stop)
+    summary = _run_stream(rt, source, StreamOptions(prompt=prompt), records.append, stop)
     ages = [r["e2e_ms"] for r in records if "answer" in r]
     lat = [r["latency_ms"] for r in records if "answer" in r]
     return {"source_fps": SOURCE_FPS, "seconds": round(summary.seconds, 1), "answers": summary.frames,
@@ -250,13 +258,13 @@ def bench_freshness(rt: Runtime, seconds: float = 20.0, prompt: str = "how many 
 def bench_soak(rt: Runtime, frames: int, prompt: str = "how many shapes are there ?") -> dict:
     """RSS before/after `frames` frames through the pipeline (unpaced synthetic, low tier)."""
     from edgemm.sources import open_source
-    from edgemm.stream import StreamOptions, run_stream
+    from edgemm.stream import StreamOptions
     low = list(rt.manifest.tiers)[0]
     warm = StreamOptions(prompt=prompt, max_frames=200, generation={"tier": low})
-    run_stream(rt, open_source("synthetic://?count=200"), warm, lambda r: None)
+    _run_stream(rt, open_source("synthetic://?count=200"), warm, lambda r: None)
     before = rss_mb()
     opts = StreamOptions(prompt=prompt, max_frames=frames, generation={"tier": low})
-    summary = run_stream(rt, open_source(f"synthetic://?count={frames}&seed=7"), opts, lambda r: None)
+    summary = _run_stream(rt, open_source(f"synthetic://?count={frames}&seed=7"), opts, lambda r: None)
     after = rss_mb()
     return {"frames": summary.frames, "tier": low, "rss_mb_before": round(before, 1),
             "rss_mb_after": round(after, 1), "rss_growth_mb": round(after - before, 1),

@@ -4,7 +4,10 @@ as onnxruntime (named numpy inputs → named numpy outputs), so nothing above kn
 - TensorRT >= 8.6 named-tensor API: `num_io_tensors`, `get_tensor_name/mode/dtype`,
   `set_input_shape`, `set_tensor_address`, `execute_async_v3`.
 - One execution context and one CUDA stream per engine: a DLA encoder and a GPU decoder,
-  driven by different pipeline threads, run concurrently.
+  driven by different pipeline threads, run concurrently. A context, its stream and its
+  buffers may be driven by one thread at a time: the pipeline calls each component from
+  one stage thread only, and a component's run holds its own lock besides, so a second
+  caller (a warm-up, a tool) waits instead of corrupting bindings mid-enqueue.
 - `runtime.DLA_core` is set before a DLA plan is deserialised (the plan is bound to a core
   at load time); `deserialize_cuda_engine` returning None becomes a one-line EngineError.
 - Buffers are allocated once per tensor and reused, growing only when a larger shape comes.
@@ -20,6 +23,7 @@ tensorrt and pycuda are imported when a backend is made, never at edgemm import.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -161,19 +165,22 @@ class TrtComponent:
         self.inputs = {n: first.spec(n) for n in first.inputs}
         self.outputs = {n: first.spec(n) for n in first.outputs}
         self.stats = RunStats()
+        # binding shapes and addresses, enqueue and sync on the engines' contexts: one caller at a time
+        self._lock = threading.Lock()
 
     def release_memory(self) -> None:
         """Nothing to hand back: an execution context's device memory is sized once, for the
         largest shapes of its optimisation profiles, when the engine is loaded."""
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        started = time.perf_counter()
-        self._cuda_context.push()  # pipeline stages run in their own threads
-        try:
-            result = self._run(feeds)
-        finally:
-            self._cuda_context.pop()
-        self.stats.add(started)
+        with self._lock:
+            started = time.perf_counter()
+            self._cuda_context.push()  # pipeline stages run in their own threads
+            try:
+                result = self._run(feeds)
+            finally:
+                self._cuda_context.pop()
+            self.stats.add(started)  # RunStats is not thread-safe either
         return result
 
     def _run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
