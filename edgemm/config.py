@@ -285,7 +285,7 @@ class StreamConfig:
 
 @dataclass
 class PowerConfig:
-    """Jetson telemetry (sysfs) and the placement policy's rules (edgemm/power.py)."""
+    """Jetson telemetry (sysfs) and the placement policy's rules (edgemm/telemetry.py, edgemm/power.py)."""
     root: str = "/"  # where sysfs, /var/lib/nvpmodel and /etc live; another folder only for tests and recordings
     sample_period_s: float = 1.0  # telemetry is read in the background this often
     history: int = 60  # samples kept (for energy per request and /v1/status); 60 at 1 s = the last minute

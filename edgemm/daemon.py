@@ -29,7 +29,7 @@ from edgemm.config import Config, ServerConfig
 from edgemm.errors import EdgemmError
 from edgemm.offload import OffloadClient
 from edgemm.pipeline import Pipeline, encoder_batch_limits
-from edgemm.power import Sampler
+from edgemm.telemetry import Sampler
 from edgemm.router import Router
 from edgemm.runtime import Runtime
 from edgemm.server import Service, create_app

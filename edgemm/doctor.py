@@ -18,7 +18,7 @@ from pathlib import Path
 import yaml
 
 from edgemm.config import Config
-from edgemm.power import Sensors, read_text
+from edgemm.telemetry import Sensors, read_text
 
 FAILED_EXIT_CODE = 3
 

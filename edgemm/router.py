@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from edgemm.config import Config
 from edgemm.offload import OffloadClient, OffloadError, OffloadReply
 from edgemm.pipeline import Pipeline, Request
-from edgemm.power import Governor, Load, PowerPolicy, Route, Sampler
+from edgemm.power import Governor, Load, PowerPolicy, Route
+from edgemm.telemetry import Sampler
 from edgemm.runtime import InferenceResult
 
 log = logging.getLogger("edgemm")

@@ -13,7 +13,8 @@ import httpx
 from edgemm.config import Config
 from edgemm.errors import EdgemmError
 from edgemm.offload import read_api_key
-from edgemm.power import Load, PowerPolicy, Sensors
+from edgemm.power import Load, PowerPolicy
+from edgemm.telemetry import Sensors
 
 
 def collect(cfg: Config, socket_path: str | None = None, timeout_s: float = 5.0) -> dict:

@@ -8,7 +8,8 @@ import pytest
 from fake_jetson import FakeJetson, agx_orin, orin_nano, orin_nx
 
 from edgemm.config import PlacementConfig, PowerConfig, load_config
-from edgemm.power import Governor, Load, PowerPolicy, Route, Sampler, Sensors, Telemetry, holds
+from edgemm.power import Governor, Load, PowerPolicy, Route, holds
+from edgemm.telemetry import Sampler, Sensors, Telemetry
 
 # ---- telemetry -------------------------------------------------------------------------------
 
