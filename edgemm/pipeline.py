@@ -41,7 +41,9 @@ import numpy as np
 
 from edgemm.config import BATCHING_MODES
 from edgemm.errors import EdgemmError
-from edgemm.runtime import InferenceResult, PreparedRequest, Runtime
+from edgemm.answering import InferenceResult
+from edgemm.preparation import PreparedRequest
+from edgemm.runtime import Runtime
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from edgemm.offload import OffloadClient, OffloadError, OffloadReply
 from edgemm.pipeline import Pipeline, Request
 from edgemm.power import Governor, Load, PowerPolicy, Route
 from edgemm.telemetry import Sampler
-from edgemm.runtime import InferenceResult
+from edgemm.answering import InferenceResult
 
 log = logging.getLogger("edgemm")
 

@@ -50,7 +50,8 @@ from edgemm.openai_api import (DEFAULT_PROMPT, ApiError, ChatRequest, ImagePolic
                                usage)
 from edgemm.pipeline import Overloaded, Pipeline, Request
 from edgemm.router import Router
-from edgemm.runtime import InferenceResult, Runtime
+from edgemm.answering import InferenceResult
+from edgemm.runtime import Runtime
 from edgemm.streams import END, StreamManager, stream_spec
 
 log = logging.getLogger("edgemm")

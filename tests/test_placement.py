@@ -12,6 +12,7 @@ from edgemm.errors import EngineError, ModelError
 from edgemm.pipeline import Pipeline, Request
 from edgemm.power import Route, reachable_devices
 from edgemm.placement import place
+from edgemm.loading import ModelComponents
 from edgemm.runtime import Runtime, default_engines_dir
 
 HAVE_TENSORRT = importlib.util.find_spec("tensorrt") is not None
@@ -152,7 +153,7 @@ def fake_runtime(monkeypatch, make_runtime, fake_class=None, **placement):
         if not fakes:
             fakes.append((fake_class or FakeTensorRT)(self.manifest))
         return fakes[0]
-    monkeypatch.setattr(Runtime, "_tensorrt", fake)
+    monkeypatch.setattr(ModelComponents, "_tensorrt", fake)
     return make_runtime(placement=placement), fakes
 
 

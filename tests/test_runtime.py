@@ -134,8 +134,9 @@ def test_smoke_accuracy_on_generated_scenes(runtime, top_tier):
 
 
 def test_concurrent_stages_split_the_cores_and_do_not_spin(make_runtime, monkeypatch):
+    import edgemm.loading
     import edgemm.runtime as runtime_module
-    monkeypatch.setattr(runtime_module, "usable_cpus", lambda: 6)
+    monkeypatch.setattr(edgemm.loading, "usable_cpus", lambda: 6)
     cfg = make_runtime().config
     cfg.backend.intra_op_threads = 0
     pipelined = runtime_module.Runtime(cfg, concurrent=True)

@@ -1,0 +1,157 @@
+"""The model's graphs, loaded on their devices: placement, standby copies, generators.
+
+    placement.vision_encoder: [dla0, gpu, cpu]  ─► the first device that loads it
+                                                   (+ the others the power policy may pick,
+                                                    with placement.keep_alternatives)
+    a request's Route ─► resolve() ─► (encoder, embedding, decoder) devices ─► Generator
+
+`cpu` is onnxruntime with backend.providers; gpu, dla0 and dla1 are TensorRT engines
+from the engines folder. Every device that could not take a component is kept with
+its one-line reason (placement_report, `edgemm status`).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from edgemm.backends.base import Component, LoadedComponents
+from edgemm.backends.onnxruntime import OnnxRuntimeBackend
+from edgemm.config import Config
+from edgemm.errors import BackendError, EdgemmError
+from edgemm.generate import Generator
+from edgemm.model.contract import check_component
+from edgemm.model.manifest import COMPONENTS, ModelManifest
+from edgemm.placement import Placement, place
+from edgemm.power import Route, reachable_devices
+
+log = logging.getLogger("edgemm")
+
+SOURCE_TREE = Path(__file__).resolve().parent.parent
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (systemd's CPUAffinity, taskset, cgroups), else all."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def default_engines_dir(model_name: str) -> Path:
+    """engines/<model name> in edgemm's source tree, where `edgemm engines build` writes by default."""
+    return SOURCE_TREE / "engines" / model_name
+
+
+class ModelComponents:
+    """Each component on the first device of its placement list that loads it; with
+    placement.keep_alternatives, also on the other devices the power policy may give it.
+
+    `concurrent`: the encoder and the decoder run at the same time (the pipeline of
+    `serve` and `stream`); backend.intra_op_threads 0 then splits the cores between them."""
+
+    def __init__(self, config: Config, manifest: ModelManifest, stop_ids: set[int], concurrent: bool = False):
+        if config.backend.name != "onnxruntime":
+            raise BackendError(f"backend {config.backend.name!r} is not available in this build "
+                               "(TensorRT engines are chosen per component with placement: gpu | dla0 | dla1)")
+        self.config, self.manifest, self.stop_ids, self.concurrent = config, manifest, stop_ids, concurrent
+        self.precision = config.model.precision
+        self._ort: OnnxRuntimeBackend | None = None
+        self._trt = None  # TensorRTBackend, made on the first gpu/dla placement
+        self.placements: dict[str, Placement] = {}
+        self.standby: dict[str, dict[str, Component]] = {}  # component → device → loaded, first device first
+        loaded: dict[str, Component] = {}
+        for kind in COMPONENTS:
+            devices = getattr(config.placement, kind)
+            loaded[kind], self.placements[kind] = place(kind, devices, self._load_on)
+            self.standby[kind] = {self.placements[kind].device: loaded[kind]}
+            if config.placement.keep_alternatives:
+                self._load_alternatives(kind, devices)
+        missing = self._ort.missing if self._ort is not None else []
+        self.loaded = LoadedComponents(loaded["vision_encoder"], loaded["embed_tokens"], loaded["decoder"],
+                                       extra={"missing_providers": missing,
+                                              "placement": {k: p.to_dict() for k, p in self.placements.items()}})
+        self.generator = Generator(self.loaded.vision_encoder, self.loaded.embed_tokens, self.loaded.decoder,
+                                   manifest.max_context, stop_ids)
+        self._generators = {self.resolve(None): self.generator}  # (encoder, embed, decoder device) → Generator
+
+    def _load_alternatives(self, kind: str, devices: list[str]) -> None:
+        """Load `kind` on the devices after the first that the power policy could move it to
+        (the first DLA when hot or over budget, the GPU when latency is at risk). The CPU
+        stays a fallback for a missing engine, not a power choice, unless it is listed first."""
+        placement = self.placements[kind]
+        tried = {placement.device} | {d for d, _ in placement.skipped}
+        for device in reachable_devices(devices):
+            if device in tried:
+                continue
+            try:
+                self.standby[kind][device] = self._load_on(kind, device)
+            except EdgemmError as e:
+                placement.skipped.append((device, str(e)))
+                log.warning("%s: no standby on %s: %s", kind, device, e)
+                continue
+            placement.standby.append(device)
+
+    def _load_on(self, kind: str, device: str) -> Component:
+        """One component on one device: onnxruntime for cpu, a TensorRT engine otherwise."""
+        if device == "cpu":
+            path = self.manifest.graph_path(kind, self.precision)
+            component = self._onnxruntime().load(kind, path, self.precision)
+        else:
+            path = self.engines_dir
+            component = self._tensorrt().load_component(kind, device, self.precision)
+        check_component(kind, component, str(path))
+        return component
+
+    @property
+    def engines_dir(self) -> Path:
+        engines = self.config.model.engines
+        return Path(engines) if engines else default_engines_dir(self.manifest.name)
+
+    def _onnxruntime(self) -> OnnxRuntimeBackend:
+        if self._ort is None:
+            cfg = self.config.backend
+            threads, spin = cfg.intra_op_threads, True
+            if self.concurrent:  # two stages at once: half the cores each, no spinning on the other's cores
+                threads, spin = threads or max(1, usable_cpus() // 2), False
+            self._ort = OnnxRuntimeBackend(cfg.providers, threads, spin)
+            if self._ort.missing:
+                log.warning("onnxruntime here lacks %s; running on %s", ", ".join(self._ort.missing),
+                            ", ".join(self._ort.providers))
+        return self._ort
+
+    def _tensorrt(self):
+        if self._trt is None:
+            from edgemm.backends.tensorrt import TensorRTBackend  # imports tensorrt + pycuda
+            self._trt = TensorRTBackend.for_model(self.manifest, self.engines_dir)
+        return self._trt
+
+    @property
+    def devices(self) -> dict[str, str]:
+        """component → the device that runs it (cpu, gpu, dla0, dla1)."""
+        return {c.name: c.device for c in self.loaded.all()}
+
+    def placement_report(self) -> dict[str, dict]:
+        """component → {device, backend, provider, precision, skipped: [{device, reason}]}, for status."""
+        return {c.name: {**self.placements[c.name].to_dict(), "device": c.device, "provider": c.provider,
+                         "precision": c.precision} for c in self.loaded.all()}
+
+    def backend_seconds(self) -> float:
+        """Total time spent inside raw backend run calls so far (for overhead accounting)."""
+        return sum(c.stats.seconds for by_device in self.standby.values() for c in by_device.values())
+
+    def resolve(self, route: Route | None) -> tuple[str, str, str]:
+        """The devices that run (encoder, embedding, decoder) for a wished placement: the
+        wished device where that component is loaded on it, else its first device."""
+        wished = route.stages if route is not None else {}
+        return tuple(wished[kind] if wished.get(kind) in self.standby[kind] else self.placements[kind].device
+                     for kind in COMPONENTS)
+
+    def generator_for(self, route: Route | None) -> Generator:
+        """A Generator over the components `route` resolves to (made once per combination)."""
+        devices = self.resolve(route)
+        generator = self._generators.get(devices)
+        if generator is None:
+            parts = [self.standby[kind][device] for kind, device in zip(COMPONENTS, devices)]
+            generator = self._generators[devices] = Generator(*parts, self.manifest.max_context, self.stop_ids)
+        return generator

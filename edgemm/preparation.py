@@ -1,0 +1,141 @@
+"""Stage 1, preparation: an image and a question become pixel values and prompt ids.
+
+    image (path, bytes, RGB array) ─► size limits ─► decode ─► scheduler: tier
+        ─► family adapter: pixel values (tiles) and prompt ids ─► feature-cache key
+
+No model graph runs here: this is the pipeline's prepare thread (or the caller's).
+"""
+from __future__ import annotations
+
+import functools
+import os
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from edgemm.cache import feature_key
+from edgemm.config import Config, ConfigError
+from edgemm.errors import InputError
+from edgemm.generate import GenerationOptions
+from edgemm.model.family import Family, Prompt
+from edgemm.model.image import load_image
+from edgemm.model.manifest import ModelManifest, ResolutionTier
+from edgemm.power import Route
+from edgemm.scheduler import POLICY_FILE, Decision, Scheduler, TierPolicy
+
+PROMPT_CACHE_SIZE = 256  # distinct (prompt, tier, image size) whose ids are kept
+
+
+@dataclass
+class PreparedRequest:
+    """A request after stage 1, ready for the encoder."""
+    pixel_values: np.ndarray  # [1,3,H,W] float32; [1,tiles,3,H,W] for tiled families
+    tier: ResolutionTier
+    prompt: Prompt
+    options: GenerationOptions
+    timings_ms: dict[str, float] = field(default_factory=dict)
+    decision: Decision | None = None
+    cache_key: bytes | None = None  # feature-cache key of the pixels (None with the cache off)
+    route: Route | None = None  # where the power policy wants each stage (None: the first device loaded)
+
+
+def make_scheduler(config: Config, manifest: ModelManifest) -> Scheduler:
+    """The tier scheduler the config asks for (scheduler.policy: top | thresholds | calibrated)."""
+    cfg = config.scheduler
+    tiers = list(manifest.tiers)
+    if cfg.policy == "top":
+        return Scheduler(tiers, manifest.default_tier)
+    if cfg.policy == "calibrated":
+        policy = TierPolicy.load(manifest.path / POLICY_FILE)
+    else:
+        policy = TierPolicy(cfg.statistic, list(cfg.thresholds), tuple(cfg.detail_words), cfg.detail_tier)
+    try:
+        return Scheduler(tiers, manifest.default_tier, policy)
+    except ValueError as e:
+        where = "scheduler" if cfg.policy == "thresholds" else str(manifest.path / POLICY_FILE)
+        raise ConfigError(f"{where}: {e} (model {manifest.name})") from None
+
+
+class Preparation:
+    def __init__(self, config: Config, manifest: ModelManifest, adapter: Family):
+        self.config, self.manifest, self.adapter = config, manifest, adapter
+        self.precision = config.model.precision
+        self.scheduler = make_scheduler(config, manifest)
+        self.keyed = bool(config.cache.max_bytes)  # feature-cache keys are made here, off the encoder's thread
+        # (prompt, tier, image size) → ids; lru_cache is thread-safe
+        self._cached_prompt = functools.lru_cache(maxsize=PROMPT_CACHE_SIZE)(self._read_only_prompt)
+
+    def check_size(self, image) -> None:
+        """Refuse oversized encoded images before reading or decoding them."""
+        limit = self.config.limits.max_image_bytes
+        if isinstance(image, (bytes, bytearray, memoryview)):
+            size = len(image)
+        elif isinstance(image, (str, os.PathLike)) and os.path.isfile(image):
+            size = os.path.getsize(image)
+        else:
+            return
+        if size > limit:
+            raise InputError(f"image is {size} bytes, above the {limit} byte limit (limits.max_image_bytes)")
+
+    def load(self, image) -> np.ndarray:
+        """A path, encoded bytes or an RGB array → RGB8 array, within the size limits."""
+        self.check_size(image)
+        return load_image(image, max_pixels=self.config.limits.max_pixels)
+
+    def pixels(self, rgb: np.ndarray, tier: ResolutionTier) -> np.ndarray:
+        """[1,3,H,W], or [1,tiles,3,H,W] for a tiled family: the adapter decides."""
+        return self.adapter.pixels(rgb, tier)
+
+    def preprocess(self, image, tier: str | None = None) -> tuple[np.ndarray, str]:
+        """Pixel values at `tier` (else the configured or default tier; no scheduling)."""
+        chosen = self.manifest.tier(tier or self.config.generation.tier)
+        return self.pixels(self.load(image), chosen), chosen.name
+
+    def prepare(self, image, prompt: str, *, tier: str | None = None, max_new_tokens: int | None = None,
+                temperature: float | None = None, top_p: float | None = None,
+                seed: int | None = None, num_beams: int | None = None,
+                beam_gate: float | None = None, route: Route | None = None) -> PreparedRequest:
+        """Check and decode the image, pick the tier, build the prompt ids.
+
+        The tier is `tier`, else generation.tier from the config, else the scheduler's choice.
+        `route` is the power policy's placement; the later stages follow it where they can.
+        """
+        t0 = time.perf_counter()
+        gen = self.config.generation
+        if len(prompt) > self.config.limits.max_prompt_chars:
+            raise InputError(f"prompt is {len(prompt)} characters, above the "
+                             f"{self.config.limits.max_prompt_chars} limit (limits.max_prompt_chars)")
+        options = GenerationOptions(
+            max_new_tokens=max_new_tokens if max_new_tokens is not None else gen.max_new_tokens,
+            temperature=temperature if temperature is not None else gen.temperature,
+            top_p=top_p if top_p is not None else gen.top_p,
+            seed=seed if seed is not None else gen.seed,
+            num_beams=num_beams if num_beams is not None else gen.num_beams,
+            beam_gate=beam_gate if beam_gate is not None else gen.beam_gate)
+        rgb = self.load(image)
+        pinned = tier or gen.tier
+        decision = self.scheduler.decide(rgb, prompt, self.manifest.tier(pinned).name if pinned else None)
+        chosen = self.manifest.tiers[decision.tier]
+        pixel_values = self.pixels(rgb, chosen)
+        prompt_ids = self.prompt_ids(prompt, chosen, rgb.shape[:2])
+        key = self.feature_key(pixel_values[0], chosen.name) if self.keyed else None
+        timings = {"preprocess": (time.perf_counter() - t0) * 1e3}
+        if decision.stats is not None:
+            timings["schedule"] = decision.stats.ms
+        return PreparedRequest(pixel_values, chosen, prompt_ids, options, timings, decision, key, route)
+
+    def prompt_ids(self, prompt: str, tier: ResolutionTier, image_size: tuple[int, int]) -> Prompt:
+        """The adapter's prompt ids, remembered: cameras, kiosks and scripts ask the same few
+        questions again and again. Keyed by the image size too (tiling families depend on it).
+        The arrays are shared, so they are made read-only."""
+        return self._cached_prompt(prompt, tier.name, tuple(image_size))
+
+    def _read_only_prompt(self, prompt: str, tier: str, image_size: tuple[int, int]) -> Prompt:
+        built = self.adapter.build_prompt(prompt, self.manifest.tiers[tier], image_size)
+        for array in (built.input_ids, built.image_positions):
+            array.flags.writeable = False
+        return built
+
+    def feature_key(self, pixel_values: np.ndarray, tier: str) -> bytes:
+        return feature_key(pixel_values, tier, self.manifest.name, self.precision)
