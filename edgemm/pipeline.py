@@ -237,6 +237,7 @@ class Pipeline:
 
     def _prepare_loop(self) -> None:
         while (req := self.inbox.get()) is not _STOP:
+            ready = False
             with self._working("prepare", [req]) as work:
                 ready = self._prepare(req)
             if ready and work.failed is None:
