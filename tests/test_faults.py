@@ -30,6 +30,7 @@ from test_server import assert_error, in_background, metric, raw_client, running
 
 import edgemm.streams
 from edgemm.pipeline import Pipeline, Request
+from edgemm.status import render
 
 WAIT_S = 30  # bound for anything that should happen "now"; never a timing assumption
 MAX_TOKENS = 4
@@ -416,8 +417,10 @@ def test_a_stalled_stage_stops_the_watchdog_until_it_recovers(runtime, samples, 
         assert reason.startswith("encode stage has held one item for ") and reason.endswith(
             f"(server.stall_s {STALL_S:g})")
         assert http.get("/healthz").status_code == 503
-        status = http.get("/v1/status").json()["health"]
-        assert status["ok"] is False and status["reason"].startswith("encode stage has held")
+        report = http.get("/v1/status").json()
+        assert report["health"]["ok"] is False and report["health"]["reason"].startswith("encode stage has held")
+        shown = dict(line.split(None, 1) for line in render({**report, "socket": path}) if line.startswith("health"))
+        assert shown["health"].startswith("UNHEALTHY: encode stage has held one item for ")  # edgemm status
         assert metric(http.get("/metrics").text, "edgemm_ready") == 0
         hold.release.set()
         notify.wait_for(lambda m: "WATCHDOG=1" in m, "pings again after the stage recovered")
@@ -450,3 +453,19 @@ def test_a_dead_stage_thread_stops_the_watchdog(runtime, samples, monkeypatch, n
         assert ready.status_code == 503 and ready.json() == {"status": "unhealthy",
                                                              "reason": "decode stage thread died"}
         assert "decode stage thread died" in d.service.status_line()
+
+
+# ---- the command line ----------------------------------------------------------------------
+
+def test_edgemm_infer_exits_1_with_one_line_on_an_internal_error(model_dir, monkeypatch):
+    from click.testing import CliRunner
+
+    import edgemm.runtime
+    from edgemm.cli import main
+
+    def broken(self, *args, **kwargs):
+        raise Injected(INJECTED)
+    monkeypatch.setattr(edgemm.runtime.Runtime, "infer", broken)
+    result = CliRunner().invoke(main, ["infer", str(model_dir / "samples" / NORMAL_IMAGES[0])])
+    assert result.exit_code == 1
+    assert result.output == f"edgemm: error: internal error: Injected: {ONE_LINE} (set EDGEMM_DEBUG=1 for a traceback)\n"
