@@ -288,10 +288,13 @@ class Pipeline:
         self.to_decode.put(_STOP)
 
     def _encode(self, batch: list[Request]) -> list[Request]:
-        """One encoder call for `batch`; the requests that got their features (none if the
-        call failed: then each failed with its error)."""
+        """One encoder call for `batch`; the requests that got their features. If a call on
+        several images fails, each image is encoded alone, so that one bad image (or an
+        engine that can't take the batch) fails only its own request; a lone image that
+        fails fails its request."""
         started = time.perf_counter()
         done: list[Request] = []
+        failed: Exception | None = None
         try:
             pixels = np.concatenate([r.prepared.pixel_values for r in batch])
             features = self.runtime.encode(pixels, [r.prepared.cache_key for r in batch], batch[0].prepared.route)
@@ -299,14 +302,18 @@ class Pipeline:
                 r.features = features[i:i + 1]
             done = batch
         except Exception as e:
-            for r in batch:
-                self._fail(r, e)
-            done = []
+            failed = e
+            if len(batch) == 1:
+                self._fail(batch[0], e)
         finally:
             size = len(done) or 1  # a failed call counts as one item, as it always has
             self._account("encode", started, size)
             self.stats.batches = self.stats.batches[-999:] + [size]
             self.stats.batch_counts[size] = self.stats.batch_counts.get(size, 0) + 1
+        if failed is not None and len(batch) > 1:
+            log.warning("an encoder call on %d images failed (%s: %s); encoding them one by one", len(batch),
+                        type(failed).__name__, one_line(str(failed)))
+            return [r for one in batch for r in self._encode([one])]
         now = time.perf_counter()
         for r in done:
             r.prepared.timings_ms["encode"] = (now - started) * 1e3

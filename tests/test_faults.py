@@ -469,3 +469,33 @@ def test_edgemm_infer_exits_1_with_one_line_on_an_internal_error(model_dir, monk
     result = CliRunner().invoke(main, ["infer", str(model_dir / "samples" / NORMAL_IMAGES[0])])
     assert result.exit_code == 1
     assert result.output == f"edgemm: error: internal error: Injected: {ONE_LINE} (set EDGEMM_DEBUG=1 for a traceback)\n"
+
+
+def test_a_failing_encoder_batch_is_retried_image_by_image(runtime, samples, monkeypatch):
+    """A bad image that shares an encoder call with good ones fails alone: the call is
+    repeated for each image by itself."""
+    marker, encode = poison_pixels(runtime, samples), runtime.encode
+    first_call, shapes = Hold(), []
+
+    def encode_once_held(pixels, keys=None, route=None):
+        shapes.append(len(pixels))
+        if len(shapes) == 1:
+            first_call.wait()  # the others queue up behind the first: the next call is their batch
+        if any(np.array_equal(row, marker) for row in pixels):
+            raise Injected(INJECTED)
+        return encode(pixels, keys, route)
+    good = [(samples[name], prompt) for name in NORMAL_IMAGES for prompt in PROMPTS[:1]]
+    alone = [runtime.infer(image, prompt, max_new_tokens=MAX_TOKENS).tokens for image, prompt in good]
+    monkeypatch.setattr(runtime, "encode", encode_once_held)
+    with Pipeline(runtime, queue_size=8, max_batch=4, batch_timeout_ms=50, encoder_batch={"high": 4}) as pipeline:
+        opener = pipeline.submit(Request(*good[0], {"max_new_tokens": MAX_TOKENS}))
+        assert first_call.entered.wait(WAIT_S)
+        rest = [pipeline.submit(Request(image, prompt, {"max_new_tokens": MAX_TOKENS}))
+                for image, prompt in [(samples[POISON_IMAGE], PROMPTS[0])] + good]
+        wait_until(lambda: pipeline.to_encode.qsize() == len(rest), WAIT_S, "the rest prepared")
+        first_call.release.set()
+        assert opener.result(WAIT_S).tokens == alone[0]
+        with pytest.raises(Injected):
+            rest[0].result(WAIT_S)
+        assert [f.result(WAIT_S).tokens for f in rest[1:]] == alone
+    assert shapes == [1, 3, 1, 1, 1]  # the batch of three failed, then each image alone
