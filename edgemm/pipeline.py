@@ -313,6 +313,7 @@ class Pipeline:
         if failed is not None and len(batch) > 1:
             log.warning("an encoder call on %d images failed (%s: %s); encoding them one by one", len(batch),
                         type(failed).__name__, one_line(str(failed)))
+            self._progress("encode")  # the failed call returned: the stall clock restarts for the retries
             return [r for one in batch for r in self._encode([one])]
         now = time.perf_counter()
         for r in done:
@@ -407,7 +408,8 @@ class Pipeline:
                 self._held_decode.append(nxt)
                 break
             held.append(nxt)
-            if nxt.reuse or not batchable(nxt.prepared.options) or self.runtime.resolve(nxt.prepared.route) != devices:
+            if (nxt.reuse or not batchable(nxt.prepared.options)
+                    or self.runtime.resolve(nxt.prepared.route) != devices):
                 held.pop()
                 self._held_decode.append(nxt)
                 break

@@ -353,7 +353,7 @@ class NotifySocket:
                 self.changed.notify_all()
 
     def wait_for(self, predicate, what: str, timeout: float = WAIT_S) -> tuple[float, str]:
-        """The first message after those already seen (from `since`) for which predicate holds."""
+        """The first message, among those that arrive from now on, for which predicate holds."""
         with self.changed:
             start = len(self.messages)
             found = self.changed.wait_for(
@@ -468,7 +468,8 @@ def test_edgemm_infer_exits_1_with_one_line_on_an_internal_error(model_dir, monk
     monkeypatch.setattr(edgemm.runtime.Runtime, "infer", broken)
     result = CliRunner().invoke(main, ["infer", str(model_dir / "samples" / NORMAL_IMAGES[0])])
     assert result.exit_code == 1
-    assert result.output == f"edgemm: error: internal error: Injected: {ONE_LINE} (set EDGEMM_DEBUG=1 for a traceback)\n"
+    assert result.output == \
+        f"edgemm: error: internal error: Injected: {ONE_LINE} (set EDGEMM_DEBUG=1 for a traceback)\n"
 
 
 def test_a_failing_encoder_batch_is_retried_image_by_image(runtime, samples, monkeypatch):

@@ -216,7 +216,8 @@ def load_section(runtime: Runtime, model: Path, faulty: FaultyEncoder, images: d
                     while True:
                         with lock:
                             n = next(counter)
-                        if (deadline is not None and time.monotonic() >= deadline) or (total is not None and n >= total):
+                        late = deadline is not None and time.monotonic() >= deadline
+                        if late or (total is not None and n >= total):
                             return
                         key, image, prompt = pick(n)
                         record = post(http, image, prompt, args.max_tokens)
@@ -244,6 +245,7 @@ def load_section(runtime: Runtime, model: Path, faulty: FaultyEncoder, images: d
             ready = http.get("/readyz")
             after = post(http, *normal[0][1:], args.max_tokens)
         failed = d.daemon.service.pipeline.stats.failed
+        encoder_batch = dict(d.daemon.service.pipeline.encoder_batch)  # what encoder_batching auto chose
 
     statuses = Counter(str(r["status"]) for _, r in records)
     by_kind: dict[str, Counter] = {"encoder_poison": Counter(), "nan_poison": Counter(), "normal": Counter()}
@@ -288,6 +290,7 @@ def load_section(runtime: Runtime, model: Path, faulty: FaultyEncoder, images: d
         "rss_mb_before": round(rss_before, 1), "rss_mb_after": round(rss_after, 1),
         "rss_growth_mb": round(rss_after - rss_before, 1),
         "encoder_calls": dict(faulty.calls),
+        "encoder_images_per_call": encoder_batch,
     }
     result["targets"] = {
         "every poison gets a 500": every_encoder_poison_500 and every_nan_poison_500,
