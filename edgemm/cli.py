@@ -15,7 +15,7 @@ import traceback
 
 import click
 
-from edgemm.errors import EdgemmError, InputError
+from edgemm.errors import EdgemmError, InputError, internal_message
 from edgemm.generation_limits import MAX_BEAMS, MAX_NEW_TOKENS, MIN_TEMPERATURE, check_generation
 
 DEFAULT_PROMPT = "describe the image"
@@ -47,7 +47,7 @@ def reports_errors(fn):
         except Exception as e:  # anything else is our bug: say so, exit 1
             if os.environ.get("EDGEMM_DEBUG"):
                 traceback.print_exc()
-            fail(f"internal error: {type(e).__name__}: {e} (set EDGEMM_DEBUG=1 for a traceback)", 1)
+            fail(f"{internal_message(e)} (set EDGEMM_DEBUG=1 for a traceback)", 1)
     return wrapper
 
 

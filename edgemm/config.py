@@ -217,6 +217,7 @@ class ServerConfig:
     encoder_batching: str = "auto"  # auto: batch the encoder only at tiers where one call on max_batch images is timed >= 20 % faster per image than single calls (at start-up); on; off
     continuous_batching: str = "auto"  # requests reaching the decoder while a batch runs: on = join it between tokens; off = wait until it ends; auto = join when the rest of the batch is expected to take longer than their prefills delay it (timed as it runs)
     request_timeout_s: float = 60.0  # a request not answered within this gets 504
+    stall_s: float = 120.0  # a pipeline stage that makes no progress on its work this long is unhealthy: no WATCHDOG=1, /readyz and /healthz 503
     retry_after_s: int = 1  # the Retry-After header sent with 503
     grace_period_s: float = 10.0  # on SIGTERM: how long requests in flight may take to finish
     max_body_bytes: int = 16 * 1024 * 1024  # larger request bodies get 413 (base64 images are 4/3 of the file)
@@ -234,7 +235,7 @@ class ServerConfig:
             _require(0 <= self.tcp_port <= 65535, f"{path}.tcp_port", "be in 0..65535 or null", self.tcp_port)
         for name in ("queue_size", "max_batch", "max_body_bytes", "max_connections", "retry_after_s", "max_streams"):
             _require(getattr(self, name) >= 1, f"{path}.{name}", "be >= 1", getattr(self, name))
-        for name in ("request_timeout_s", "remote_timeout_s"):
+        for name in ("request_timeout_s", "remote_timeout_s", "stall_s"):
             _require(getattr(self, name) > 0, f"{path}.{name}", "be > 0", getattr(self, name))
         for name in ("batch_timeout_ms", "grace_period_s"):
             _require(getattr(self, name) >= 0, f"{path}.{name}", "be >= 0", getattr(self, name))

@@ -277,15 +277,27 @@ class Daemon:
         self.ready.set()
 
     async def _heartbeat(self) -> None:
-        """WATCHDOG=1 (when systemd asks for it) and a fresh STATUS= line."""
-        interval = watchdog_interval()
-        if not self.notifier.active:
-            return
+        """WATCHDOG=1 (when systemd asks for it) and a fresh STATUS= line, every half
+        WatchdogSec. A ping is sent only while the pipeline is healthy (Pipeline.health):
+        when a stage thread died or a stage is stuck past server.stall_s, only STATUS= with
+        the reason goes out, so systemd's watchdog restarts the unit. Health is checked at
+        every ping, so the last ping comes at most stall_s + one interval after a stall began.
+        Outside systemd (no NOTIFY_SOCKET) it only logs health changes, every 10 s."""
+        interval = watchdog_interval() if self.notifier.active else None
         while not self.ready.is_set():
             await asyncio.sleep(0.05)
+        healthy = True
         while True:
+            health = self.service.health()
             status = self.service.status_line()
-            if interval:
+            if health.ok != healthy:  # log the change, not every beat
+                healthy = health.ok
+                if healthy:
+                    log.warning("the pipeline is healthy again%s", "; watchdog pings resume" if interval else "")
+                else:
+                    log.error("unhealthy: %s%s", health.reason,
+                              "; no more watchdog pings (systemd restarts the service)" if interval else "")
+            if interval and health.ok:  # (without NOTIFY_SOCKET both are no-ops)
                 self.notifier.watchdog(status)
             else:
                 self.notifier.status(status)

@@ -48,3 +48,16 @@ class Cancelled(EdgemmError):
     exit_code = 1
     http_status = 499
     kind = "client_closed"
+
+
+def one_line(text: str, limit: int = 500) -> str:
+    """`text` as one line of at most `limit` characters: backends (onnxruntime, TensorRT)
+    raise messages that span lines, and a client or a log line gets one."""
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[:limit - 1] + "…"
+
+
+def internal_message(error: BaseException) -> str:
+    """The one-line message of an error that is not edgemm's own (a bug, a backend failure)."""
+    text = one_line(str(error))
+    return f"internal error: {type(error).__name__}: {text}" if text else f"internal error: {type(error).__name__}"

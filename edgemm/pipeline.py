@@ -28,11 +28,13 @@ arrive while a batch decodes join it between steps when JoinPolicy says they sho
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
 import time
 from collections import Counter, deque
+from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -40,8 +42,8 @@ from typing import Any, Callable
 import numpy as np
 
 from edgemm.config import BATCHING_MODES
-from edgemm.errors import EdgemmError
 from edgemm.answering import InferenceResult
+from edgemm.errors import EdgemmError, one_line
 from edgemm.preparation import PreparedRequest
 from edgemm.runtime import Runtime
 
@@ -50,6 +52,7 @@ log = logging.getLogger(__name__)
 ENCODER_BATCH_GAIN = 1.2  # encoder_batching auto: batch a tier only if a batch is this much faster per image
 
 _STOP = object()  # end-of-work marker passed down the stages
+STAGES = ("prepare", "encode", "decode")
 
 
 class Overloaded(EdgemmError):
@@ -72,6 +75,32 @@ class Request:
     prepared: PreparedRequest | None = None
     features: np.ndarray | None = None
     marks: dict[str, float] = field(default_factory=dict)  # stage → perf_counter when it ended
+
+
+@dataclass(frozen=True)
+class Health:
+    """Whether the pipeline still answers: every stage thread runs and none is stuck."""
+    ok: bool
+    reason: str | None = None  # one line, when not ok
+
+    def to_dict(self) -> dict:
+        return {"ok": self.ok, "reason": self.reason}
+
+
+@dataclass
+class Work:
+    """What a stage's crash barrier saw: the unexpected error of one iteration, if any."""
+    failed: Exception | None = None
+
+
+def mark_logged(error: BaseException) -> None:
+    """Note that `error`'s traceback is in the log, so whoever reports it next logs it no more."""
+    with contextlib.suppress(AttributeError, TypeError):  # a few built-in types take no attributes
+        error.edgemm_logged = True  # type: ignore[attr-defined]
+
+
+def was_logged(error: BaseException) -> bool:
+    return bool(getattr(error, "edgemm_logged", False))
 
 
 @dataclass
@@ -112,11 +141,15 @@ class Pipeline:
         self._held: deque = deque()  # taken from to_encode but not batchable with the current tier
         self._held_decode: deque = deque()  # taken from to_decode, can't join the running batch: goes next
         self._preparing = False  # the prepare stage holds a request (written by its thread only)
+        # stage → time.monotonic() of its last progress on the work it holds (None: idle or
+        # waiting for room downstream); written by the stage's own thread, read by health()
+        self._busy: dict[str, float | None] = dict.fromkeys(STAGES)
         self._closed = False
         self._admission = threading.Lock()  # no request may slip in behind the stop marker
-        self._threads = [threading.Thread(target=fn, name=f"edgemm-{name}", daemon=True)
-                         for name, fn in (("prepare", self._prepare_loop), ("encode", self._encode_loop),
-                                          ("decode", self._decode_loop))]
+        self._stages = {name: threading.Thread(target=fn, name=f"edgemm-{name}", daemon=True)
+                        for name, fn in (("prepare", self._prepare_loop), ("encode", self._encode_loop),
+                                         ("decode", self._decode_loop))}
+        self._threads = list(self._stages.values())
         for t in self._threads:
             t.start()
 
@@ -147,6 +180,24 @@ class Pipeline:
         """All stage threads running (a watchdog pings only while this holds)."""
         return all(t.is_alive() for t in self._threads) or self._closed
 
+    def health(self, stall_s: float) -> Health:
+        """Not ok when a stage thread is gone (its requests would never be answered) or a
+        stage has made no progress for more than `stall_s` seconds on the work it holds (a
+        model call that hangs). A stage waiting for work, or for room in the next stage's
+        queue, is not stalled. Once close() was called the threads end on purpose."""
+        if self._closed:
+            return Health(True)
+        for stage, thread in self._stages.items():
+            if not thread.is_alive():
+                return Health(False, f"{stage} stage thread died")
+        now = time.monotonic()
+        for stage in STAGES:
+            since = self._busy[stage]  # read once: the stage's thread may clear it meanwhile
+            if since is not None and now - since > stall_s:
+                return Health(False, f"{stage} stage has held one item for {now - since:.0f} s "
+                                     f"(server.stall_s {stall_s:g})")
+        return Health(True)
+
     def close(self, timeout: float | None = None) -> None:
         """Stop accepting; everything already submitted is finished before this returns
         (or `timeout` seconds in all have passed)."""
@@ -166,60 +217,119 @@ class Pipeline:
 
     # ---- the stages ------------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def _working(self, stage: str, held: list) -> Iterator[Work]:
+        """One iteration of a stage's loop, behind a crash barrier. The stage counts as busy
+        from now (health's stall check). An unexpected error is logged once, with its
+        traceback, and fails the requests in `held` not answered yet (the list may grow
+        while the iteration runs); the stage then goes on with its next work. BaseException
+        (SystemExit, KeyboardInterrupt) is not caught: that ends the thread, and health()
+        says so."""
+        work = Work()
+        self._busy[stage] = time.monotonic()
+        try:
+            yield work
+        except Exception as e:
+            work.failed = e
+            victims = [r for r in held if isinstance(r, Request) and not r.future.done()]
+            log.error("%s stage failed, failing %d request(s): %s: %s", stage, len(victims),
+                      type(e).__name__, one_line(str(e)), exc_info=e)
+            mark_logged(e)
+            for r in victims:
+                self._fail(r, e)
+        finally:
+            self._busy[stage] = None
+
+    def _progress(self, stage: str) -> None:
+        """The stage made progress (a decoder step, a token): its stall clock starts again."""
+        if self._busy[stage] is not None:
+            self._busy[stage] = time.monotonic()
+
     def _prepare_loop(self) -> None:
         while (req := self.inbox.get()) is not _STOP:
-            if not req.future.set_running_or_notify_cancel():
-                continue  # cancelled while waiting (its client went away): costs nothing
-            started = time.perf_counter()
-            self._preparing = True
-            try:
-                req.prepared = self.runtime.prepare(req.image, req.prompt, **req.options)
-                req.image = None  # the decoded pixels are all we need from here on
-            except Exception as e:  # a bad request fails alone; the pipeline goes on
-                self._preparing = False
-                self._fail(req, e)
-                continue
-            finally:
-                self._account("prepare", started)
-            req.marks["prepare"] = time.perf_counter()
-            self.to_encode.put(req)
+            ready = False
+            with self._working("prepare", [req]) as work:
+                ready = self._prepare(req)
+            if ready and work.failed is None:
+                self.to_encode.put(req)  # outside the barrier: waiting for room is not a stall
             self._preparing = False
         self.to_encode.put(_STOP)
+
+    def _prepare(self, req: Request) -> bool:
+        """Decode the image, pick the tier, build the prompt; False if the request is done
+        (cancelled, or failed alone)."""
+        if not req.future.set_running_or_notify_cancel():
+            return False  # cancelled while waiting (its client went away): costs nothing
+        started = time.perf_counter()
+        self._preparing = True
+        try:
+            req.prepared = self.runtime.prepare(req.image, req.prompt, **req.options)
+            req.image = None  # the decoded pixels are all we need from here on
+        except Exception as e:  # a bad request fails alone; the pipeline goes on
+            self._preparing = False
+            self._fail(req, e)
+            return False
+        finally:
+            self._account("prepare", started)
+        req.marks["prepare"] = time.perf_counter()
+        return True
 
     def _encode_loop(self) -> None:
         while True:
             first = self._held.popleft() if self._held else self.to_encode.get()
             if first is _STOP:
                 break
-            batch, stop = self._gather(first)
-            started = time.perf_counter()
-            try:
-                pixels = np.concatenate([r.prepared.pixel_values for r in batch])
-                features = self.runtime.encode(pixels, [r.prepared.cache_key for r in batch], first.prepared.route)
-                for i, r in enumerate(batch):
-                    r.features = features[i:i + 1]
-            except Exception as e:
-                for r in batch:
-                    self._fail(r, e)
-                batch = []
-            finally:
-                self._account("encode", started, len(batch) or 1)
-                size = len(batch) or 1
-                self.stats.batches = self.stats.batches[-999:] + [size]
-                self.stats.batch_counts[size] = self.stats.batch_counts.get(size, 0) + 1
-            now = time.perf_counter()
-            for r in batch:
-                r.prepared.timings_ms["encode"] = (now - started) * 1e3
-                r.marks["encode"] = now
-                self.to_decode.put(r)
+            batch: list[Request] = [first]  # grows in _gather: the barrier fails what it holds
+            stop = False
+            with self._working("encode", batch) as work:
+                stop = self._gather(first, batch)
+                encoded = self._encode(batch)
+            if work.failed is None:
+                for r in encoded:
+                    self.to_decode.put(r)  # outside the barrier: waiting for room is not a stall
             if stop:
                 break
         self.to_decode.put(_STOP)
 
-    def _gather(self, first: Request) -> tuple[list[Request], bool]:
-        """`first` plus waiting requests of the same tier, up to max_batch (order kept).
-        It waits for more (up to batch_timeout_ms) only while some are being prepared."""
-        batch = [first]
+    def _encode(self, batch: list[Request]) -> list[Request]:
+        """One encoder call for `batch`; the requests that got their features. If a call on
+        several images fails, each image is encoded alone, so that one bad image (or an
+        engine that can't take the batch) fails only its own request; a lone image that
+        fails fails its request."""
+        started = time.perf_counter()
+        done: list[Request] = []
+        failed: Exception | None = None
+        try:
+            pixels = np.concatenate([r.prepared.pixel_values for r in batch])
+            features = self.runtime.encode(pixels, [r.prepared.cache_key for r in batch], batch[0].prepared.route)
+            for i, r in enumerate(batch):
+                r.features = features[i:i + 1]
+            done = batch
+        except Exception as e:
+            failed = e
+            if len(batch) == 1:
+                self._fail(batch[0], e)
+        finally:
+            size = len(done) or 1  # a failed call counts as one item, as it always has
+            self._account("encode", started, size)
+            self.stats.batches = self.stats.batches[-999:] + [size]
+            self.stats.batch_counts[size] = self.stats.batch_counts.get(size, 0) + 1
+        if failed is not None and len(batch) > 1:
+            log.warning("an encoder call on %d images failed (%s: %s); encoding them one by one", len(batch),
+                        type(failed).__name__, one_line(str(failed)))
+            self._progress("encode")  # the failed call returned: the stall clock restarts for the retries
+            return [r for one in batch for r in self._encode([one])]
+        now = time.perf_counter()
+        for r in done:
+            r.prepared.timings_ms["encode"] = (now - started) * 1e3
+            r.marks["encode"] = now
+        return done
+
+    def _gather(self, first: Request, batch: list[Request]) -> bool:
+        """Adds to `batch` ([first]) waiting requests of the same tier, up to max_batch (order
+        kept); True if the end marker came. It waits for more (up to batch_timeout_ms) only
+        while some are being prepared. A request is in `batch` from the moment it is taken,
+        so that the crash barrier holds it even if checking it fails."""
         deadline = time.perf_counter() + self.batch_timeout_s
         limit = self.encoder_batch.get(first.prepared.tier.name, self.max_batch)
         while len(batch) < limit and not self._held:
@@ -230,16 +340,17 @@ class Pipeline:
             except queue.Empty:
                 break
             if nxt is _STOP:
-                return batch, True
+                return True
+            batch.append(nxt)
             # one encoder batch needs one pixel shape: same tier (and, for tiled families, same
             # tiles), and one encoder: the same devices from the power policy
             if (nxt.prepared.tier.name != first.prepared.tier.name
                     or nxt.prepared.pixel_values.shape != first.prepared.pixel_values.shape
                     or self.runtime.resolve(nxt.prepared.route) != self.runtime.resolve(first.prepared.route)):
+                batch.pop()
                 self._held.append(nxt)  # keeps its place: it goes next
                 break
-            batch.append(nxt)
-        return batch, False
+        return False
 
     def _decode_loop(self) -> None:
         while True:
@@ -247,65 +358,58 @@ class Pipeline:
             if first is _STOP:
                 break
             started = time.perf_counter()
-            if self.max_batch == 1:
-                self._answer(first, self._decode_alone(first))
-                answered = 1
-            else:
-                answered = self._decode_together(first)
-            self._account("decode", started, answered)
+            held: list[Request] = [first]  # grows as requests join: the barrier fails what it holds
+            with self._working("decode", held):
+                self._decode(first, held)
+            self._account("decode", started, len(held))
 
-    def _decode_together(self, first: Request) -> int:
+    def _decode(self, first: Request, held: list[Request]) -> None:
         """`first` and the requests waiting behind it decode as one batch (edgemm/decode.py),
         each answered as soon as its own answer ends. Between steps, requests that arrived
-        meanwhile join while there is room (max_batch) and JoinPolicy agrees; an empty
-        batch takes anyone. A waiting request that can't join at all (other devices)
-        closes the batch to newcomers, so that it goes next.
-        Returns how many requests were answered."""
+        meanwhile join while there is room (max_batch; 1 decodes one request at a time) and
+        JoinPolicy agrees; an empty batch takes anyone. A waiting request that can't join
+        (other devices) closes the batch to newcomers, so that it goes next. Every request
+        taken is added to `held`; each step counts as progress for the stall check."""
         devices = self.runtime.resolve(first.prepared.route)
         batch = self.runtime.open_batch(first.prepared.route, self._answer, self.stats.decode_steps)
-        joining = [first] + self._joiners(devices, self.max_batch - 1)
-        answered = 0
+        joining = [first] + self._joiners(devices, self.max_batch - 1, held)
         while joining or batch:
             if joining:
                 started = time.perf_counter()
                 batch.join([(r, r.prepared, r.features, r.on_token, r.cancelled) for r in joining])
                 self.joins.prefilled(time.perf_counter() - started, len(joining))
-                answered += len(joining)
+                self._progress("decode")
                 for r in joining:
                     r.features = None
             if batch:
                 started = time.perf_counter()
                 batch.step()
                 self.joins.stepped(time.perf_counter() - started)
+                self._progress("decode")
             room = self.max_batch - len(batch)
-            joining = self._joiners(devices, room) if room and self.joins.now(batch.progress()) else []
-        return answered
+            joining = self._joiners(devices, room, held) if room and self.joins.now(batch.progress()) else []
 
-    def _joiners(self, devices: tuple, room: int) -> list[Request]:
+    def _joiners(self, devices: tuple, room: int, held: list[Request]) -> list[Request]:
         """Requests already waiting to be decoded that can join a batch on `devices`, up to
-        `room`; never waits. One that can't join (or the end marker) is held to go next."""
+        `room`; never waits. One that can't join (or the end marker) is held to go next.
+        Each one taken is added to `held` first, so that the crash barrier holds it even if
+        checking it fails."""
         out: list[Request] = []
         while len(out) < room and not self._held_decode:
             try:
                 nxt = self.to_decode.get_nowait()
             except queue.Empty:
                 break
-            if nxt is _STOP or self.runtime.resolve(nxt.prepared.route) != devices:
+            if nxt is _STOP:
+                self._held_decode.append(nxt)
+                break
+            held.append(nxt)
+            if self.runtime.resolve(nxt.prepared.route) != devices:
+                held.pop()
                 self._held_decode.append(nxt)
                 break
             out.append(nxt)
         return out
-
-    def _decode_alone(self, req: Request) -> InferenceResult | BaseException:
-        try:
-            result = self.runtime.decode(req.prepared, req.features, req.on_token, req.cancelled)
-        except Exception as e:
-            return e
-        finally:
-            req.features = None
-        if result.decoder_steps:
-            self.stats.decode_steps[1] = self.stats.decode_steps.get(1, 0) + result.decoder_steps
-        return result
 
     def _answer(self, req: Request, outcome: InferenceResult | BaseException) -> None:
         """A request's outcome to its future (from the decode thread, as each answer ends)."""

@@ -43,12 +43,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from edgemm.config import Config, ServerConfig
-from edgemm.errors import Cancelled, EdgemmError
+from edgemm.errors import Cancelled, EdgemmError, internal_message
 from edgemm.metrics import CONTENT_TYPE, Counter, Gauge, Histogram, Registry
 from edgemm.openai_api import (DEFAULT_PROMPT, ApiError, ChatRequest, ImagePolicy, chunk, completion, error_body,
                                extras, finish_reason, generation_options, load_image_url, parse_chat_request,
                                usage)
-from edgemm.pipeline import Overloaded, Pipeline, Request
+from edgemm.pipeline import Health, Overloaded, Pipeline, Request, mark_logged, was_logged
 from edgemm.router import Router
 from edgemm.answering import InferenceResult
 from edgemm.runtime import Runtime
@@ -197,11 +197,23 @@ class Service:
         return JSONResponse(self.model_card())
 
     async def healthz(self, http: HttpRequest) -> Response:
+        """Liveness: 503 when the pipeline can no longer answer (a stage thread died, or a stage
+        is stalled past server.stall_s), the same condition on which the systemd watchdog
+        stops being pinged, so a container's liveness probe restarts it as systemd would.
+        Draining is alive: the requests in flight are being finished."""
+        health = self.health()
+        if not health.ok:
+            return JSONResponse({"status": "unhealthy", "reason": health.reason}, 503,
+                                {"Retry-After": str(self.server.retry_after_s)})
         return JSONResponse({"status": "ok"})
 
     async def readyz(self, http: HttpRequest) -> Response:
         if self.draining:
             return JSONResponse({"status": "draining"}, 503, {"Retry-After": str(self.server.retry_after_s)})
+        health = self.health()
+        if not health.ok:
+            return JSONResponse({"status": "unhealthy", "reason": health.reason}, 503,
+                                {"Retry-After": str(self.server.retry_after_s)})
         return JSONResponse({"status": "ready", "model": self.model_id, "precision": self.runtime.precision})
 
     async def metrics_text(self, http: HttpRequest) -> Response:
@@ -241,6 +253,11 @@ class Service:
                 stream.listeners.discard(queue)
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    def health(self) -> Health:
+        """The pipeline's health (Pipeline.health with server.stall_s): /readyz, /healthz,
+        /v1/status, the watchdog."""
+        return self.pipeline.health(self.server.stall_s)
 
     # -- the steps every inference request goes through --
 
@@ -334,9 +351,12 @@ class Service:
             return job.future.result()
         except (EdgemmError, Cancelled):
             raise
-        except Exception as e:  # a bug or a backend failure: logged here, a 500 for the client
-            log.error("inference failed: %s: %s", type(e).__name__, e, exc_info=e)
-            raise EdgemmError(f"internal error: {type(e).__name__}: {e}") from e
+        except Exception as e:  # a bug or a backend failure: a 500 for the client
+            message = internal_message(e)
+            if not was_logged(e):  # once: a stage's crash barrier, or another request sharing it, may have
+                log.error("inference failed: %s", message, exc_info=e)
+                mark_logged(e)
+            raise EdgemmError(message) from e
 
     async def chunks(self, job: Job, chat: ChatRequest, request_id: str, created: int):
         """The SSE body: a role chunk, content deltas, a finish chunk, [usage], [DONE]."""
@@ -396,7 +416,9 @@ class Service:
         telemetry = sampler.latest() if sampler else None
         cache = self.runtime.cache.stats().to_dict() if getattr(self.runtime, "cache", None) else None
         stats = self.pipeline.stats
+        health = self.health()
         return {"daemon": "draining" if self.draining else "serving", "model": self.model_id,
+                "health": {**health.to_dict(), "stall_s": self.server.stall_s},
                 "precision": self.runtime.precision,
                 "telemetry": telemetry.to_dict() if telemetry else None,
                 "placement": self.router.preview(self.admission.count).to_dict(),
@@ -417,6 +439,9 @@ class Service:
     def status_line(self) -> str:
         stats = self.pipeline.stats
         state = "draining" if self.draining else "serving"
+        health = self.health()
+        if not health.ok:
+            state = f"unhealthy ({health.reason}), {state}"
         running = sum(s.figures.state == "running" for s in self.streams.streams.values())
         return (f"{state} {self.model_id}: {self.admission.count} in flight, {stats.completed} answered, "
                 f"{stats.failed} failed, {self.metrics.refused} refused; "
@@ -469,7 +494,7 @@ def describe(error: BaseException) -> tuple[int, str, str]:
         return 499, "client_closed", str(error)
     if isinstance(error, EdgemmError):
         return error.http_status, error.kind, str(error)
-    return 500, "server_error", f"internal error: {type(error).__name__}: {error}"
+    return 500, "server_error", internal_message(error)
 
 
 # ---- metrics -----------------------------------------------------------------------------
@@ -508,8 +533,8 @@ class ServiceMetrics:
         r.add(Gauge("edgemm_pipeline_requests_total", "Requests the pipeline finished, by outcome.", ("outcome",),
                     lambda: {("completed",): pipeline.stats.completed, ("failed",): pipeline.stats.failed},
                     kind="counter"))
-        r.add(Gauge("edgemm_ready", "1 while serving, 0 while draining.", (),
-                    lambda: {(): 0 if service.draining else 1}))
+        r.add(Gauge("edgemm_ready", "1 while serving, 0 while draining or unhealthy (see /readyz).", (),
+                    lambda: {(): 0 if service.draining or not service.health().ok else 1}))
         streams = service.streams.streams
         r.add(Gauge("edgemm_stream_frames_total", "Frames answered per daemon-run stream.", ("stream",),
                     lambda: {(k,): v.figures.frames for k, v in streams.items()}, kind="counter"))

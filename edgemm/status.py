@@ -43,7 +43,7 @@ def here_and_now(cfg: Config) -> dict:
     placement = PowerPolicy.from_config(cfg).decide(telemetry, Load(), "closed" if offload["enabled"] else "off")
     return {"model": None, "telemetry": telemetry.to_dict(), "placement": placement.to_dict(),
             "last_placement": None, "power": None, "components": None, "offload": offload, "cache": None,
-            "queue": None, "streams": None}
+            "queue": None, "streams": None, "health": None}
 
 
 def offload_config_state(cfg: Config) -> dict:
@@ -62,7 +62,10 @@ def offload_config_state(cfg: Config) -> dict:
 def render(report: dict) -> list[str]:
     """The report as aligned lines for people."""
     t = report.get("telemetry") or {}
-    lines = [("daemon", daemon_line(report)), ("power", power_line(t)), ("thermal", thermal_line(t)),
+    lines = [("daemon", daemon_line(report))]
+    if report.get("health"):
+        lines.append(("health", health_line(report["health"])))
+    lines += [("power", power_line(t)), ("thermal", thermal_line(t)),
              ("gpu load", "absent" if t.get("gpu_load") is None else f"{t['gpu_load'] * 100:.0f} %"),
              ("power mode", t.get("nvpmodel") or "absent"),
              ("dla cores", "absent" if t.get("dla_cores") is None else str(t["dla_cores"]))]
@@ -98,6 +101,12 @@ def daemon_line(report: dict) -> str:
     if report["daemon"] == "not running":
         return f"not running (nothing answers on {report['socket']})"
     return f"{report['daemon']} {report['model']} ({report['precision']}) on {report['socket']}"
+
+
+def health_line(health: dict) -> str:
+    if health.get("ok"):
+        return f"ok (stall limit {health.get('stall_s', '?')} s)"
+    return f"UNHEALTHY: {health.get('reason')} (no watchdog pings: systemd restarts the unit)"
 
 
 def power_line(t: dict) -> str:

@@ -62,6 +62,7 @@ server:
   encoder_batching: "off"
   continuous_batching: "off"
   request_timeout_s: 5.0
+  stall_s: 30.0
   retry_after_s: 3
   grace_period_s: 1.0
   max_body_bytes: 1000
@@ -183,7 +184,7 @@ def test_full_yaml_file_loads_every_field(tmp_path):
         server=ServerConfig(socket="/tmp/edgemm.sock", socket_mode="0600", socket_group="robots", tcp_port=8080,
                             tcp_host="127.0.0.2", queue_size=3, max_batch=2, batch_timeout_ms=2.5, encoder_batching="off",
                             continuous_batching="off",
-                            request_timeout_s=5.0, retry_after_s=3, grace_period_s=1.0, max_body_bytes=1000,
+                            request_timeout_s=5.0, stall_s=30.0, retry_after_s=3, grace_period_s=1.0, max_body_bytes=1000,
                             max_connections=7, image_dirs=["/srv/edgemm/images"], remote_images=True,
                             remote_timeout_s=2.0, max_streams=2),
         streams=[StreamConfig(id="door", source="rtsp://10.0.0.5/stream", prompt="is the door open ?", fps=0.5,
@@ -363,6 +364,7 @@ def test_null_allowed_only_for_optional_fields():
     ({"server": {"tcp_port": 70000}}, "config: 'server.tcp_port' must be in 0..65535 or null, got 70000"),
     ({"server": {"queue_size": 0}}, "config: 'server.queue_size' must be >= 1, got 0"),
     ({"server": {"request_timeout_s": 0}}, "config: 'server.request_timeout_s' must be > 0, got 0.0"),
+    ({"server": {"stall_s": 0}}, "config: 'server.stall_s' must be > 0, got 0.0"),
     ({"server": {"grace_period_s": -1}}, "config: 'server.grace_period_s' must be >= 0, got -1.0"),
     ({"streams": [{"id": "a b", "source": "csi://0"}]},
      "config: 'streams[0].id' must be a name of letters, digits, '_', '.', '-' (at most 64), got 'a b'"),

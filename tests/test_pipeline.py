@@ -53,19 +53,15 @@ class BlockedEncode:
 
 
 class RecordingDecode:
-    """The decoder batches (runtime.open_batch; runtime.decode is a batch of one) keeping the features each
+    """The decoder batches (runtime.open_batch: the decode stage opens one for every request) keeping the features each
     request was decoded with, and for every join into a batch: (rows already running, rows joining)."""
 
     def __init__(self, runtime):
-        self.original = runtime.decode
         self.original_open = runtime.open_batch
         self.features: list[np.ndarray] = []
         self.calls = 0
         self.joins: list[tuple[int, int]] = []
         self.opened = 0
-
-    def __call__(self, request, features, on_token=None, cancelled=None):
-        return self.original(request, features, on_token, cancelled)  # a batch of one: recorded in its join
 
     def open_batch(self, route, finished, steps_by_rows=None):
         self.opened += 1
@@ -92,7 +88,6 @@ def blocked(runtime, monkeypatch):
 @pytest.fixture
 def recorded(runtime, monkeypatch):
     decode = RecordingDecode(runtime)
-    monkeypatch.setattr(runtime, "decode", decode)
     monkeypatch.setattr(runtime, "open_batch", decode.open_batch)
     return decode
 
@@ -273,7 +268,7 @@ def test_a_lone_request_does_not_wait_for_a_batch(runtime, images):
 
 
 def hold_decoder(runtime, monkeypatch, recorded) -> tuple[threading.Event, threading.Event]:
-    """The decode stage stops at its first decode (single or batch) until released."""
+    """The decode stage stops at its first decoding batch until released."""
     release, entered = threading.Event(), threading.Event()
 
     def held(call):
@@ -283,7 +278,6 @@ def hold_decoder(runtime, monkeypatch, recorded) -> tuple[threading.Event, threa
                 assert release.wait(WAIT_S), "the test never released the decoder"
             return call(*args, **kwargs)
         return wrapper
-    monkeypatch.setattr(runtime, "decode", held(recorded.__call__))
     monkeypatch.setattr(runtime, "open_batch", held(recorded.open_batch))
     return release, entered
 

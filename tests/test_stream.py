@@ -371,13 +371,13 @@ class FastLiveSource(Source):
 
 def test_a_fast_live_source_drops_stale_frames_newest_first(runtime, monkeypatch):
     source = FastLiveSource(signal_after=60)
-    decode = runtime.decode
+    open_batch = runtime.open_batch
 
-    def slow_decode(request, features, on_token=None, cancelled=None):
+    def slow_decode(route, finished, steps_by_rows=None):
         assert source.produced.wait(WAIT_S)  # the model "is slow" until 60 frames were captured
-        return decode(request, features, on_token, cancelled)
+        return open_batch(route, finished, steps_by_rows)
 
-    monkeypatch.setattr(runtime, "decode", slow_decode)
+    monkeypatch.setattr(runtime, "open_batch", slow_decode)
     records = []
 
     def emit(record):
@@ -432,13 +432,13 @@ def test_stop_answers_every_frame_already_taken(runtime, monkeypatch):
                 three_in.set()
             return future
 
-    decode = runtime.decode
+    open_batch = runtime.open_batch
 
-    def decode_once_three_are_in(request, features, on_token=None, cancelled=None):
+    def decode_once_three_are_in(route, finished, steps_by_rows=None):
         assert three_in.wait(WAIT_S)  # so that frames are in flight when the stop comes
-        return decode(request, features, on_token, cancelled)
+        return open_batch(route, finished, steps_by_rows)
 
-    monkeypatch.setattr(runtime, "decode", decode_once_three_are_in)
+    monkeypatch.setattr(runtime, "open_batch", decode_once_three_are_in)
     stop = threading.Event()
     records = []
 
