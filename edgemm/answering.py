@@ -54,7 +54,7 @@ class InferenceResult:
         return d
 
 
-Joining = tuple[object, PreparedRequest, np.ndarray, "TextCallback | None", "threading.Event | None"]
+Joining = tuple[object, PreparedRequest, np.ndarray, TextCallback | None, threading.Event | None]
 Answered = Callable[[object, "InferenceResult | Exception"], None]  # (the caller's key, its outcome)
 
 

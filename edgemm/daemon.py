@@ -32,7 +32,8 @@ from edgemm.pipeline import Pipeline, encoder_batch_limits
 from edgemm.telemetry import Sampler
 from edgemm.router import Router
 from edgemm.runtime import Runtime
-from edgemm.server import Service, create_app
+from edgemm.server import create_app
+from edgemm.service import Service
 from edgemm.streams import check_configured, reserved_places
 from edgemm.systemd import Notifier, listen_sockets, watchdog_interval
 

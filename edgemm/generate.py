@@ -19,7 +19,7 @@ from typing import Protocol
 import numpy as np
 
 from edgemm.backends.base import Component
-from edgemm.errors import InputError, ModelError
+from edgemm.errors import ModelError
 from edgemm.generation_limits import check_generation  # the one place the limits live
 from edgemm.model.contract import decoder_layers
 

@@ -40,7 +40,8 @@ from edgemm.daemon import Daemon, ListenError, bind_unix
 from edgemm.metrics import Counter, Gauge, Histogram, Registry
 from edgemm.openai_api import ApiError, parse_chat_request
 from edgemm.pipeline import Overloaded
-from edgemm.server import Admission, infer_query
+from edgemm.server import infer_query
+from edgemm.service import Admission
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "tiny-vlm"

@@ -17,10 +17,8 @@ from its preprocessed pixels (every pixel of the encoder's input row equal to th
 marker's):
   magenta (255, 0, 255)  "encoder poison": the encoder raises RuntimeError
   cyan    (0, 255, 255)  "NaN poison": the encoder answers NaN features for that image,
-                         so its decoder logits are NaN. Whether that request gets a 500
-                         depends on the decoder rejecting non-finite logits per row
-                         (edgemm/batch_decode.py); until it does, it may answer garbage:
-                         the summary says which.
+                         so its decoder logits are NaN: the decode loop fails that
+                         request's row alone (edgemm/decode.py), and it gets a 500.
   yellow (255, 255, 0)   "stall" (the --stall section only): the encoder blocks
 
 load (default, and with --no-stall): first every normal request alone, sequentially,
