@@ -7,6 +7,7 @@ module level (including class bodies and module-level try/if, but not
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -196,3 +197,62 @@ def test_two_families_cannot_claim_one_model_type(monkeypatch):
     with pytest.raises(ValueError, match="'smolvlm' is already the family idefics3"):
         register("impostor", "smolvlm")(Impostor)
     assert "impostor" not in family._registry  # refused whole, not half-registered
+
+
+# ---- the layers of docs/ARCHITECTURE.md ---------------------------------------------------
+
+ARCHITECTURE = PACKAGE.parent / "docs" / "ARCHITECTURE.md"
+
+
+def documented_layers() -> dict[str, int]:
+    """module (without the `edgemm.` prefix; `edgemm` for the package) → its layer, read
+    from the table under "## Layers" in docs/ARCHITECTURE.md."""
+    text = ARCHITECTURE.read_text(encoding="utf-8")
+    section = text.split("## Layers", 1)[1].split("\n## ", 1)[0]
+    layers = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 2 and cells[0].isdigit():
+            for name in cells[1].replace("`", " ").split():
+                layers[name] = int(cells[0])
+    return layers
+
+
+def short(module: str) -> str:
+    return "edgemm" if module == "edgemm" else module.removeprefix("edgemm.")
+
+
+def test_every_module_has_a_documented_layer():
+    layers = documented_layers()
+    assert len(layers) > 40, "the layer table was not found"
+    missing = sorted(short(m) for m in modules() if short(m) not in layers)
+    assert not missing, f"add these modules to the layer table of docs/ARCHITECTURE.md: {missing}"
+    gone = sorted(set(layers) - {short(m) for m in modules()})
+    assert not gone, f"docs/ARCHITECTURE.md lists modules that do not exist: {gone}"
+
+
+def test_imports_point_down_the_documented_layers():
+    """A module imports its own layer or lower ones only, in functions too."""
+    layers = documented_layers()
+    upward = [f"{short(m)} (layer {layers[short(m)]}) imports {short(t)} (layer {layers[short(t)]})"
+              for m, targets in import_graph(with_function_imports=True).items()
+              for t in targets if layers[short(t)] > layers[short(m)]]
+    assert not upward, upward
+
+
+def test_no_import_cycles_even_through_function_level_imports():
+    assert cycles(import_graph(with_function_imports=True)) == []
+
+
+OUTSIDE = re.compile(r"\.\./(\.\./)*" + "shared" + r"|" + "shared" + r"/DESIGN")  # spelled apart: not a match itself
+
+
+def test_the_repository_links_nothing_outside_it():
+    """Docs, code and tools point inside the repository (a clone has nothing beside it)."""
+    root = PACKAGE.parent
+    tracked = [p for p in root.rglob("*") if p.is_file() and p.suffix in (".md", ".py", ".yaml", ".jinja")
+               and not any(part.startswith(".") or part in ("build", "node_modules") for part in p.relative_to(root).parts)]
+    outside = [f"{p.relative_to(root)}: {line.strip()[:80]}" for p in tracked
+               for line in p.read_text(encoding="utf-8", errors="replace").splitlines()
+               if OUTSIDE.search(line)]
+    assert not outside, outside

@@ -1,4 +1,4 @@
-"""The exported graphs of models/tiny-vlm against the model contract (../shared/DESIGN.md).
+"""The exported graphs of models/tiny-vlm against the model contract (docs/ARCHITECTURE.md, "The model contract").
 
 Names, dtypes and dynamic axes as onnxruntime reads them; image tokens per tier; KV-cache
 decoding equal to full recomputation; onnx.checker; size; the shape of the INT8 QDQ graphs.

@@ -4,7 +4,7 @@
     python tools/export_tiny_vlm.py [--checkpoint build/tiny-vlm] [--out models/tiny-vlm]
 
 Writes vision_encoder.onnx, embed_tokens.onnx, decoder_model_merged.onnx (tensor
-names of the model contract in ../shared/DESIGN.md), tokenizer.json, model.yaml and
+names of the model contract in docs/ARCHITECTURE.md), tokenizer.json, model.yaml and
 sample images with their ground truth; checks every graph with onnx.checker.
 """
 from __future__ import annotations

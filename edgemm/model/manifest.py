@@ -1,6 +1,6 @@
 """model.yaml → ModelManifest: what a model folder holds and how to feed it.
 
-The manifest is the model's side of the model contract (../shared/DESIGN.md):
+The manifest is the model's side of the model contract (docs/ARCHITECTURE.md, "The model contract"):
 file names, resolution tiers, preprocessing, special tokens and prompt format.
 Every problem is reported with the folder and the key, so a user fixing a
 model folder by hand knows where to look.
