@@ -48,6 +48,16 @@ log = logging.getLogger("edgemm")
 
 Finished = Callable[[Any, "Generation | Exception"], None]  # (the caller's key, its outcome)
 
+# an empty batch's arrays, shared: a batch is opened for every request, and each numpy call
+# right after a decoder call runs on cold caches
+_EMPTY_2D = np.zeros((0, 0), np.float32)
+_EMPTY_POSITIONS = np.zeros((0, 1), np.int64)
+_NO_ROWS = np.arange(0)
+for _array in (_EMPTY_2D, _EMPTY_POSITIONS, _NO_ROWS):
+    _array.flags.writeable = False
+SPARE_COLUMNS = 32  # mask and position columns made ahead, so that most steps only take a view
+_STEPS: dict = {}  # position dtype → [[0, 1, … SPARE_COLUMNS - 1]]: a position table's columns
+
 
 class DecodeFailure(RuntimeError):
     """One answer's decoding went wrong (non-finite logits, a token the embedding refuses)."""
@@ -103,19 +113,19 @@ class DecodingBatch:
         caller's running tally, so that it is current whenever an answer is handed over)."""
         self.gen, self.finished = gen, finished
         self.answers: list[_Answer] = []
-        self.logits = np.zeros((0, 0), np.float32)  # [R, V]: each row's next-token logits
+        self.logits = _EMPTY_2D  # [R, V]: each row's next-token logits
         # the decoder's feeds between steps: the KV cache ([R, heads, T, head_dim] per layer,
         # left-padded) and the graph's optional inputs; each step takes the new cache in place
         self.feeds: dict[str, np.ndarray] = {}
         # [R, capacity]: 0 over each row's padding, 1 after; columns past `width` are
         # already 1, so a step extends the mask by taking one more column (no copy)
-        self._mask = np.zeros((0, 0), gen.mask_dtype)
+        self._mask = _EMPTY_2D
         self.width = 0
         # [R, spare]: row j's position ids from the next step on (a step takes one column:
         # slicing costs a quarter of an in-place add on the caches a decoder call leaves cold)
-        self._positions = np.zeros((0, 1), gen.position_dtype)
+        self._positions = _EMPTY_POSITIONS
         self._position_col = 0
-        self._rows = np.arange(0)  # [R]: 0 … R-1, for indexing every row at once
+        self._rows = _NO_ROWS  # [R]: 0 … R-1, for indexing every row at once
         self.steps_by_rows: Counter = Counter() if steps_by_rows is None else steps_by_rows
 
     def __len__(self) -> int:
@@ -147,7 +157,7 @@ class DecodingBatch:
             a.joined = now
             if a.item.options.num_beams > 1:
                 a.beams = Beams([[]], np.zeros(1))
-        self._merge(answers, np.stack(logits), pasts)
+        self._merge(answers, logits[0][None] if len(logits) == 1 else np.stack(logits), pasts)
         for a in self.answers:
             a.peers = max(a.peers, len(self.answers))
 
@@ -197,17 +207,12 @@ class DecodingBatch:
         if not kept:
             return
         try:
-            try:
-                embeds = self._embed(tokens)
-            except _BadTokens as bad:  # fail the answers that hold them, then embed the rest
-                self._drop(bad.rows, bad.error)
-                tokens = [t for j, t in enumerate(tokens) if j not in bad.rows]
-                embeds = self.gen.embed_next(tokens) if self.answers else None
-        except Exception as e:  # the embedding call itself failed: every answer in it
-            self._fail_all(e)
-            return
-        if embeds is not None:
-            self._call_decoder(embeds)
+            embeds = self.gen.embed_next(tokens)
+        except Exception as e:
+            embeds = self._embed_apart(tokens, e)
+            if embeds is None:
+                return
+        self._call_decoder(embeds)
 
     def _next(self, a: _Answer, rows: range, best: list[int]) -> list[tuple[int, int]] | Generation:
         """One answer's step: (row offset, token) for each of its rows that goes on, or its
@@ -272,16 +277,23 @@ class DecodingBatch:
             for token in a.tokens:
                 a.item.on_token(token)
 
-    def _embed(self, tokens: list[int]) -> np.ndarray:
-        """Embeddings of the rows' next tokens; a token the embedding refuses is found alone."""
+    def _embed_apart(self, tokens: list[int], error: Exception) -> np.ndarray | None:
+        """The embedding failed on the rows' next tokens: the answers holding a token it
+        refuses alone fail, and the others' tokens are embedded again. If no token is to
+        blame (the call itself fails), every answer fails. None when no row is left."""
+        bad = {t for t in set(tokens) if not _embeds(self.gen, t)}
+        if not bad:
+            self._fail_all(error)
+            return None
+        rows = {j for j, t in enumerate(tokens) if t in bad}
+        self._drop(rows, DecodeFailure(f"the embedding refused token {min(bad)}: {error}"))
+        if not self.answers:
+            return None
         try:
-            return self.gen.embed_next(tokens)
+            return self.gen.embed_next([t for j, t in enumerate(tokens) if j not in rows])
         except Exception as e:
-            bad = {t for t in set(tokens) if not _embeds(self.gen, t)}
-            if not bad:
-                raise  # not one token's fault: the call itself fails
-            raise _BadTokens({j for j, t in enumerate(tokens) if t in bad},
-                             DecodeFailure(f"the embedding refused token {min(bad)}: {e}")) from None
+            self._fail_all(e)
+            return None
 
     def _call_decoder(self, embeds: np.ndarray) -> None:
         """One decoder call for every row; if it fails, so does every answer in it."""
@@ -337,10 +349,9 @@ class DecodingBatch:
         """Only rows `gather` stay, in that order (a beam's row may be taken twice). Columns
         that are padding for every row left are cut, so that a batch joined again and
         again never grows past its longest live row."""
-        if not gather:
-            self.feeds, self._mask, self.width, self._rows = {}, self._mask[:0, :0], 0, self._rows[:0]
-            self.logits = self.logits[:0]
-            self._set_positions(self._next_positions()[:0])
+        if not gather:  # the batch is empty: nothing to copy (no numpy call on the hot path's cold caches)
+            self.feeds, self._mask, self.width, self._rows = {}, _EMPTY_2D, 0, _NO_ROWS
+            self.logits, self._positions, self._position_col = _EMPTY_2D, _EMPTY_POSITIONS, 0
             return
         keep = np.asarray(gather)
         mask = self.mask[keep]
@@ -373,8 +384,9 @@ class DecodingBatch:
         self.feeds = self.gen.step_feeds({name: stacked(name) for name in self.gen.past_names})
         old_mask = self.mask
         mask = self._new_mask(old_rows + len(answers), width)
-        mask[:old_rows, :width - old_width] = 0
-        mask[:old_rows, width - old_width:width] = old_mask
+        if old_rows:
+            mask[:old_rows, :width - old_width] = 0
+            mask[:old_rows, width - old_width:width] = old_mask
         for j, a in enumerate(answers, start=old_rows):
             mask[j, :width - a.length] = 0
         # a joining row's first generated token goes at the position after its prompt
@@ -383,10 +395,10 @@ class DecodingBatch:
         self.logits = np.concatenate([self.logits, logits]) if old_rows else logits
         self.answers = self.answers + answers
 
-    def _set_mask(self, mask: np.ndarray, spare: int = 32) -> None:
+    def _set_mask(self, mask: np.ndarray, spare: int = SPARE_COLUMNS) -> None:
         self._new_mask(mask.shape[0], mask.shape[1], spare)[:, :self.width] = mask
 
-    def _new_mask(self, rows: int, width: int, spare: int = 32) -> np.ndarray:
+    def _new_mask(self, rows: int, width: int, spare: int = SPARE_COLUMNS) -> np.ndarray:
         """A mask buffer of `rows` × `width` used columns (all 1: the caller writes the
         padding's zeros) and `spare` more."""
         self.width = width
@@ -400,21 +412,17 @@ class DecodingBatch:
         return self._positions[:, self._position_col] if self._position_col < self._positions.shape[1] \
             else self._positions[:, -1] + 1
 
-    def _set_positions(self, following: np.ndarray, spare: int = 32) -> None:
-        self._positions = (np.asarray(following, self.gen.position_dtype)[:, None]
-                           + np.arange(spare, dtype=self.gen.position_dtype)[None])
+    def _set_positions(self, following: np.ndarray | list[int]) -> None:
+        steps = _STEPS.get(self.gen.position_dtype)
+        if steps is None:
+            steps = _STEPS[self.gen.position_dtype] = np.arange(SPARE_COLUMNS, dtype=self.gen.position_dtype)[None]
+        self._positions = np.asarray(following, self.gen.position_dtype)[:, None] + steps
         self._position_col = 0
 
     def _grow_mask(self) -> None:
         used = self._mask[:, :self.width - 1]
-        self._set_mask(used, spare=max(32, used.shape[1]))
+        self._set_mask(used, spare=max(SPARE_COLUMNS, used.shape[1]))
         self.width += 1
-
-
-@dataclass
-class _BadTokens(Exception):
-    rows: set[int]
-    error: Exception
 
 
 def _embeds(gen: Generator, token: int) -> bool:
@@ -476,14 +484,14 @@ def _prefill(gen: Generator, items: list[tuple[Any, BatchItem]],
         pasts.append(stored[1])
     for length, group in fresh.items():
         try:
-            out, past = gen.step(np.concatenate([embeds for _, _, embeds, *_ in group]),
-                                 np.ones((len(group), length), np.int64), gen.empty_past(len(group)))
+            embeds = group[0][2] if len(group) == 1 else np.concatenate([embeds for _, _, embeds, *_ in group])
+            out, past = gen.step(embeds, np.ones((len(group), length), np.int64), gen.empty_past(len(group)))
         except Exception as e:  # the shared call failed: so does each of its requests
             for key, *_ in group:
                 failed(key, e)
             continue
         for j, (key, item, _, split, prefix, started) in enumerate(group):
-            own = {name: value[j:j + 1] for name, value in past.items()}
+            own = past if len(group) == 1 else {name: value[j:j + 1] for name, value in past.items()}
             if np.isfinite(out[j]).all():  # a broken prefix must not be served to the next request
                 gen.store_prefix(own, split, prefix, item.reuse)
             answers.append(_answer(gen, key, item, started, reused=False))
