@@ -285,12 +285,12 @@ class DecodingBatch:
         if not bad:
             self._fail_all(error)
             return None
-        rows = {j for j, t in enumerate(tokens) if t in bad}
-        self._drop(rows, DecodeFailure(f"the embedding refused token {min(bad)}: {error}"))
+        kept = self._drop({j for j, t in enumerate(tokens) if t in bad},
+                          DecodeFailure(f"the embedding refused token {min(bad)}: {error}"))
         if not self.answers:
             return None
-        try:
-            return self.gen.embed_next([t for j, t in enumerate(tokens) if j not in rows])
+        try:  # every row of a failed answer left (a beam group whole), not only the refused one
+            return self.gen.embed_next([tokens[j] for j in kept])
         except Exception as e:
             self._fail_all(e)
             return None
@@ -329,8 +329,9 @@ class DecodingBatch:
         self._reindex([])
         self.answers = []
 
-    def _drop(self, rows: set[int], error: Exception) -> None:
-        """Fail the answers holding any of `rows` (indices into the current rows)."""
+    def _drop(self, rows: set[int], error: Exception) -> list[int]:
+        """Fail the answers holding any of `rows` (indices into the current rows); the rows
+        that stay, as indices into the rows before."""
         kept, gather, at = [], [], 0
         for a in self.answers:
             own = range(at, at + a.width)
@@ -342,6 +343,7 @@ class DecodingBatch:
                 gather.extend(own)
         self._reindex(gather)
         self.answers = kept
+        return gather
 
     # ---- the rows' arrays ----------------------------------------------------------------
 

@@ -130,6 +130,41 @@ def test_a_token_the_embedding_refuses_fails_that_answer_alone(runtime):
             assert results[i].tokens == tokens, f"request {i}"
 
 
+def test_a_refused_token_in_one_beam_fails_that_search_alone(runtime):
+    """A beam search holds several rows: when one of its rows gets a token the embedding
+    refuses, all its rows leave, and the rows of the other answers are fed their own tokens."""
+    gen = endless(runtime)
+    items = items_for(runtime, max_new_tokens=6)
+    items[1].options = GenerationOptions(max_new_tokens=6, num_beams=3, beam_gate=1.0)
+    want = [generate(gen, item) for item in items]
+    # a token some beam of the search is fed (its final answer need not keep it) and no other answer has
+    seen: list[int] = []
+    spy = endless(runtime, embed=_Spy(runtime.generator.embed, seen))
+    generate(spy, BatchItem(items[1].features, items[1].input_ids, items[1].image_start, items[1].options))
+    others = {t for i in (0, 2, 3) for t in want[i].tokens}
+    refused = next(t for t in seen if t not in others)
+    results = generate_batch(endless(runtime, embed=RefusingEmbed(runtime.generator.embed, refused)), items)
+    assert isinstance(results[1], DecodeFailure) and str(refused) in str(results[1])
+    for i in (0, 2, 3):
+        assert results[i].tokens == want[i].tokens, f"request {i}"
+
+
+class _Spy:
+    """The embedding, recording every token id it is asked for one at a time."""
+
+    def __init__(self, embed, seen: list[int]):
+        self.embed, self.seen = embed, seen
+
+    def __getattr__(self, name):
+        return getattr(self.embed, name)
+
+    def run(self, feeds):
+        ids = feeds["input_ids"]
+        if ids.shape[1] == 1:
+            self.seen.extend(int(t) for t in ids[:, 0])
+        return self.embed.run(feeds)
+
+
 def test_a_cancelled_answer_stops_at_the_next_step_and_the_others_go_on(runtime):
     gen = endless(runtime)
     items = items_for(runtime, max_new_tokens=8)
