@@ -116,6 +116,11 @@ class RequestBatch:
         return len(self.batch)
 
     @property
+    def rows(self) -> int:
+        """Decoder rows in use (a beam search holds several)."""
+        return self.batch.rows
+
+    @property
     def steps_by_rows(self) -> Counter:
         """Rows stepped together → decoder calls, so far."""
         return self.batch.steps_by_rows

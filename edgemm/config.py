@@ -213,6 +213,7 @@ class ServerConfig:
     tcp_host: str = "127.0.0.1"  # TCP address; loopback unless you really mean to expose the API
     queue_size: int = 8  # requests admitted at once (queued or running); more get 503 + Retry-After
     max_batch: int = 4  # up to this many images per encoder call, and requests stepped together by the decoder
+    max_decoder_rows: int = 16  # most decoder rows stepped together (a beam search takes num_beams): a TensorRT decoder's profile bound (edgemm engines build --max-beams)
     batch_timeout_ms: float = 5.0  # how long the encoder waits for more images to fill a batch
     encoder_batching: str = "auto"  # auto: batch the encoder only at tiers where one call on max_batch images is timed >= 20 % faster per image than single calls (at start-up); on; off
     continuous_batching: str = "auto"  # requests reaching the decoder while a batch runs: on = join it between tokens; off = wait until it ends; auto = join when the rest of the batch is expected to take longer than their prefills delay it (timed as it runs)
@@ -233,7 +234,8 @@ class ServerConfig:
                  "be octal permissions like '0660'", self.socket_mode)
         if self.tcp_port is not None:
             _require(0 <= self.tcp_port <= 65535, f"{path}.tcp_port", "be in 0..65535 or null", self.tcp_port)
-        for name in ("queue_size", "max_batch", "max_body_bytes", "max_connections", "retry_after_s", "max_streams"):
+        for name in ("queue_size", "max_batch", "max_decoder_rows", "max_body_bytes", "max_connections", "retry_after_s",
+                     "max_streams"):
             _require(getattr(self, name) >= 1, f"{path}.{name}", "be >= 1", getattr(self, name))
         for name in ("request_timeout_s", "remote_timeout_s", "stall_s"):
             _require(getattr(self, name) > 0, f"{path}.{name}", "be > 0", getattr(self, name))

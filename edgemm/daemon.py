@@ -201,7 +201,7 @@ class Daemon:
             # for the streams' shares, so that neither fills the other's
             pipeline = Pipeline(self.runtime, cfg.queue_size, cfg.max_batch, cfg.batch_timeout_ms,
                                 encoder_batch=limits, decoder_joins=cfg.continuous_batching,
-                                reserved=reserved_places(cfg.max_streams))
+                                reserved=reserved_places(cfg.max_streams), max_rows=cfg.max_decoder_rows)
             self.service = Service(self.runtime, pipeline, self.config, router)
             started_draining = run_loop(self._serve())
             self._finish(pipeline, started_draining)

@@ -132,6 +132,11 @@ class DecodingBatch:
         return len(self.answers)
 
     @property
+    def rows(self) -> int:
+        """Decoder rows in use: one per answer, a beam search's live beams."""
+        return len(self._rows)
+
+    @property
     def mask(self) -> np.ndarray:
         """[R, T]: the attention mask of the rows' caches."""
         return self._mask[:, :self.width]
@@ -495,7 +500,10 @@ def _prefill(gen: Generator, items: list[tuple[Any, BatchItem]],
         for j, (key, item, _, split, prefix, started) in enumerate(group):
             own = past if len(group) == 1 else {name: value[j:j + 1] for name, value in past.items()}
             if np.isfinite(out[j]).all():  # a broken prefix must not be served to the next request
-                gen.store_prefix(own, split, prefix, item.reuse)
+                try:
+                    gen.store_prefix(own, split, prefix, item.reuse)
+                except Exception:  # the cache is an optimisation: the answer goes on without it
+                    log.exception("keeping a prompt prefix in the cache failed")
             answers.append(_answer(gen, key, item, started, reused=False))
             logits.append(out[j])
             pasts.append(own)

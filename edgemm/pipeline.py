@@ -43,7 +43,7 @@ import numpy as np
 
 from edgemm.config import BATCHING_MODES
 from edgemm.answering import InferenceResult
-from edgemm.errors import EdgemmError, one_line
+from edgemm.errors import Cancelled, EdgemmError, one_line
 from edgemm.preparation import PreparedRequest
 from edgemm.runtime import Runtime
 
@@ -124,13 +124,16 @@ class StageStats:
 class Pipeline:
     def __init__(self, runtime: Runtime, queue_size: int = 4, max_batch: int = 1,
                  batch_timeout_ms: float = 0.0, encoder_batch: dict[str, int] | None = None,
-                 decoder_joins: str = "auto", reserved: int = 0):
-        """`reserved`: inbox places beyond queue_size, for producers that each keep to a
+                 decoder_joins: str = "auto", reserved: int = 0, max_rows: int | None = None):
+        """`max_rows`: most decoder rows stepped together (a request takes one, a beam search
+        num_beams; a TensorRT decoder's profile bounds them); None: no bound.
+        `reserved`: inbox places beyond queue_size, for producers that each keep to a
         bounded share of their own (the daemon's streams): with the API admitted up to
         queue_size, the inbox then has room for everything in flight, so nobody's submit
         finds it full because of another producer."""
         self.runtime = runtime
         self.max_batch = max_batch
+        self.max_rows = max_rows
         self.joins = JoinPolicy(decoder_joins)  # do newcomers join a running decoder batch?
         self.encoder_batch = encoder_batch or {}  # tier → most images per encoder call (else max_batch)
         self.batch_timeout_s = batch_timeout_ms / 1e3
@@ -260,6 +263,10 @@ class Pipeline:
         (cancelled, or failed alone)."""
         if not req.future.set_running_or_notify_cancel():
             return False  # cancelled while waiting (its client went away): costs nothing
+        if req.cancelled.is_set():  # its client went away or it timed out while queued
+            self._fail(req, Cancelled("cancelled before it was prepared: the client went away or "
+                                      "the request timed out"))
+            return False
         started = time.perf_counter()
         self._preparing = True
         try:
@@ -357,11 +364,9 @@ class Pipeline:
             first = self._held_decode.popleft() if self._held_decode else self.to_decode.get()
             if first is _STOP:
                 break
-            started = time.perf_counter()
-            held: list[Request] = [first]  # grows as requests join: the barrier fails what it holds
+            held: list[Request] = [first]  # the requests not answered yet: the barrier fails those
             with self._working("decode", held):
                 self._decode(first, held)
-            self._account("decode", started, len(held))
 
     def _decode(self, first: Request, held: list[Request]) -> None:
         """`first` and the requests waiting behind it decode as one batch (edgemm/decode.py),
@@ -369,15 +374,18 @@ class Pipeline:
         meanwhile join while there is room (max_batch; 1 decodes one request at a time) and
         JoinPolicy agrees; an empty batch takes anyone. A waiting request that can't join
         (other devices) closes the batch to newcomers, so that it goes next. Every request
-        taken is added to `held`; each step counts as progress for the stall check."""
+        taken is added to `held` and leaves it once answered (a batch that keeps taking
+        newcomers can run for ever); each join and step counts as progress for the stall
+        check, and as the stage's busy time."""
         devices = self.runtime.resolve(first.prepared.route)
         batch = self.runtime.open_batch(first.prepared.route, self._answer, self.stats.decode_steps)
-        joining = [first] + self._joiners(devices, self.max_batch - 1, held)
+        joining = [first] + self._joiners(devices, self.max_batch - 1, self._rows_free(rows(first)), held)
         while joining or batch:
             if joining:
                 started = time.perf_counter()
                 batch.join([(r, r.prepared, r.features, r.on_token, r.cancelled) for r in joining])
                 self.joins.prefilled(time.perf_counter() - started, len(joining))
+                self._account("decode", started, len(joining))
                 self._progress("decode")
                 for r in joining:
                     r.features = None
@@ -385,13 +393,20 @@ class Pipeline:
                 started = time.perf_counter()
                 batch.step()
                 self.joins.stepped(time.perf_counter() - started)
+                self._account("decode", started, 0)
                 self._progress("decode")
+            held[:] = [r for r in held if not r.future.done()]
             room = self.max_batch - len(batch)
-            joining = self._joiners(devices, room, held) if room and self.joins.now(batch.progress()) else []
+            joining = self._joiners(devices, room, self._rows_free(batch.rows), held) \
+                if room and self.joins.now(batch.progress()) else []
 
-    def _joiners(self, devices: tuple, room: int, held: list[Request]) -> list[Request]:
+    def _rows_free(self, rows_used: int) -> int | None:
+        return None if self.max_rows is None else self.max_rows - rows_used
+
+    def _joiners(self, devices: tuple, room: int, rows_free: int | None, held: list[Request]) -> list[Request]:
         """Requests already waiting to be decoded that can join a batch on `devices`, up to
-        `room`; never waits. One that can't join (or the end marker) is held to go next.
+        `room` requests and `rows_free` decoder rows (None: any); never waits. One that
+        can't join (other devices, too many rows, or the end marker) is held to go next.
         Each one taken is added to `held` first, so that the crash barrier holds it even if
         checking it fails."""
         out: list[Request] = []
@@ -404,11 +419,14 @@ class Pipeline:
                 self._held_decode.append(nxt)
                 break
             held.append(nxt)
-            if self.runtime.resolve(nxt.prepared.route) != devices:
+            need = rows(nxt)
+            if self.runtime.resolve(nxt.prepared.route) != devices or (rows_free is not None and need > rows_free):
                 held.pop()
                 self._held_decode.append(nxt)
                 break
             out.append(nxt)
+            if rows_free is not None:
+                rows_free -= need
         return out
 
     def _answer(self, req: Request, outcome: InferenceResult | BaseException) -> None:
@@ -416,11 +434,13 @@ class Pipeline:
         if isinstance(outcome, BaseException):
             self._fail(req, outcome)
             return
-        self.joins.answered(len(outcome.tokens))
-        outcome.timings_ms["total"] = (time.perf_counter() - req.submitted) * 1e3
-        self.stats.completed += 1
-        if not req.future.done():
-            req.future.set_result(outcome)
+        try:
+            self.joins.answered(len(outcome.tokens))
+            outcome.timings_ms["total"] = (time.perf_counter() - req.submitted) * 1e3
+            self.stats.completed += 1
+        finally:  # whatever the bookkeeping does, the answer reaches its future
+            if not req.future.done():
+                req.future.set_result(outcome)
 
     def _fail(self, req: Request, error: BaseException) -> None:
         self.stats.failed += 1
@@ -430,6 +450,11 @@ class Pipeline:
     def _account(self, stage: str, started: float, items: int = 1) -> None:
         self.stats.busy_s[stage] += time.perf_counter() - started
         self.stats.items[stage] += items
+
+
+def rows(request: Request) -> int:
+    """Decoder rows `request` takes in a batch: its beams, else one."""
+    return max(1, request.prepared.options.num_beams)
 
 
 class JoinPolicy:

@@ -58,6 +58,7 @@ server:
   tcp_host: 127.0.0.2
   queue_size: 3
   max_batch: 2
+  max_decoder_rows: 8
   batch_timeout_ms: 2.5
   encoder_batching: "off"
   continuous_batching: "off"
@@ -182,7 +183,8 @@ def test_full_yaml_file_loads_every_field(tmp_path):
         placement=PlacementConfig(vision_encoder=["dla0", "gpu", "cpu"], embed_tokens=["gpu", "cpu"], decoder=["gpu"],
                                   keep_alternatives=False),
         server=ServerConfig(socket="/tmp/edgemm.sock", socket_mode="0600", socket_group="robots", tcp_port=8080,
-                            tcp_host="127.0.0.2", queue_size=3, max_batch=2, batch_timeout_ms=2.5, encoder_batching="off",
+                            tcp_host="127.0.0.2", queue_size=3, max_batch=2, max_decoder_rows=8, batch_timeout_ms=2.5,
+                            encoder_batching="off",
                             continuous_batching="off",
                             request_timeout_s=5.0, stall_s=30.0, retry_after_s=3, grace_period_s=1.0, max_body_bytes=1000,
                             max_connections=7, image_dirs=["/srv/edgemm/images"], remote_images=True,

@@ -479,3 +479,69 @@ def test_close_finishes_everything_submitted_then_refuses(runtime, images, block
         pipeline.submit(Request(images[0], PROMPT, options("low")))
     assert not any(t.is_alive() for t in pipeline._threads)
     pipeline.close()  # a second close is harmless
+
+
+def test_a_beam_search_that_does_not_fit_the_rows_starts_the_next_batch(runtime, images, recorded, monkeypatch):
+    """max_rows bounds the decoder rows of a batch (a TensorRT profile's batch size): a
+    4-beam search waiting behind a running request with 3 rows free does not join; it
+    starts the next batch, and both answers are the ones they get alone."""
+    release, entered = hold_decoder(runtime, monkeypatch, recorded)
+    asks = [{"tier": "low", "max_new_tokens": 4}, {"tier": "low", "max_new_tokens": 4, "num_beams": 4}]
+    with Pipeline(runtime, queue_size=4, max_batch=4, decoder_joins="on", max_rows=4) as pipeline:
+        futures = [pipeline.submit(Request(images[i], PROMPT, asks[i]), block=False) for i in range(2)]
+        assert entered.wait(WAIT_S)
+        wait_until(lambda: pipeline.depths()["decode"] == 1, "the beam search waiting to be decoded")
+        release.set()
+        results = [f.result(timeout=WAIT_S) for f in futures]
+    assert recorded.joins == [(0, 1), (0, 1)] and recorded.opened == 2
+    for i, result in enumerate(results):
+        assert result.tokens == runtime.infer(images[i], PROMPT, **asks[i]).tokens, f"request {i}"
+
+
+def test_a_batch_that_keeps_taking_newcomers_holds_only_the_unanswered(runtime, images, monkeypatch):
+    """With continuous joins, one decode iteration can run for as long as requests keep
+    coming: the crash barrier's list must drop each request once it is answered."""
+    import edgemm.pipeline as pipeline_module
+    held_sizes: list[int] = []
+    working = pipeline_module.Pipeline._working
+
+    def recording(self, stage, held):
+        if stage == "decode":
+            held_sizes.append(held)  # the list itself: its size is read after each step below
+        return working(self, stage, held)
+    monkeypatch.setattr(pipeline_module.Pipeline, "_working", recording)
+    most = []
+    with Pipeline(runtime, queue_size=4, max_batch=2, decoder_joins="on") as pipeline:
+        step = pipeline._progress
+
+        def progress(stage):
+            if stage == "decode" and held_sizes:
+                most.append(len(held_sizes[-1]))
+            step(stage)
+        pipeline._progress = progress
+        futures = []
+        for n in range(24):  # keep the pipeline fed, so joins continue the same batch
+            futures.append(pipeline.submit(Request(images[n % 4], PROMPT, {"tier": "low", "max_new_tokens": 3})))
+        for f in futures:
+            f.result(timeout=WAIT_S)
+    assert most and max(most) <= 2 + 4, most  # a batch's rows plus what waits behind it, never all 24
+
+
+def test_a_request_cancelled_while_queued_is_not_prepared(runtime, images, blocked, monkeypatch):
+    from edgemm.errors import Cancelled
+    prepared = []
+    prepare = runtime.prepare
+    monkeypatch.setattr(runtime, "prepare", lambda *a, **k: prepared.append(1) or prepare(*a, **k))
+    with Pipeline(runtime, queue_size=4) as pipeline:
+        first = pipeline.submit(Request(images[0], PROMPT, options("low")))  # holds the encoder
+        assert blocked.entered.wait(WAIT_S)
+        waiting = [pipeline.submit(Request(images[i], PROMPT, options("low"))) for i in (1, 2)]
+        gone = Request(images[3], PROMPT, options("low"))
+        gone.cancelled.set()  # its client went away before the pipeline got to it
+        cancelled = pipeline.submit(gone)
+        blocked.release.set()
+        with pytest.raises(Cancelled):
+            cancelled.result(timeout=WAIT_S)
+        for f in [first, *waiting]:
+            f.result(timeout=WAIT_S)
+    assert len(prepared) == 3
