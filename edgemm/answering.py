@@ -141,5 +141,8 @@ class RequestBatch:
     def step(self) -> None:
         self.batch.step()
 
+    def run_to_end(self) -> None:
+        self.batch.run_to_end()
+
     def progress(self) -> list[tuple[int, int]]:
         return self.batch.progress()

@@ -219,6 +219,11 @@ class DecodingBatch:
                 return
         self._call_decoder(embeds)
 
+    def run_to_end(self) -> None:
+        """Step until every answer has ended (nobody joins meanwhile)."""
+        while self.answers:
+            self.step()
+
     def _next(self, a: _Answer, rows: range, best: list[int]) -> list[tuple[int, int]] | Generation:
         """One answer's step: (row offset, token) for each of its rows that goes on, or its
         Generation when it ends."""
@@ -454,8 +459,7 @@ def generate_batch(gen: Generator, items: list[BatchItem]) -> list[Generation | 
     results: list[Generation | Exception | None] = [None] * len(items)
     batch = DecodingBatch(gen, results.__setitem__)
     batch.join(list(enumerate(items)))
-    while batch:
-        batch.step()
+    batch.run_to_end()
     return results  # type: ignore[return-value]
 
 

@@ -12,7 +12,6 @@ beams as branches of one step).
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -25,7 +24,6 @@ from edgemm.model.contract import decoder_layers
 
 TOKEN_EMBED_BYTES = 8 << 20  # Generator.embed_next's table: ~3600 tokens of a 576-wide fp32 embedding
 
-TokenCallback = Callable[[int, str], None]  # (token id, the text it adds) after each new token
 
 
 @dataclass
@@ -108,7 +106,9 @@ def sample_token(logits: np.ndarray, options: GenerationOptions, rng: np.random.
 
 
 class Generator:
-    """Runs the three graphs of one model for one request at a time."""
+    """The three graphs of one model, on one set of devices, as the calls the decode loop
+    (edgemm/decode.py) makes: encode, embed, one decoder step. Each row of a call may be a
+    different request."""
 
     def __init__(self, encoder: Component, embed: Component, decoder: Component,
                  max_context: int, stop_ids: set[int]):
@@ -207,7 +207,7 @@ class Generator:
 
     def step_in_place(self, feeds: dict[str, np.ndarray], embeds: np.ndarray, mask: np.ndarray,
                       positions: np.ndarray) -> np.ndarray:
-        """step() for the single-request decode loop: one dict serves every token and takes
+        """step() for the decode loop: one dict serves every step of a batch and takes
         the new cache in place. `mask` and `positions` must be in the graph's types. Per
         token this saves two dicts and a few conversions; the loop's Python is most of
         edgemm's own time in a request."""
@@ -216,19 +216,6 @@ class Generator:
         for past, present in zip(self.past_names, self.present_names):
             feeds[past] = out[present]
         return out["logits"][:, -1]
-
-    def prefill(self, features: np.ndarray, input_ids: np.ndarray, image_start: int | np.ndarray,
-                mask: np.ndarray, reuse: PrefixReuse | None) -> tuple[np.ndarray, dict, np.ndarray | None, bool]:
-        """Run the prompt through the decoder: logits, cache, the prompt's embeddings
-        (None when a stored prefix was reused) and whether it was."""
-        split, key = self.prefix_key(features, input_ids, image_start, reuse)
-        stored = self.from_stored_prefix(input_ids, split, key, mask, reuse)
-        if stored is not None:
-            return *stored, None, True
-        embeds = self.embed_prompt(input_ids, features, image_start)
-        logits, past = self.step(embeds, mask, self.empty_past(1))
-        self.store_prefix(past, split, key, reuse)
-        return logits, past, embeds, False
 
     def prefix_key(self, features: np.ndarray, input_ids: np.ndarray, image_start: int | np.ndarray,
                    reuse: PrefixReuse | None) -> tuple[int, bytes | None]:

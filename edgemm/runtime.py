@@ -112,8 +112,7 @@ class Runtime:
         outcome: list = []
         batch = self.open_batch(request.route, lambda _key, result: outcome.append(result))
         batch.join([(None, request, features, on_token, cancelled)])
-        while batch:
-            batch.step()
+        batch.run_to_end()
         if isinstance(outcome[0], Exception):
             raise outcome[0]
         return outcome[0]
@@ -132,8 +131,7 @@ class Runtime:
         for rows in groups.values():
             batch = self.open_batch(requests[rows[0]].route, out.__setitem__)
             batch.join([(i, requests[i], features[i], on_tokens[i], cancelled[i]) for i in rows])
-            while batch:
-                batch.step()
+            batch.run_to_end()
         return out  # type: ignore[return-value]
 
     def infer(self, image, prompt: str, *, tier: str | None = None, max_new_tokens: int | None = None,

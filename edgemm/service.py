@@ -36,7 +36,7 @@ from starlette.requests import Request as HttpRequest
 
 from edgemm.answering import InferenceResult
 from edgemm.config import Config, ServerConfig
-from edgemm.errors import Cancelled, EdgemmError, internal_message
+from edgemm.errors import EdgemmError, internal_message
 from edgemm.metrics import ServiceMetrics
 from edgemm.openai_api import ApiError, ChatRequest, ImagePolicy, chunk, error_body, extras, finish_reason, usage
 from edgemm.pipeline import Health, Overloaded, Pipeline, Request, mark_logged, was_logged
@@ -210,7 +210,7 @@ class Service:
         """A finished job's result, or its error as one the client is answered with."""
         try:
             return job.future.result()
-        except (EdgemmError, Cancelled):
+        except EdgemmError:  # Cancelled included
             raise
         except Exception as e:  # a bug or a backend failure: a 500 for the client
             message = internal_message(e)
@@ -333,8 +333,6 @@ def describe(error: BaseException) -> tuple[int, str, str]:
     if isinstance(error, HTTPException):
         return error.status_code, "invalid_request_error" if error.status_code < 500 else "server_error", \
             str(error.detail)
-    if isinstance(error, Cancelled):
-        return 499, "client_closed", str(error)
     if isinstance(error, EdgemmError):
         return error.http_status, error.kind, str(error)
     return 500, "server_error", internal_message(error)

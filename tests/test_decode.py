@@ -218,8 +218,7 @@ def test_a_raising_finished_callback_does_not_stop_the_loop(runtime):
         got[key] = outcome
     batch = decode.DecodingBatch(gen, finished)
     batch.join(list(enumerate(items)))
-    while batch:
-        batch.step()
+    batch.run_to_end()
     assert sorted(got) == [1, 2, 3] and all(len(g.tokens) == 3 for g in got.values())
 
 

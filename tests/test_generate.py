@@ -278,8 +278,8 @@ def test_prompts_of_one_length_are_prefilled_in_one_decoder_call(runtime):
     together = generate_batch(runtime.generator, items)
     assert runtime.generator.decoder.stats.calls - before == len(lengths)
     for item, got in zip(items, together):
-        mask = np.ones_like(item.input_ids)
-        alone_logits, *_ = runtime.generator.prefill(item.features, item.input_ids, item.image_start, mask, None)
+        embeds = runtime.generator.embed_prompt(item.input_ids, item.features, item.image_start)
+        alone_logits, _ = runtime.generator.step(embeds, np.ones_like(item.input_ids), runtime.generator.empty_past(1))
         assert got.tokens == [int(alone_logits[0].argmax())]
 
 
