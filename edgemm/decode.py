@@ -180,32 +180,32 @@ class DecodingBatch:
         tokens: list[int] = []  # and the token each is fed
         kept: list[_Answer] = []
         reordered = False
-        at = 0
+        start = 0  # the answer's first row
         for a in self.answers:
-            rows = range(at, at + a.width)
-            at += a.width
+            width = a.width
             try:
                 if a.item.cancelled is not None and a.item.cancelled.is_set():
                     raise Cancelled("cancelled: the client went away or the request timed out")
-                if not (math.isfinite(top(rows.start, best[rows.start])) if a.width == 1 else
-                        all(math.isfinite(top(j, best[j])) for j in rows)):
+                if not (math.isfinite(top(start, best[start])) if width == 1 else
+                        all(math.isfinite(top(j, best[j])) for j in range(start, start + width))):
                     raise DecodeFailure("the decoder gave non-finite logits (NaN or inf) for this request")
-                outcome = self._next(a, rows, best)
+                outcome = self._next(a, start, best)
             except Exception as e:  # this answer fails alone; the others go on
                 outcome = e
-            if isinstance(outcome, list):
-                if len(outcome) == 1 and a.width == 1:  # the common case: one row goes on
-                    gather.append(rows.start)
-                    tokens.append(outcome[0][1])
-                else:
-                    gather.extend(rows.start + offset for offset, _ in outcome)
-                    tokens.extend(token for _, token in outcome)
-                    reordered = True
-                    a.width = len(outcome)
+            if outcome.__class__ is int:  # the common case: its one row goes on, fed this token
+                gather.append(start)
+                tokens.append(outcome)
                 kept.append(a)
-            else:
+            elif isinstance(outcome, list):  # a beam search's rows, reordered
+                gather.extend(start + offset for offset, _ in outcome)
+                tokens.extend(token for _, token in outcome)
+                a.width = len(outcome)
+                kept.append(a)
                 reordered = True
+            else:  # ended (a Generation) or failed (its exception)
                 self._hand_over(a.key, outcome)
+                reordered = True
+            start += width
         if reordered:
             self._reindex(gather)
         self.answers = kept
@@ -224,21 +224,18 @@ class DecodingBatch:
         while self.answers:
             self.step()
 
-    def _next(self, a: _Answer, rows: range, best: list[int]) -> list[tuple[int, int]] | Generation:
-        """One answer's step: (row offset, token) for each of its rows that goes on, or its
-        Generation when it ends."""
+    def _next(self, a: _Answer, start: int, best: list[int]) -> int | list[tuple[int, int]] | Generation:
+        """One answer's step, its rows starting at `start`: the token its one row is fed next,
+        or (row offset, token) for each of its rows that goes on when they change (beams),
+        or its Generation when it ends."""
+        offset = 0
         if a.beams is not None:
-            outcome = self._next_beams(a, rows)
+            outcome = self._next_beams(a, start)
             if not isinstance(outcome, int):
                 return outcome
-            rows = range(rows.start + outcome, rows.start + outcome + 1)  # collapsed: that row goes on
-            offset = outcome
-        else:
-            offset = 0
-        if a.rng is None:
-            token = best[rows.start]
-        else:
-            token = sample_token(self.logits[rows.start], a.item.options, a.rng)
+            offset = outcome  # collapsed: that row goes on greedily
+        row = start + offset
+        token = best[row] if a.rng is None else sample_token(self.logits[row], a.item.options, a.rng)
         if token in self.gen.stop_ids:
             return a.generation(a.tokens, "stop")
         a.tokens.append(token)
@@ -246,13 +243,13 @@ class DecodingBatch:
             a.item.on_token(token)
         if len(a.tokens) >= a.budget:
             return a.generation(a.tokens, "length")
-        return [(offset, token)]
+        return token if a.width == 1 else [(offset, token)]
 
-    def _next_beams(self, a: _Answer, rows: range) -> list[tuple[int, int]] | Generation | int:
+    def _next_beams(self, a: _Answer, start: int) -> list[tuple[int, int]] | Generation | int:
         """A beam search's step (edgemm/beams.py): its survivors, its end, or the offset of
         the row it collapses to (which then goes on greedily in `_next`)."""
         beams, options = a.beams, a.item.options
-        logits = self.logits[rows.start:rows.stop]
+        logits = self.logits[start:start + a.width]
         while True:  # at most twice: a step where every continuation stopped ends at the top
             done = beams.best_finished()
             if not beams.tokens or (done is not None and done[0] >= beams.scores.max()):
@@ -314,7 +311,7 @@ class DecodingBatch:
             self._set_positions(self._positions[:, -1] + 1)
         col = self._position_col
         self._position_col += 1
-        mask, positions = self.mask, self._positions[:, col:col + 1]
+        mask, positions = self._mask[:, :self.width], self._positions[:, col:col + 1]
         if len(self._rows) > 1:  # views of several rows are strided: the graph wants them packed
             mask, positions = np.ascontiguousarray(mask), np.ascontiguousarray(positions)
         try:
