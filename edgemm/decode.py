@@ -154,9 +154,11 @@ class DecodingBatch:
         answers, logits, pasts = _prefill(self.gen, items, self._hand_over)
         if not answers:
             return
-        order = {id(key): n for n, (key, _) in enumerate(items)}  # the caller's order (keys need not hash)
-        ranked = sorted(range(len(answers)), key=lambda j: order[id(answers[j].key)])
-        answers, logits, pasts = [answers[j] for j in ranked], [logits[j] for j in ranked], [pasts[j] for j in ranked]
+        if len(answers) > 1:  # back in the caller's order (prefill groups them by prompt length)
+            order = {id(key): n for n, (key, _) in enumerate(items)}  # keys need not hash
+            ranked = sorted(range(len(answers)), key=lambda j: order[id(answers[j].key)])
+            answers, logits, pasts = ([answers[j] for j in ranked], [logits[j] for j in ranked],
+                                      [pasts[j] for j in ranked])
         now = time.perf_counter()
         for a in answers:
             a.joined = now
