@@ -392,14 +392,18 @@ class DecodingBatch:
                 at += len(kv)
             return out
 
-        self.feeds = self.gen.step_feeds({name: stacked(name) for name in self.gen.past_names})
+        if not old_rows and len(answers) == 1:  # a lone request: its cache as the prefill left it
+            self.feeds = self.gen.step_feeds(pasts[0])
+        else:
+            self.feeds = self.gen.step_feeds({name: stacked(name) for name in self.gen.past_names})
         old_mask = self.mask
         mask = self._new_mask(old_rows + len(answers), width)
         if old_rows:
             mask[:old_rows, :width - old_width] = 0
             mask[:old_rows, width - old_width:width] = old_mask
         for j, a in enumerate(answers, start=old_rows):
-            mask[j, :width - a.length] = 0
+            if a.length < width:
+                mask[j, :width - a.length] = 0
         # a joining row's first generated token goes at the position after its prompt
         following = [a.length for a in answers]
         self._set_positions(np.concatenate([self._next_positions(), following]) if old_rows else following)
