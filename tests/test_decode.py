@@ -13,6 +13,7 @@ from edgemm.decode import BatchItem, DecodeFailure, generate, generate_batch
 from edgemm.errors import Cancelled
 from edgemm.generate import GenerationOptions, Generator
 from edgemm.scenes import make_scene
+from test_generate import _batch_items  # one way to make decode-loop inputs for both files
 
 ASKS = [("describe the image", 403_000), ("how many shapes ?", 403_001),
         ("what does the text say ?", 403_002), ("what color is the circle ?", 403_003)]
@@ -25,13 +26,7 @@ def endless(runtime, embed=None, decoder=None) -> Generator:
 
 
 def items_for(runtime, asks=ASKS, **options) -> list[BatchItem]:
-    out = []
-    for prompt, seed in asks:
-        prepared = runtime.prepare(make_scene(seed).image, prompt)
-        features = runtime.generator.encode(prepared.pixel_values)
-        out.append(BatchItem(features, prepared.prompt.input_ids, prepared.prompt.image_positions,
-                             GenerationOptions(**options)))
-    return out
+    return _batch_items(runtime, asks, **options)
 
 
 def alone(gen: Generator, item: BatchItem) -> list[int]:

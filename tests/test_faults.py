@@ -17,7 +17,7 @@ import json
 import logging
 import os
 import shutil
-import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -26,6 +26,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+from bench_faults import FakeSystemd  # noqa: E402  (tools/: the fake systemd the benchmark uses too)
 from test_server import assert_error, in_background, metric, raw_client, running, short_dir, sock_path, wait_until
 
 import edgemm.streams
@@ -326,49 +328,11 @@ def test_a_stream_frame_that_fails_in_the_pipeline_is_an_error_event(runtime, sa
 
 # ---- the watchdog ------------------------------------------------------------------------
 
-class NotifySocket:
-    """A fake systemd: an AF_UNIX datagram socket that records (monotonic time, message)."""
-
-    def __init__(self, folder: Path):
-        self.path = str(folder / "notify.sock")
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.bind(self.path)
-        self.sock.settimeout(0.2)
-        self.messages: list[tuple[float, str]] = []
-        self.changed = threading.Condition()
-        self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._listen, daemon=True)
-        self.thread.start()
-
-    def _listen(self) -> None:
-        while not self._stop.is_set():
-            try:
-                data = self.sock.recv(4096)
-            except socket.timeout:
-                continue
-            except OSError:
-                return
-            with self.changed:
-                self.messages.append((time.monotonic(), data.decode()))
-                self.changed.notify_all()
-
-    def wait_for(self, predicate, what: str, timeout: float = WAIT_S) -> tuple[float, str]:
-        """The first message, among those that arrive from now on, for which predicate holds."""
-        with self.changed:
-            start = len(self.messages)
-            found = self.changed.wait_for(
-                lambda: next((m for m in self.messages[start:] if predicate(m[1])), None), timeout)
-        assert found, f"no notification {what} within {timeout} s"
-        return found
-
-    def pings(self) -> list[float]:
-        with self.changed:
-            return [t for t, m in self.messages if "WATCHDOG=1" in m]
-
-    def close(self) -> None:
-        self._stop.set()
-        self.thread.join(5)
-        self.sock.close()
+def expect(notify: FakeSystemd, predicate, what: str) -> tuple[float, str]:
+    """The first notification from now on for which `predicate` holds."""
+    found = notify.wait_for(predicate, timeout=WAIT_S)
+    assert found, f"no notification {what} within {WAIT_S} s"
+    return found
 
 
 WATCHDOG_USEC = 100_000  # pings every 0.05 s
@@ -377,9 +341,9 @@ STALL_S = 0.5
 
 
 @pytest.fixture
-def notify(monkeypatch) -> Iterator[NotifySocket]:
+def notify(monkeypatch) -> Iterator[FakeSystemd]:
     folder = short_dir()
-    fake = NotifySocket(folder)
+    fake = FakeSystemd(folder)
     monkeypatch.setenv("NOTIFY_SOCKET", fake.path)
     monkeypatch.setenv("WATCHDOG_USEC", str(WATCHDOG_USEC))
     monkeypatch.setenv("WATCHDOG_PID", str(os.getpid()))
@@ -399,16 +363,16 @@ def test_a_stalled_stage_stops_the_watchdog_until_it_recovers(runtime, samples, 
         return inject_block(pixels, keys, route)
     with running(runtime, stall_s=STALL_S, **FAST) as d, raw_client(sock_path(d)) as http:
         path = sock_path(d)
-        notify.wait_for(lambda m: "WATCHDOG=1" in m, "WATCHDOG=1 while healthy")
+        expect(notify, lambda m: "WATCHDOG=1" in m, "WATCHDOG=1 while healthy")
         monkeypatch.setattr(runtime, "encode", blocking_encode)
         thread, out = in_background(infer, path, samples[NORMAL_IMAGES[0]])
         assert hold.entered.wait(WAIT_S)
-        unhealthy_at, _ = notify.wait_for(lambda m: "WATCHDOG=1" not in m and "unhealthy" in m,
+        unhealthy_at, _ = expect(notify, lambda m: "WATCHDOG=1" not in m and "unhealthy" in m,
                                           "STATUS= saying unhealthy")
         last_ping = max(t for t in notify.pings() if t < unhealthy_at)
         assert last_ping - blocked_at[0] <= STALL_S + INTERVAL_S + 0.1  # 0.1 s: this thread's own scheduling
         for _ in range(3):  # three more beats: STATUS= only, never a ping
-            notify.wait_for(lambda m: "unhealthy" in m, "another unhealthy beat")
+            expect(notify, lambda m: "unhealthy" in m, "another unhealthy beat")
         assert not [t for t in notify.pings() if t > unhealthy_at]
         ready = http.get("/readyz")
         assert ready.status_code == 503 and ready.headers["retry-after"] == "1"
@@ -423,7 +387,7 @@ def test_a_stalled_stage_stops_the_watchdog_until_it_recovers(runtime, samples, 
         assert shown["health"].startswith("UNHEALTHY: encode stage has held one item for ")  # edgemm status
         assert metric(http.get("/metrics").text, "edgemm_ready") == 0
         hold.release.set()
-        notify.wait_for(lambda m: "WATCHDOG=1" in m, "pings again after the stage recovered")
+        expect(notify, lambda m: "WATCHDOG=1" in m, "pings again after the stage recovered")
         thread.join(WAIT_S)
         assert out[0].status_code == 200
         assert http.get("/readyz").status_code == 200
@@ -441,13 +405,13 @@ def test_a_dead_stage_thread_stops_the_watchdog(runtime, samples, monkeypatch, n
     with running(runtime, stall_s=60, request_timeout_s=1.0, grace_period_s=1.0, **FAST) as d, \
             raw_client(sock_path(d)) as http:
         path = sock_path(d)
-        notify.wait_for(lambda m: "WATCHDOG=1" in m, "WATCHDOG=1 while healthy")
+        expect(notify, lambda m: "WATCHDOG=1" in m, "WATCHDOG=1 while healthy")
         monkeypatch.setattr(runtime, "open_batch", kill)
         assert_error(infer(path, samples[NORMAL_IMAGES[0]]), 504)  # its thread died holding it
-        unhealthy_at, message = notify.wait_for(lambda m: "decode stage thread died" in m, "the death reported")
+        unhealthy_at, message = expect(notify, lambda m: "decode stage thread died" in m, "the death reported")
         assert "WATCHDOG=1" not in message
         for _ in range(3):
-            notify.wait_for(lambda m: "decode stage thread died" in m, "another unhealthy beat")
+            expect(notify, lambda m: "decode stage thread died" in m, "another unhealthy beat")
         assert not [t for t in notify.pings() if t > unhealthy_at]
         ready = http.get("/readyz")
         assert ready.status_code == 503 and ready.json() == {"status": "unhealthy",

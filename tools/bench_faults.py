@@ -344,10 +344,17 @@ class FakeSystemd:
                 self.messages.append((time.monotonic(), data))
                 self.cond.notify_all()
 
-    def wait_for(self, predicate, after: float, timeout: float = WAIT_S) -> tuple[float, str]:
+    def wait_for(self, predicate, after: float | None = None,
+                 timeout: float = WAIT_S) -> tuple[float, str] | None:
+        """(time, message) of the first message received after `after` (default: now) for
+        which `predicate` holds, or None if none came within `timeout`."""
+        after = time.monotonic() if after is None else after
         with self.cond:
-            found = self.cond.wait_for(lambda: next(((t, m) for t, m in self.messages if t > after and predicate(m)),
-                                                    None), timeout)
+            return self.cond.wait_for(lambda: next(((t, m) for t, m in self.messages if t > after and predicate(m)),
+                                                   None), timeout)
+
+    def expect(self, predicate, after: float | None = None, timeout: float = WAIT_S) -> tuple[float, str]:
+        found = self.wait_for(predicate, after, timeout)
         if not found:
             raise SystemExit("the expected notification never came")
         return found
@@ -372,7 +379,7 @@ def stall_section(runtime: Runtime, model: Path, faulty: FaultyEncoder, images: 
     runs = []
     try:
         with DaemonThread(runtime, model, stall_s=args.stall_s) as d:
-            fake.wait_for(lambda m: "WATCHDOG=1" in m, 0)
+            fake.expect(lambda m: "WATCHDOG=1" in m, 0)
             for _ in range(args.stalls):
                 faulty.unblock.clear()
                 faulty.blocked_at.clear()
@@ -387,9 +394,9 @@ def stall_section(runtime: Runtime, model: Path, faulty: FaultyEncoder, images: 
                 while not faulty.blocked_at and time.monotonic() < deadline:
                     time.sleep(0.005)
                 blocked = faulty.blocked_at[0]
-                unhealthy_at, status = fake.wait_for(lambda m: "WATCHDOG=1" not in m and "unhealthy" in m, blocked)
+                unhealthy_at, status = fake.expect(lambda m: "WATCHDOG=1" not in m and "unhealthy" in m, blocked)
                 for _ in range(3):  # three beats without a ping
-                    fake.wait_for(lambda m: "unhealthy" in m, fake.messages[-1][0])
+                    fake.expect(lambda m: "unhealthy" in m, fake.messages[-1][0])
                 pings = fake.pings()
                 last_ping = max(t for t in pings if t < unhealthy_at)
                 pings_during = [t for t in pings if t > unhealthy_at]
@@ -397,7 +404,7 @@ def stall_section(runtime: Runtime, model: Path, faulty: FaultyEncoder, images: 
                     ready = http.get("/readyz")
                 released = time.monotonic()
                 faulty.unblock.set()
-                resumed, _ = fake.wait_for(lambda m: "WATCHDOG=1" in m, released)
+                resumed, _ = fake.expect(lambda m: "WATCHDOG=1" in m, released)
                 thread.join(WAIT_S)
                 runs.append({"block_to_last_ping_s": round(last_ping - blocked, 3),
                              "block_to_unhealthy_status_s": round(unhealthy_at - blocked, 3),
