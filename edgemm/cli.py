@@ -111,8 +111,9 @@ def main() -> None:
 @click.argument("image")
 @click.option("--prompt", "-p", default=DEFAULT_PROMPT, show_default=True, help="Question about the image.")
 @click.option("--tier", help="Pin the resolution tier (default: the scheduler picks; see --scheduler).")
-@click.option("--scheduler", type=click.Choice(["top", "thresholds", "calibrated"]),
-              help="Tier policy when no tier is pinned (default: scheduler.policy, top).")
+@click.option("--scheduler", type=click.Choice(["auto", "top", "thresholds", "calibrated"]),
+              help="Tier policy when no tier is pinned (default: scheduler.policy, auto: calibrated when "
+                   "the model folder ships scheduler.yaml, else top).")
 @click.option("--beams", type=int, help=f"Beam search width, 1..{MAX_BEAMS} (1 = greedy).")
 @click.option("--beam-gate", type=float,
               help="Collapse beams once the best next token is this likely (0 = greedy, 1 = plain beams).")

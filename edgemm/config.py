@@ -44,7 +44,7 @@ __all__ = [
 PRECISIONS = ("fp32", "int8", "fp16")
 BACKENDS = ("onnxruntime", "tensorrt")
 PROVIDERS = ("cpu", "cuda", "tensorrt")
-SCHEDULER_POLICIES = ("top", "thresholds", "calibrated")
+SCHEDULER_POLICIES = ("auto", "top", "thresholds", "calibrated")
 PLACEMENT_DEVICES = ("gpu", "dla0", "dla1", "cpu")
 DEVICES = PLACEMENT_DEVICES
 OFFLOAD_CONDITIONS = ("critical", "slo", "hot", "budget")
@@ -153,7 +153,10 @@ class GenerationConfig:
 @dataclass
 class SchedulerConfig:
     """Which resolution tier each request is encoded at, when no tier is pinned (edgemm/scheduler.py)."""
-    policy: str = "top"  # top | thresholds | calibrated (top = the model's default tier, its top tier unless model.yaml says otherwise)
+    # auto | top | thresholds | calibrated. auto = calibrated when the model folder ships its
+    # calibration (scheduler.yaml, as models/tiny-vlm does), else top (the model's default
+    # tier, its top tier unless model.yaml says otherwise)
+    policy: str = "auto"
     statistic: str = "edge_density"  # what `thresholds` compare: mean_saliency | salient_fraction | high_freq | edge_density | fine_strokes
     thresholds: list[float] = field(default_factory=lambda: [0.008, 0.014])  # rising, one per tier above the cheapest: reaching the i-th lifts a frame to tier i+1
     detail_words: list[str] = field(default_factory=lambda: list(DETAIL_WORDS))  # prompts with one of these words ask for detail ...

@@ -40,20 +40,32 @@ class PreparedRequest:
     route: Route | None = None  # where the power policy wants each stage (None: the first device loaded)
 
 
+def scheduler_policy(config: Config, manifest: ModelManifest) -> tuple[str, str]:
+    """(the policy to run, why): scheduler.policy as configured, or for `auto` the
+    calibration the model folder ships (its scheduler.yaml), else `top`."""
+    policy = config.scheduler.policy
+    if policy != "auto":
+        return policy, f"scheduler.policy: {policy}"
+    if (manifest.path / POLICY_FILE).is_file():
+        return "calibrated", f"scheduler.policy auto: model {manifest.name} ships its calibration ({POLICY_FILE})"
+    return "top", f"scheduler.policy auto: model {manifest.name} ships no calibration ({POLICY_FILE})"
+
+
 def make_scheduler(config: Config, manifest: ModelManifest) -> Scheduler:
-    """The tier scheduler the config asks for (scheduler.policy: top | thresholds | calibrated)."""
+    """The tier scheduler the config asks for (scheduler.policy: auto | top | thresholds | calibrated)."""
     cfg = config.scheduler
     tiers = list(manifest.tiers)
-    if cfg.policy == "top":
-        return Scheduler(tiers, manifest.default_tier)
-    if cfg.policy == "calibrated":
+    name, why = scheduler_policy(config, manifest)
+    if name == "top":
+        return Scheduler(tiers, manifest.default_tier, name=name, why=why)
+    if name == "calibrated":
         policy = TierPolicy.load(manifest.path / POLICY_FILE)
     else:
         policy = TierPolicy(cfg.statistic, list(cfg.thresholds), tuple(cfg.detail_words), cfg.detail_tier)
     try:
-        return Scheduler(tiers, manifest.default_tier, policy)
+        return Scheduler(tiers, manifest.default_tier, policy, name, why)
     except ValueError as e:
-        where = "scheduler" if cfg.policy == "thresholds" else str(manifest.path / POLICY_FILE)
+        where = "scheduler" if name == "thresholds" else str(manifest.path / POLICY_FILE)
         raise ConfigError(f"{where}: {e} (model {manifest.name})") from None
 
 

@@ -281,6 +281,7 @@ class Service:
         return {"daemon": "draining" if self.draining else "serving", "model": self.model_id,
                 "health": {**health.to_dict(), "stall_s": self.server.stall_s},
                 "precision": self.runtime.precision,
+                "scheduler": {"policy": self.runtime.scheduler.name, "reason": self.runtime.scheduler.why},
                 "telemetry": telemetry.to_dict() if telemetry else None,
                 "placement": self.router.preview(self.admission.count).to_dict(),
                 "last_placement": self.router.governor.last.to_dict() if self.router.governor.last else None,

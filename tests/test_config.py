@@ -133,7 +133,7 @@ def test_defaults_match_the_documented_schema():
     assert cfg.limits == LimitsConfig(max_pixels=40_000_000, max_image_bytes=50 * 1024 * 1024, max_prompt_chars=4000)
     assert cfg.generation == GenerationConfig(max_new_tokens=32, temperature=0.0, top_p=1.0, seed=None, tier=None,
                                               num_beams=1, beam_gate=0.85)
-    assert cfg.scheduler.policy == "top" and cfg.scheduler.detail_tier is None
+    assert cfg.scheduler.policy == "auto" and cfg.scheduler.detail_tier is None
     assert cfg.cache == CacheConfig(max_bytes=64 * 1024 * 1024)
 
 
@@ -354,7 +354,7 @@ def test_null_allowed_only_for_optional_fields():
     ({"generation": {"num_beams": 2, "temperature": 0.5}},
      "config: 'generation.num_beams' must be 1 when sampling (beam search is greedy: temperature 0), got 2"),
     ({"scheduler": {"policy": "fast"}},
-     "config: 'scheduler.policy' must be one of top, thresholds, calibrated, got 'fast'"),
+     "config: 'scheduler.policy' must be one of auto, top, thresholds, calibrated, got 'fast'"),
     ({"scheduler": {"statistic": "blur"}}, "config: 'scheduler.statistic' must be one of mean_saliency, "
                                             "salient_fraction, high_freq, edge_density, fine_strokes, got 'blur'"),
     ({"scheduler": {"thresholds": [0.2, 0.1]}}, "config: 'scheduler.thresholds' must not decrease, got [0.2, 0.1]"),

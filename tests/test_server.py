@@ -166,7 +166,9 @@ def test_openai_client_plain_completion(client, sample):
     assert answer.usage.prompt_tokens > 0
     assert answer.usage.total_tokens == answer.usage.prompt_tokens + answer.usage.completion_tokens
     extras = answer.model_dump()["edgemm"]
-    assert extras["tier"] == "high" and extras["precision"] == "fp32"
+    # the built-in model ships its calibration, so the scheduler's default policy is calibrated
+    assert extras["tier"] == extras["schedule"]["tier"] and extras["schedule"]["policy"] == "calibrated"
+    assert extras["precision"] == "fp32"
     assert {"preprocess", "encode", "prefill", "decode", "total"} <= set(extras["timings_ms"])
 
 
@@ -240,6 +242,7 @@ def test_metrics(http, sample):
     steps_before = metric(http.get("/metrics").text, 'edgemm_decoder_steps_total{rows="1"}', default=0)
     answer = http.post("/v1/infer", params={"max_tokens": 3, "prompt": "describe the image"},
                        content=sample.read_bytes()).json()
+    answered_tier = answer["tier"]
     http.post("/v1/infer", content=b"")  # a 400
     response = http.get("/metrics")
     assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
@@ -248,7 +251,7 @@ def test_metrics(http, sample):
     assert metric(text, 'edgemm_http_requests_total{endpoint="/v1/infer",status="400"}') >= 1
     assert metric(text, 'edgemm_stage_duration_seconds_count{stage="encode"}') >= 1
     assert metric(text, 'edgemm_stage_duration_seconds_bucket{stage="total",le="+Inf"}') >= 1
-    assert metric(text, 'edgemm_answers_total{tier="high"}') >= 1
+    assert metric(text, f'edgemm_answers_total{{tier="{answered_tier}"}}') >= 1
     assert metric(text, 'edgemm_queue_depth{stage="encode"}') == 0
     assert metric(text, "edgemm_requests_in_flight") == 0
     assert metric(text, 'edgemm_encoder_recent_batches{size="1"}') >= 1

@@ -85,6 +85,8 @@ def test_status_asks_the_running_daemon(runtime, tmp_path):
         assert report["daemon"] == "serving" and report["model"] == "tiny-vlm"
         assert report["components"]["decoder"]["device"] == "cpu"
         assert report["queue"]["limit"] == 8 and report["telemetry"]["total_w"] == 5.0
+        assert report["scheduler"] == {"policy": "calibrated", "reason": "scheduler.policy auto: model tiny-vlm "
+                                                                          "ships its calibration (scheduler.yaml)"}
         text = CliRunner().invoke(main, ["status", "--socket", sock_path(daemon)]).output
         assert "serving tiny-vlm (fp32)" in text and "queue       0 in flight of 8" in text
         assert report["queue"]["continuous_batching"] == "auto"
