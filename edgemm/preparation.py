@@ -38,6 +38,7 @@ class PreparedRequest:
     decision: Decision | None = None
     cache_key: bytes | None = None  # feature-cache key of the pixels (None with the cache off)
     route: Route | None = None  # where the power policy wants each stage (None: the first device loaded)
+    warnings: list[str] = field(default_factory=list)  # one line each, handed on to the answer
 
 
 def scheduler_policy(config: Config, manifest: ModelManifest) -> tuple[str, str]:
@@ -131,11 +132,25 @@ class Preparation:
         chosen = self.manifest.tiers[decision.tier]
         pixel_values = self.pixels(rgb, chosen)
         prompt_ids = self.prompt_ids(prompt, chosen, rgb.shape[:2])
+        # refused here (limits.unknown_words: refuse) before any graph runs; else a warning
+        warnings = [self.unknown_words_message(prompt_ids.unknown_words)] if prompt_ids.unknown_words else []
         key = self.feature_key(pixel_values[0], chosen.name) if self.keyed else None
         timings = {"preprocess": (time.perf_counter() - t0) * 1e3}
         if decision.stats is not None:
             timings["schedule"] = decision.stats.ms
-        return PreparedRequest(pixel_values, chosen, prompt_ids, options, timings, decision, key, route)
+        return PreparedRequest(pixel_values, chosen, prompt_ids, options, timings, decision, key, route, warnings)
+
+    def unknown_words_message(self, words: tuple[str, ...]) -> str:
+        """One line naming the words the model cannot read and the questions it knows; an
+        InputError instead with limits.unknown_words: refuse."""
+        shown = ", ".join(repr(w) for w in words[:8]) + (" …" if len(words) > 8 else "")
+        message = f"the prompt has words model {self.manifest.name} does not know: {shown}"
+        known = self.adapter.known_prompts
+        if known:
+            message += "; it knows: " + " | ".join(known)
+        if self.config.limits.unknown_words == "refuse":
+            raise InputError(message + " (limits.unknown_words: refuse)")
+        return message + " (the answer is a guess)"
 
     def prompt_ids(self, prompt: str, tier: ResolutionTier, image_size: tuple[int, int]) -> Prompt:
         """The adapter's prompt ids, remembered: cameras, kiosks and scripts ask the same few
