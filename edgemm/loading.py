@@ -18,7 +18,7 @@ from pathlib import Path
 from edgemm.backends.base import Component, LoadedComponents
 from edgemm.backends.onnxruntime import OnnxRuntimeBackend
 from edgemm.config import Config
-from edgemm.errors import BackendError, EdgemmError
+from edgemm.errors import EdgemmError
 from edgemm.generate import Generator
 from edgemm.model.contract import check_component
 from edgemm.model.manifest import COMPONENTS, ModelManifest
@@ -51,9 +51,6 @@ class ModelComponents:
     `serve` and `stream`); backend.intra_op_threads 0 then splits the cores between them."""
 
     def __init__(self, config: Config, manifest: ModelManifest, stop_ids: set[int], concurrent: bool = False):
-        if config.backend.name != "onnxruntime":
-            raise BackendError(f"backend {config.backend.name!r} is not available in this build "
-                               "(TensorRT engines are chosen per component with placement: gpu | dla0 | dla1)")
         self.config, self.manifest, self.stop_ids, self.concurrent = config, manifest, stop_ids, concurrent
         self.precision = config.model.precision
         self._ort: OnnxRuntimeBackend | None = None
