@@ -11,7 +11,10 @@ import json
 import logging
 import os
 import sys
+import time
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import click
 
@@ -72,10 +75,60 @@ def read_image_arg(image: str, max_bytes: int):
     return data
 
 
+@contextmanager
+def progress(what: str, quiet: bool = False) -> Iterator[None]:
+    """`edgemm: loading WHAT … ready in 1.2 s` on stderr (never stdout: --json stays clean).
+    On a terminal the first half shows while loading and is erased if an error follows;
+    elsewhere (scripts, logs) the line comes whole once ready, so an error stays one line."""
+    interactive = not quiet and sys.stderr.isatty()
+    if interactive:
+        click.echo(f"edgemm: loading {what} … ", err=True, nl=False)
+    t0 = time.perf_counter()
+    try:
+        yield
+    except BaseException:
+        if interactive:
+            click.echo("\r\033[K", err=True, nl=False)
+        raise
+    if not quiet:
+        start = "" if interactive else f"edgemm: loading {what} … "
+        click.echo(f"{start}ready in {time.perf_counter() - t0:.1f} s", err=True)
+
+
+def model_label(cfg) -> str:
+    """The model folder's name, for progress lines (before the model is read)."""
+    from pathlib import Path
+
+    from edgemm.runtime import default_model_dir
+    return (Path(cfg.model.path) if cfg.model.path else default_model_dir()).name + f" ({cfg.model.precision})"
+
+
+class TierOption(click.Option):
+    """--tier: its help names the default model's tiers, read only when help is shown."""
+
+    def get_help_record(self, ctx: click.Context):
+        try:
+            from edgemm.model.manifest import load_manifest
+            from edgemm.runtime import default_model_dir
+            manifest = load_manifest(default_model_dir())
+            tiers = f"{manifest.name} has {', '.join(manifest.tiers)}; "
+        except Exception:  # no readable default model: the help is still shown
+            tiers = ""
+        self.help = (f"Pin the resolution tier ({tiers}a wrong name lists the --model's own). "
+                     "Default: the scheduler picks (see --scheduler).")
+        return super().get_help_record(ctx)
+
+
 class EdgemmGroup(click.Group):
     """Usage errors as one line (`edgemm: error: …`, exit 2), like every other error."""
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not (sys.argv[1:] if args is None else args):  # `edgemm` alone: its help, not an error
+            with self.make_context(prog_name or "edgemm", ["--help"], resilient_parsing=True) as ctx:
+                click.echo(self.get_help(ctx))
+            if standalone_mode:
+                sys.exit(0)
+            return 0
         try:
             rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except click.UsageError as e:
@@ -110,7 +163,7 @@ def main() -> None:
 @main.command()
 @click.argument("image")
 @click.option("--prompt", "-p", default=DEFAULT_PROMPT, show_default=True, help="Question about the image.")
-@click.option("--tier", help="Pin the resolution tier (default: the scheduler picks; see --scheduler).")
+@click.option("--tier", cls=TierOption)
 @click.option("--scheduler", type=click.Choice(["auto", "top", "thresholds", "calibrated"]),
               help="Tier policy when no tier is pinned (default: scheduler.policy, auto: calibrated when "
                    "the model folder ships scheduler.yaml, else top).")
@@ -122,15 +175,25 @@ def main() -> None:
 @click.option("--config", "config_path", type=click.Path(), envvar="EDGEMM_CONFIG",
               help="YAML config file.")
 @click.option("--json", "as_json", is_flag=True, help="Print the answer with timings and metadata as JSON.")
-@click.option("--max-new-tokens", type=int, help=f"Most tokens in the answer, 1..{MAX_NEW_TOKENS}.")
-@click.option("--temperature", type=float, help=f"0 = greedy; sampling needs at least {MIN_TEMPERATURE:g}.")
-@click.option("--top-p", type=float, help="Nucleus sampling mass, in (0, 1].")
-@click.option("--seed", type=int, help="Sampling seed, 0..2**64-1.")
+@click.option("--max-new-tokens", type=int,
+              help=f"Most tokens in the answer, 1..{MAX_NEW_TOKENS} (default: generation.max_new_tokens, 32).")
+@click.option("--temperature", type=float,
+              help=f"0 = greedy (the default); sampling needs at least {MIN_TEMPERATURE:g}.")
+@click.option("--top-p", type=float,
+              help="Sampling keeps the most likely tokens whose probabilities add up to this, in (0, 1] "
+                   "(default: generation.top_p, 1 = all).")
+@click.option("--seed", type=int,
+              help="Sampling seed, 0..2**64-1: the same seed gives the same answer (default: random).")
 @click.option("--threads", type=click.IntRange(0), help="Intra-op threads (0 = onnxruntime decides).")
+@click.option("--quiet", "-q", is_flag=True, help="No progress line on stderr (warnings and errors still).")
 @reports_errors
 def infer(image, prompt, tier, scheduler, beams, beam_gate, precision, model_dir, config_path, as_json,
-          max_new_tokens, temperature, top_p, seed, threads) -> None:
-    """Answer PROMPT about IMAGE (a file, or - for stdin)."""
+          max_new_tokens, temperature, top_p, seed, threads, quiet) -> None:
+    """Answer PROMPT about IMAGE (a file, or - for stdin).
+
+    Loads the model, warms up the one tier this answer uses, answers, exits. A prompt with
+    words the model does not know is answered with a warning (stderr; `warnings` in --json),
+    or refused with limits.unknown_words: refuse."""
     check_generation(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
                      num_beams=beams, beam_gate=beam_gate, names=GENERATION_FLAGS)  # before the model loads
     from edgemm.runtime import Runtime
@@ -138,15 +201,24 @@ def infer(image, prompt, tier, scheduler, beams, beam_gate, precision, model_dir
     if scheduler is not None:
         cfg.scheduler.policy = scheduler  # a click.Choice, so already valid
     source = read_image_arg(image, cfg.limits.max_image_bytes)
-    runtime = Runtime(cfg)
-    result = runtime.infer(source, prompt, tier=tier, max_new_tokens=max_new_tokens,
-                           temperature=temperature, top_p=top_p, seed=seed,
-                           num_beams=beams, beam_gate=beam_gate)
+    with progress(model_label(cfg), quiet):
+        runtime = Runtime(cfg, warm_up=False)
+        started = time.perf_counter()
+        request = runtime.prepare(source, prompt, tier=tier, max_new_tokens=max_new_tokens,
+                                  temperature=temperature, top_p=top_p, seed=seed,
+                                  num_beams=beams, beam_gate=beam_gate)
+        if cfg.backend.warmup:  # a one-shot warms only the tier it will use
+            warm_started = time.perf_counter()
+            runtime.warmup(tiers=[request.tier.name], standby=False)
+            started += time.perf_counter() - warm_started  # the answer's total leaves the warm-up out
+    result = runtime.answer(request, started=started)
     if as_json:
         click.echo(json.dumps({"answer": result.text, "prompt": prompt,
                                "image": image if image != "-" else "<stdin>", **result.to_dict()}))
     else:
         click.echo(result.text)
+        for warning in result.warnings:
+            click.echo(f"edgemm: warning: {warning}", err=True)
 
 
 @main.command()
@@ -216,13 +288,17 @@ def stream(source_uri, prompt, fps, every, max_frames, out, change_threshold, ti
 @click.option("--config", "config_path", type=click.Path(), envvar="EDGEMM_CONFIG",
               help="YAML config file (under systemd: /etc/edgemm/edgemm.yaml).")
 @click.option("--socket", "socket_path", type=click.Path(dir_okay=False),
-              help="UNIX socket path (default: server.socket, /run/edgemm/edgemm.sock).")
+              help="UNIX socket path (default: server.socket, else /run/edgemm/edgemm.sock where systemd "
+                   "made /run/edgemm, else $XDG_RUNTIME_DIR/edgemm.sock; none with --port).")
+@click.option("--port", type=click.IntRange(0, 65535),
+              help="Also serve HTTP on this TCP port (0 = any free one); alone, TCP only (server.tcp_port).")
+@click.option("--host", help="TCP address for --port (default: server.tcp_host, 127.0.0.1: loopback only).")
 @click.option("--precision", type=click.Choice(["fp32", "int8", "fp16"]))
 @click.option("--model", "model_dir", type=click.Path())
 @click.option("--threads", type=click.IntRange(0), help="Intra-op threads (0 = onnxruntime decides).")
 @reports_errors
-def serve(config_path, socket_path, precision, model_dir, threads) -> None:
-    """Serve the OpenAI-compatible HTTP API on a UNIX socket until SIGTERM.
+def serve(config_path, socket_path, port, host, precision, model_dir, threads) -> None:
+    """Serve the OpenAI-compatible HTTP API on a UNIX socket (or --port) until SIGTERM.
 
     Loads and warms up the model once, then answers POST /v1/chat/completions,
     POST /v1/infer, GET /v1/models, /v1/streams, /healthz, /readyz and /metrics,
@@ -230,8 +306,14 @@ def serve(config_path, socket_path, precision, model_dir, threads) -> None:
     and watchdog pings, and takes a socket-activated socket.
     SIGTERM (or Ctrl-C) stops accepting, lets requests in flight finish, exits 0.
     """
+    if host is not None and port is None:
+        raise click.UsageError("--host needs --port (the TCP port to listen on)")
     from edgemm.daemon import serve as run_daemon
     cfg = build_config(config_path, model_dir, precision, threads)
+    if port is not None:
+        cfg.server.tcp_port = port
+    if host is not None:
+        cfg.server.tcp_host = host
     log = logging.getLogger("edgemm")
     log.setLevel(logging.INFO)  # a daemon says where it listens and when it drains
     for handler in log.handlers:
@@ -286,7 +368,7 @@ def engines_build(model_dir, out, device, precision, tiers, components, timing_c
 @main.command()
 @click.option("--config", "config_path", type=click.Path(), envvar="EDGEMM_CONFIG", help="YAML config file.")
 @click.option("--socket", "socket_path", type=click.Path(dir_okay=False),
-              help="The daemon's socket (default: server.socket).")
+              help="The daemon's socket (default: server.socket, else the one `edgemm serve` picks).")
 @click.option("--root", type=click.Path(file_okay=False), help="Read telemetry under this folder (default: power.root, /).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (the daemon's GET /v1/status).")
 @reports_errors
@@ -307,21 +389,22 @@ def status(config_path, socket_path, root, as_json) -> None:
 @click.option("--root", type=click.Path(file_okay=False),
               help="Look for telemetry, cameras and CUDA under this folder (default: power.root, /).")
 @click.option("--engines", "engines_dir", type=click.Path(file_okay=False),
-              help="Built engines folder (default: engines/ of this installation).")
+              help="Built engines folder, with manifest.yaml or one folder per model "
+                   "(default: model.engines, else where `edgemm engines build` writes).")
 @click.option("--json", "as_json", is_flag=True, help="Print the checks as a JSON list.")
 @reports_errors
 def doctor(config_path, root, engines_dir, as_json) -> None:
     """Check what this machine can do for edgemm: TensorRT, DLA, CUDA, pycuda, OpenCV's
     GStreamer, cameras, the socket directory, engines and telemetry files. One line each:
-    ok, warn (not needed by this config) or fail (needed). Exit code 3 when any check fails."""
+    ok, warn (not needed by this config) or fail (needed: a gpu/dla placement needs TensorRT,
+    a CUDA device, its DLA core and its engines). Exit code 3 when any check fails."""
     from pathlib import Path
 
     from edgemm.doctor import FAILED_EXIT_CODE, run_checks
     cfg = build_config(config_path)
     if root is not None:
         cfg.power.root = root
-    engines = Path(engines_dir) if engines_dir else Path(__file__).resolve().parent.parent / "engines"
-    checks = run_checks(cfg, engines)
+    checks = run_checks(cfg, Path(engines_dir) if engines_dir else None)
     click.echo(json.dumps([c.to_dict() for c in checks]) if as_json else "\n".join(c.line() for c in checks))
     if any(c.level == "fail" for c in checks):
         click.get_current_context().exit(FAILED_EXIT_CODE)

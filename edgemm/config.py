@@ -22,6 +22,7 @@ import dataclasses
 import math
 import os
 import re
+import stat
 import types
 import typing
 from collections.abc import Mapping
@@ -39,15 +40,17 @@ __all__ = [
     "ConfigError", "ModelConfig", "BackendConfig", "LimitsConfig", "GenerationConfig",
     "SchedulerConfig", "CacheConfig", "PlacementConfig", "PowerConfig", "OffloadConfig",
     "ServerConfig", "StreamConfig", "Config", "load_config", "config_from_dict", "config_to_dict",
+    "socket_choices", "creatable_socket", "client_socket",
 ]
 
 PRECISIONS = ("fp32", "int8", "fp16")
-BACKENDS = ("onnxruntime", "tensorrt")
+BACKENDS = ("onnxruntime",)  # backend.name: only kept so older configs load; TensorRT is chosen by placement
 PROVIDERS = ("cpu", "cuda", "tensorrt")
 SCHEDULER_POLICIES = ("auto", "top", "thresholds", "calibrated")
 PLACEMENT_DEVICES = ("gpu", "dla0", "dla1", "cpu")
 DEVICES = PLACEMENT_DEVICES
 OFFLOAD_CONDITIONS = ("critical", "slo", "hot", "budget")
+UNKNOWN_WORDS = ("warn", "refuse")  # limits.unknown_words
 
 
 class ConfigError(EdgemmError, ValueError):
@@ -106,7 +109,9 @@ class ModelConfig:
 
 @dataclass
 class BackendConfig:
-    name: str = "onnxruntime"  # onnxruntime | tensorrt
+    # no longer a switch: cpu placements run on onnxruntime, gpu/dla0/dla1 placements on TensorRT
+    # engines. Only `onnxruntime` is accepted, so that configs written before still load.
+    name: str = "onnxruntime"
     providers: list[str] = field(default_factory=lambda: ["cpu"])  # onnxruntime execution providers, most preferred first: cpu | cuda | tensorrt
     # threads per onnxruntime session; 0 = edgemm decides: onnxruntime's default for one request
     # at a time (edgemm infer), half the usable cores each where the encoder and the decoder run
@@ -115,6 +120,10 @@ class BackendConfig:
     warmup: bool = True  # run each graph once at load so the first request isn't slow
 
     def validate(self, path: str) -> None:
+        if self.name == "tensorrt":
+            raise ConfigError(f"'{path}.name: tensorrt' is not a switch any more: TensorRT engines are chosen per "
+                              "component by placement (e.g. placement.vision_encoder: [dla0, gpu, cpu], "
+                              f"decoder: [gpu, cpu]); remove {path}.name")
         _choice(self.name, BACKENDS, f"{path}.name")
         _require(len(self.providers) > 0, f"{path}.providers", "list at least one provider", self.providers)
         for i, provider in enumerate(self.providers):
@@ -128,10 +137,14 @@ class LimitsConfig:
     max_pixels: int = 40_000_000  # images with more pixels (width x height) are refused before decoding
     max_image_bytes: int = 50 * 1024 * 1024  # larger encoded images are refused unread
     max_prompt_chars: int = 4000  # longer prompts are refused
+    # a prompt with words the model's vocabulary lacks (the built-in model's closed world):
+    # warn = answer, with a warning and the questions the model knows; refuse = 400 / exit 2
+    unknown_words: str = "warn"
 
     def validate(self, path: str) -> None:
         for name in ("max_pixels", "max_image_bytes", "max_prompt_chars"):
             _require(getattr(self, name) > 0, f"{path}.{name}", "be > 0", getattr(self, name))
+        _choice(self.unknown_words, UNKNOWN_WORDS, f"{path}.unknown_words")
 
 
 @dataclass
@@ -204,12 +217,46 @@ class PlacementConfig:
 
 
 BATCHING_MODES = ("auto", "on", "off")  # server.encoder_batching, server.continuous_batching
+SYSTEM_SOCKET = "/run/edgemm/edgemm.sock"  # in systemd's RuntimeDirectory=edgemm; edgemm.socket creates it
+
+
+def socket_choices() -> list[str]:
+    """Where the socket goes when server.socket is null, most preferred first: systemd's
+    /run/edgemm, then the user's own $XDG_RUNTIME_DIR (set by a login session)."""
+    choices = [SYSTEM_SOCKET]
+    runtime_dir = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime_dir:
+        choices.append(os.path.join(runtime_dir, "edgemm.sock"))
+    return choices
+
+
+def creatable_socket() -> str | None:
+    """The first of socket_choices() whose folder exists and this user may create files in."""
+    return next((path for path in socket_choices()
+                 if os.access(os.path.dirname(path), os.W_OK | os.X_OK)), None)
+
+
+def client_socket(cfg: "ServerConfig") -> str:
+    """The socket a client tries: server.socket, else the first choice a daemon listens on,
+    else the one a daemon would create (for the message when nothing answers)."""
+    if cfg.socket is not None:
+        return cfg.socket
+    for path in socket_choices():
+        try:
+            if stat.S_ISSOCK(os.stat(path).st_mode):
+                return path
+        except OSError:
+            continue
+    return creatable_socket() or SYSTEM_SOCKET
 
 
 @dataclass
 class ServerConfig:
     """`edgemm serve`: where it listens, how much it admits, what image URLs it follows."""
-    socket: str = "/run/edgemm/edgemm.sock"  # UNIX socket path; unused under socket activation (systemd passes the socket)
+    # UNIX socket path; null = /run/edgemm/edgemm.sock where that folder exists (systemd makes it),
+    # else $XDG_RUNTIME_DIR/edgemm.sock, and none when TCP is on (tcp_port); unused under
+    # socket activation (systemd passes the socket)
+    socket: str | None = None
     socket_mode: str = "0660"  # permissions of the socket file, octal: owner and group may connect
     socket_group: str | None = None  # group owning the socket file (clients in it may connect); null = the daemon's group
     tcp_port: int | None = None  # also listen on TCP at this port; null = no TCP (the default: the API stays off the network)
@@ -232,7 +279,8 @@ class ServerConfig:
     max_streams: int = 4  # camera streams run by the daemon at once (config and POST /v1/streams)
 
     def validate(self, path: str) -> None:
-        _require(self.socket.strip() != "", f"{path}.socket", "be a path", self.socket)
+        if self.socket is not None:
+            _require(self.socket.strip() != "", f"{path}.socket", "be a path or null", self.socket)
         _require(_octal_mode(self.socket_mode) is not None, f"{path}.socket_mode",
                  "be octal permissions like '0660'", self.socket_mode)
         if self.tcp_port is not None:
