@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -23,8 +24,8 @@ from click.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 import hostile_images as hostile  # noqa: E402  (tools/: the benchmark makes the same files)
-from test_server import (assert_error, child_env, folder, in_background, raw_client, running,  # noqa: E402,F401
-                         sock_path, wait_ready, wait_until, write_config)
+from test_server import (assert_error, child_env, in_background, raw_client, running, short_dir,  # noqa: E402
+                         sock_path, wait_ready, write_config)
 
 from edgemm.cli import main
 from edgemm.model.image import MAX_JPEG_SCANS, ImageError, load_image
@@ -46,10 +47,10 @@ REFUSED = {
 
 @pytest.fixture(scope="module")
 def refused_files(tmp_path_factory) -> dict[str, tuple[Path, str]]:
-    folder = tmp_path_factory.mktemp("hostile")
+    where = tmp_path_factory.mktemp("hostile")
     files = {}
     for i, (kind, (make, message)) in enumerate(REFUSED.items()):
-        path = folder / f"hostile-{i}.img"
+        path = where / f"hostile-{i}.img"
         path.write_bytes(make())
         files[kind] = (path, message)
     return files
@@ -58,16 +59,16 @@ def refused_files(tmp_path_factory) -> dict[str, tuple[Path, str]]:
 _LISTENERS: list[socket.socket] = []
 
 
-def special_files(folder: Path) -> dict[str, tuple[Path, str]]:
+def special_files(where: Path) -> dict[str, tuple[Path, str]]:
     """A FIFO, a UNIX socket, a character device and an oversize file, with the word each
     refusal uses. The socket stays bound while the caller's folder exists."""
-    fifo = folder / "camera.fifo"
+    fifo = where / "camera.fifo"
     os.mkfifo(fifo)
-    sock_file = folder / "s.sock"
+    sock_file = where / "s.sock"
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(str(sock_file))
     _LISTENERS.append(listener)  # bound for the rest of the session
-    big = folder / "big.png"
+    big = where / "big.png"
     big.write_bytes(hostile.encode(".png", np.zeros((8, 8), np.uint8)) + bytes(3000))
     return {"FIFO": (fifo, "a FIFO, not a regular file"), "socket": (sock_file, "a socket, not a regular file"),
             "device": (Path("/dev/zero"), "a character device, not a regular file"),
@@ -194,11 +195,11 @@ def chat(url: str) -> dict:
 
 
 def test_daemon_refuses_each_kind_with_400_and_keeps_serving(runtime, refused_files, sample_png, tmp_path):
-    folder = tmp_path / "images"
-    folder.mkdir()
-    specials = special_files(folder)
+    images = tmp_path / "images"
+    images.mkdir()
+    specials = special_files(images)
     # the body limit above the 16 MiB comment run (as base64), so that the image check is what refuses it
-    with running(runtime, image_dirs=[str(folder)], max_body_bytes=64 << 20) as daemon, \
+    with running(runtime, image_dirs=[str(images)], max_body_bytes=64 << 20) as daemon, \
             raw_client(sock_path(daemon)) as http:
         for kind, (path, message) in refused_files.items():
             error = assert_error(http.post("/v1/chat/completions", json=chat(data_url(path.read_bytes()))), 400)
@@ -247,7 +248,8 @@ def test_a_slow_image_does_not_hold_up_another_request(runtime, sample_png, monk
         assert slow and slow[0].status_code == 200
 
 
-def test_daemon_log_has_no_library_noise(folder, tmp_path):  # noqa: F811  (test_server's fixture)
+def test_daemon_log_has_no_library_noise():
+    folder = short_dir()  # AF_UNIX paths are short
     path = str(folder / "edgemm.sock")
     proc = subprocess.Popen([sys.executable, "-m", "edgemm.cli", "serve", "--config", str(write_config(folder)),
                              "--socket", path], env=child_env(), stderr=subprocess.PIPE, text=True)
@@ -261,5 +263,6 @@ def test_daemon_log_has_no_library_noise(folder, tmp_path):  # noqa: F811  (test
     finally:
         proc.kill()
         proc.wait()
+        shutil.rmtree(folder, ignore_errors=True)
     assert "edgemm: info:" in log  # the daemon's own lines are there …
     assert "libpng" not in log and "[ERROR" not in log and "Inconsistent progression" not in log, log
