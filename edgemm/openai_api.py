@@ -241,8 +241,9 @@ def _file_url(url: str, param: str, image_dirs: list[str]) -> str:
     if not any(os.path.commonpath([path, root]) == root for root in roots):
         raise ApiError(f"{path} is not under a folder this server may read (server.image_dirs)",
                        status=403, kind="permission_error", param=param, code="path_not_allowed")
-    if not os.path.isfile(path):
-        raise ApiError(f"no such image file: {path}", param=param, code="invalid_image_url")
+    if not os.path.isfile(path):  # a FIFO, device or socket is refused here, unopened
+        what = "not a regular file" if os.path.exists(path) else "no such image file"
+        raise ApiError(f"{what}: {path}", param=param, code="invalid_image_url")
     return path
 
 

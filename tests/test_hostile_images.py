@@ -206,7 +206,8 @@ def test_daemon_refuses_each_kind_with_400_and_keeps_serving(runtime, refused_fi
             assert re.search(message, error["message"]), (kind, error)
             assert_error(http.post("/v1/infer", content=path.read_bytes()), 400)
         for kind in ("FIFO", "socket"):  # file:// URLs naming them: refused without opening
-            assert_error(http.post("/v1/chat/completions", json=chat(f"file://{specials[kind][0]}")), 400)
+            error = assert_error(http.post("/v1/chat/completions", json=chat(f"file://{specials[kind][0]}")), 400)
+            assert error["message"].startswith("not a regular file: "), error
         ok = http.post("/v1/infer", params={"max_tokens": 1}, content=sample_png)
         assert ok.status_code == 200, ok.text
 
