@@ -225,8 +225,7 @@ def test_when_every_connection_is_busy_a_newcomer_gets_503_with_retry_after(runt
         try:
             for s in busy:  # admitted, reading a body that does not come yet
                 s.sendall(b"POST /v1/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\nabc")
-            with raw_client(path) as http:
-                wait_until(lambda: d.service.admission.count == 2, WAIT_S, "both requests admitted")
+            wait_until(lambda: d.service.admission.count == 2, WAIT_S, "both requests admitted")
             with connect(path) as s:
                 s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
                 status, headers, body = read_response(s)
