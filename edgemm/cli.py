@@ -17,7 +17,7 @@ import traceback
 import click
 
 from edgemm.errors import EdgemmError, InputError, internal_message
-from edgemm.generation_limits import MAX_BEAMS, MAX_NEW_TOKENS, MIN_TEMPERATURE, check_generation
+from edgemm.generation_limits import MAX_BEAMS, MAX_NEW_TOKENS, MIN_TEMPERATURE, check_generation, check_text
 
 DEFAULT_PROMPT = "describe the image"
 # the generation options' flags; their values are checked by edgemm.generation_limits, so the
@@ -147,6 +147,7 @@ def infer(image, prompt, tier, scheduler, beams, beam_gate, precision, model_dir
     quiet_libraries()
     check_generation(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
                      num_beams=beams, beam_gate=beam_gate, names=GENERATION_FLAGS)  # before the model loads
+    check_text(prompt, "--prompt")  # a NUL or undecodable bytes: exit 2, not the tokenizer's error
     from edgemm.runtime import Runtime
     cfg = build_config(config_path, model_dir, precision, threads)
     if scheduler is not None:
@@ -190,6 +191,7 @@ def stream(source_uri, prompt, fps, every, max_frames, out, change_threshold, ti
     """
     quiet_libraries()
     check_generation(max_new_tokens=max_new_tokens, names=GENERATION_FLAGS)
+    check_text(prompt, "--prompt")
     import signal
     import threading
 
