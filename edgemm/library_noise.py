@@ -14,11 +14,15 @@ once when `edgemm infer`, `stream` or `serve` starts:
   good, and Python's `sys.stderr` is moved to a copy of the original descriptor first:
   everything edgemm (and Python: logging, tracebacks, warnings) writes still reaches
   the terminal or the journal, in order; only what C code writes to fd 2 is dropped.
+  A crash in C code (a segfault in a decoder or a provider) would then leave no trace,
+  so `faulthandler` is enabled on the kept descriptor: its traceback still reaches the
+  journal.
 
 With EDGEMM_DEBUG=1 none of this happens: the libraries say everything they say.
 """
 from __future__ import annotations
 
+import faulthandler
 import io
 import os
 import sys
@@ -61,3 +65,4 @@ def _drop_fd2() -> None:
         os.close(devnull)
     sys.stderr = io.TextIOWrapper(io.FileIO(kept, "w"), encoding=stream.encoding, errors="backslashreplace",
                                   line_buffering=True, write_through=True)
+    faulthandler.enable(file=sys.stderr)

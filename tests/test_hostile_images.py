@@ -182,6 +182,16 @@ def test_cli_shows_no_library_noise_unless_debugging(tmp_path):
     assert loud.returncode == 2 and "libpng error" in loud.stderr
 
 
+
+def test_a_crash_in_c_code_still_leaves_its_traceback_once_libraries_are_quiet():
+    """fd 2 goes to /dev/null, so a segfault's report must come through faulthandler on the kept stderr."""
+    crash = ("import ctypes, sys\nfrom edgemm.library_noise import quiet_libraries\n"
+             "quiet_libraries()\nprint('quieted', file=sys.stderr)\nctypes.string_at(0)\n")
+    run = subprocess.run([sys.executable, "-c", crash], capture_output=True, text=True, timeout=60,
+                         env={k: v for k, v in os.environ.items() if k != "EDGEMM_DEBUG"})
+    assert run.returncode != 0
+    assert "quieted" in run.stderr and "Segmentation fault" in run.stderr and "string_at" in run.stderr
+
 # ---- a real daemon --------------------------------------------------------------------------
 
 def data_url(data: bytes) -> str:
