@@ -142,7 +142,8 @@ class DecodingBatch:
         self._padding: np.ndarray | None = None
         self._mask = _EMPTY_2D  # [R, capacity]: 0 over each row's padding, 1 after
         self._positions = _EMPTY_2D  # [capacity, R, 1]: the position id of a token in each column
-        self._steps_by_rows: Counter = Counter() if steps_by_rows is None else steps_by_rows
+        # the caller's Counter, or a plain dict of its own (a Counter costs more to make)
+        self._steps_by_rows: dict[int, int] = {} if steps_by_rows is None else steps_by_rows
         self._calls = 0  # decoder calls on the current rows, not yet in _steps_by_rows
 
     def __len__(self) -> int:
@@ -152,11 +153,12 @@ class DecodingBatch:
     def steps_by_rows(self) -> Counter:
         """Rows stepped together → decoder calls, so far."""
         self._count_calls()
-        return self._steps_by_rows
+        tally = self._steps_by_rows
+        return tally if isinstance(tally, Counter) else Counter(tally)
 
     def _count_calls(self) -> None:
         if self._calls:
-            self._steps_by_rows[self.rows] += self._calls
+            self._steps_by_rows[self.rows] = self._steps_by_rows.get(self.rows, 0) + self._calls
             self._calls = 0
 
     @property
@@ -187,7 +189,7 @@ class DecodingBatch:
             a.joined = now
             if a.item.options.num_beams > 1:
                 a.beams = Beams([[]], np.zeros(1))
-        self._merge(answers, logits[0][None] if len(logits) == 1 else np.stack(logits), pasts)
+        self._merge(answers, logits[0] if len(logits) == 1 else np.concatenate(logits), pasts)
         for a in self.answers:
             a.peers = max(a.peers, len(self.answers))
 
@@ -410,6 +412,10 @@ class DecodingBatch:
         """New answers' rows into the batch: one cache per layer for all rows, each row's
         left-padded with zeros to the longest, and the mask that hides the padding."""
         old_width, old_rows = self.width, self.rows
+        if not old_rows and len(answers) == 1:  # a lone request: its cache as the prefill left it
+            self.feeds, self.logits, self.answers = self.gen.step_feeds(pasts[0]), logits, answers
+            self._lay_out(None, answers[0].length)
+            return
         width = max([old_width] + [a.length for a in answers])
 
         def stacked(name: str) -> np.ndarray:
@@ -425,14 +431,10 @@ class DecodingBatch:
                 at += len(kv)
             return out
 
-        if not old_rows and len(answers) == 1:  # a lone request: its cache as the prefill left it
-            self.feeds = self.gen.step_feeds(pasts[0])
-            self._lay_out(None, width)
-        else:
-            self.feeds = self.gen.step_feeds({name: stacked(name) for name in self.gen.past_names})
-            old = [] if not old_rows else [0] if self._padding is None else self._padding.tolist()
-            self._lay_out(np.array([p + width - old_width for p in old] + [width - a.length for a in answers],
-                                   self.gen.position_dtype), width)
+        self.feeds = self.gen.step_feeds({name: stacked(name) for name in self.gen.past_names})
+        old = [] if not old_rows else [0] if self._padding is None else self._padding.tolist()
+        self._lay_out(np.array([p + width - old_width for p in old] + [width - a.length for a in answers],
+                               self.gen.position_dtype), width)
         self.logits = np.concatenate([self.logits, logits]) if old_rows else logits
         self.answers = self.answers + answers
 
@@ -498,7 +500,7 @@ def _prefill(gen: Generator, items: list[tuple[Any, BatchItem]],
                 raise InputError(f"prompt is {length} tokens (image included); the model's "
                                  f"context is {gen.max_context}")
             split, prefix = gen.prefix_key(item.features, item.input_ids, item.image_start, item.reuse)
-            stored = gen.from_stored_prefix(item.input_ids, split, prefix, np.ones((1, length), np.int64), item.reuse)
+            stored = gen.from_stored_prefix(item.input_ids, split, prefix, _ones(gen, 1, length), item.reuse)
             if stored is None:
                 fresh.setdefault(length, []).append(
                     (key, item, gen.embed_prompt(item.input_ids, item.features, item.image_start), split, prefix,
@@ -508,27 +510,37 @@ def _prefill(gen: Generator, items: list[tuple[Any, BatchItem]],
             failed(key, e)
             continue
         answers.append(_answer(gen, key, item, started, reused=True))
-        logits.append(stored[0][0])
+        logits.append(stored[0])
         pasts.append(stored[1])
     for length, group in fresh.items():
         try:
             embeds = group[0][2] if len(group) == 1 else np.concatenate([embeds for _, _, embeds, *_ in group])
-            out, past = gen.step(embeds, np.ones((len(group), length), np.int64), gen.empty_past(len(group)))
+            # no padding: every row's positions are 0 … length - 1 (no cumsum of the mask)
+            positions = _shared("counting", gen.position_dtype, length)[:length, 0, 0][None]
+            if len(group) > 1:
+                positions = np.repeat(positions, len(group), axis=0)
+            out, past = gen.step(embeds, _ones(gen, len(group), length), gen.empty_past(len(group)), positions)
+            tops = out.max(axis=-1).tolist()  # NaN and +inf come out on top
         except Exception as e:  # the shared call failed: so does each of its requests
             for key, *_ in group:
                 failed(key, e)
             continue
         for j, (key, item, _, split, prefix, started) in enumerate(group):
             own = past if len(group) == 1 else {name: value[j:j + 1] for name, value in past.items()}
-            if np.isfinite(out[j]).all():  # a broken prefix must not be served to the next request
+            if math.isfinite(tops[j]):  # a broken prefix must not be served to the next request
                 try:
                     gen.store_prefix(own, split, prefix, item.reuse)
                 except Exception:  # the cache is an optimisation: the answer goes on without it
                     log.exception("keeping a prompt prefix in the cache failed")
             answers.append(_answer(gen, key, item, started, reused=False))
-            logits.append(out[j])
+            logits.append(out if len(group) == 1 else out[j:j + 1])
             pasts.append(own)
     return answers, logits, pasts
+
+
+def _ones(gen: Generator, rows: int, length: int) -> np.ndarray:
+    """A mask without padding: a lone row's is a view of the shared table."""
+    return _shared("ones", gen.mask_dtype, length)[:, :length] if rows == 1 else np.ones((rows, length), gen.mask_dtype)
 
 
 def _answer(gen: Generator, key: Any, item: BatchItem, started: float, reused: bool) -> _Answer:
