@@ -30,12 +30,12 @@ exactly once.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from math import isfinite
 from typing import Any
 
 import numpy as np
@@ -128,6 +128,7 @@ class DecodingBatch:
         before an answer is handed over, not at every step: a Counter's increment costs
         more than the rest of a step's bookkeeping for a row."""
         self.gen, self.finished = gen, finished
+        self.stop_ids = gen.stop_ids
         self.answers: list[_Answer] = []
         self.logits = _EMPTY_2D  # [R, V]: each row's next-token logits
         # the decoder's feeds between steps: the KV cache ([R, heads, T, head_dim] per layer,
@@ -211,8 +212,8 @@ class DecodingBatch:
             try:
                 if a.cancelled is not None and a.cancelled.is_set():
                     raise Cancelled("cancelled: the client went away or the request timed out")
-                if not (math.isfinite(top(start, best[start])) if width == 1 else
-                        all(math.isfinite(top(j, best[j])) for j in range(start, start + width))):
+                if not (isfinite(top(start, best[start])) if width == 1 else
+                        all(isfinite(top(j, best[j])) for j in range(start, start + width))):
                     raise DecodeFailure("the decoder gave non-finite logits (NaN or inf) for this request")
                 outcome = self._next(a, start, best)
             except Exception as e:  # this answer fails alone; the others go on
@@ -291,7 +292,7 @@ class DecodingBatch:
             offset = outcome  # collapsed: that row goes on greedily
         row = start + offset
         token = best[row] if a.rng is None else sample_token(self.logits[row], a.item.options, a.rng)
-        if token in self.gen.stop_ids:
+        if token in self.stop_ids:
             return a.generation(a.tokens, "stop")
         a.tokens.append(token)
         if a.on_token is not None:
@@ -527,7 +528,7 @@ def _prefill(gen: Generator, items: list[tuple[Any, BatchItem]],
             continue
         for j, (key, item, _, split, prefix, started) in enumerate(group):
             own = past if len(group) == 1 else {name: value[j:j + 1] for name, value in past.items()}
-            if math.isfinite(tops[j]):  # a broken prefix must not be served to the next request
+            if isfinite(tops[j]):  # a broken prefix must not be served to the next request
                 try:
                     gen.store_prefix(own, split, prefix, item.reuse)
                 except Exception:  # the cache is an optimisation: the answer goes on without it
