@@ -445,13 +445,13 @@ class DecodingBatch:
         has position c - padding[j], and the mask is 1 from there on."""
         self._count_calls()  # for the rows before
         self.width, capacity = width, width + spare
-        counting = _shared("counting", self.gen.position_dtype, capacity)[:capacity]  # [capacity, 1, 1]
         self._padding = padding
-        if padding is None:
+        if padding is None:  # the shared tables whole: their capacity is at least ours
             self.rows = 1
-            self._mask = _shared("ones", self.gen.mask_dtype, capacity)[:, :capacity]
-            self._positions = counting
+            self._mask = _shared("ones", self.gen.mask_dtype, capacity)
+            self._positions = _shared("counting", self.gen.position_dtype, self._mask.shape[1])
             return
+        counting = _shared("counting", self.gen.position_dtype, capacity)[:capacity]  # [capacity, 1, 1]
         self.rows = len(padding)
         self._positions = counting - padding[:, None]  # [capacity, R, 1]
         self._mask = (counting[:, 0, 0] >= padding[:, None]).astype(self.gen.mask_dtype)  # [R, capacity]
@@ -521,14 +521,17 @@ def _prefill(gen: Generator, items: list[tuple[Any, BatchItem]],
             if len(group) > 1:
                 positions = np.repeat(positions, len(group), axis=0)
             out, past = gen.step(embeds, _ones(gen, len(group), length), gen.empty_past(len(group)), positions)
-            tops = out.max(axis=-1).tolist()  # NaN and +inf come out on top
+            # rows whose logits are not finite (NaN and +inf come out on top): one reduction
+            # for the whole group when none is
+            broken = () if isfinite(out.max()) else \
+                [j for j, top in enumerate(out.max(axis=-1).tolist()) if not isfinite(top)]
         except Exception as e:  # the shared call failed: so does each of its requests
             for key, *_ in group:
                 failed(key, e)
             continue
         for j, (key, item, _, split, prefix, started) in enumerate(group):
             own = past if len(group) == 1 else {name: value[j:j + 1] for name, value in past.items()}
-            if isfinite(tops[j]):  # a broken prefix must not be served to the next request
+            if j not in broken:  # a broken prefix must not be served to the next request
                 try:
                     gen.store_prefix(own, split, prefix, item.reuse)
                 except Exception:  # the cache is an optimisation: the answer goes on without it
