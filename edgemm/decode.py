@@ -488,7 +488,8 @@ def _prefill(gen: Generator, items: list[tuple[Any, BatchItem]],
     """Every item's prompt through the decoder. A stored prefix is reused item by item;
     the other prompts go through together, one decoder call per prompt length (the same
     question at the same tier has the same length), since a prefill of B short prompts
-    costs less than B prefills where one call's fixed cost dominates."""
+    costs less than B prefills where one call's fixed cost dominates. Each answer comes
+    with its logits [1, V] and its cache."""
     answers, logits, pasts = [], [], []
     fresh: dict[int, list[tuple[Any, BatchItem, np.ndarray, int, bytes | None, float]]] = {}  # length → prompts
     for key, item in items:
