@@ -2,7 +2,8 @@
 
 Exit codes (every command): 0 ok · 2 bad input, usage, config or model folder
 (one-line message, no traceback) · 1 internal error · 3 `edgemm doctor` found a
-failing check. EDGEMM_DEBUG=1 adds tracebacks.
+failing check. EDGEMM_DEBUG=1 adds tracebacks (and, for infer, stream and serve,
+the image and video libraries' own messages, which are otherwise dropped).
 """
 from __future__ import annotations
 
@@ -19,13 +20,19 @@ from contextlib import contextmanager
 import click
 
 from edgemm.errors import EdgemmError, InputError, internal_message
-from edgemm.generation_limits import MAX_BEAMS, MAX_NEW_TOKENS, MIN_TEMPERATURE, check_generation
+from edgemm.generation_limits import MAX_BEAMS, MAX_NEW_TOKENS, MIN_TEMPERATURE, check_generation, check_text
 
 DEFAULT_PROMPT = "describe the image"
 # the generation options' flags; their values are checked by edgemm.generation_limits, so the
 # limits and messages are the config's and the API's (click only parses the type)
 GENERATION_FLAGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_p": "--top-p",
                     "seed": "--seed", "num_beams": "--beams", "beam_gate": "--beam-gate"}
+
+
+def quiet_libraries() -> None:
+    """libpng's, libjpeg's, OpenCV's and FFmpeg's own lines off stderr (edgemm.library_noise)."""
+    from edgemm.library_noise import quiet_libraries as quiet
+    quiet()
 
 
 def fail(message: str, code: int) -> None:
@@ -57,6 +64,11 @@ def reports_errors(fn):
 def build_config(config_path, model_dir=None, precision=None, threads=None):
     """The config file (or defaults) with command-line options on top, validated as one."""
     from edgemm.config import config_from_dict, config_to_dict, load_config
+    if threads:
+        from edgemm.loading import usable_cpus
+        if threads > usable_cpus():  # more threads than cores only queue up behind each other
+            raise InputError(f"--threads {threads} is more than the {usable_cpus()} cores this process "
+                             "may use (0 lets edgemm choose)")
     data = config_to_dict(load_config(config_path))
     for section, key, value in (("model", "path", model_dir), ("model", "precision", precision),
                                 ("backend", "intra_op_threads", threads)):
@@ -65,14 +77,16 @@ def build_config(config_path, model_dir=None, precision=None, threads=None):
     return config_from_dict(data)
 
 
-def read_image_arg(image: str, max_bytes: int):
-    """`-` reads stdin (bounded); anything else is a path."""
+def read_image_arg(image: str, max_bytes: int, max_pixels: int):
+    """The decoded image: `-` reads stdin (bounded), anything else is a path (a regular
+    file only). Decoded here, before the model loads, so a bad image costs no load."""
+    from edgemm.model.image import load_image
     if image != "-":
-        return image
+        return load_image(image, max_pixels=max_pixels, max_bytes=max_bytes)
     data = sys.stdin.buffer.read(max_bytes + 1)
     if len(data) > max_bytes:
         raise InputError(f"image on stdin is larger than {max_bytes} bytes (limits.max_image_bytes)")
-    return data
+    return load_image(data, max_pixels=max_pixels)
 
 
 @contextmanager
@@ -194,13 +208,15 @@ def infer(image, prompt, tier, scheduler, beams, beam_gate, precision, model_dir
     Loads the model, warms up the one tier this answer uses, answers, exits. A prompt with
     words the model does not know is answered with a warning (stderr; `warnings` in --json),
     or refused with limits.unknown_words: refuse."""
+    quiet_libraries()
     check_generation(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
                      num_beams=beams, beam_gate=beam_gate, names=GENERATION_FLAGS)  # before the model loads
+    check_text(prompt, "--prompt")  # a NUL or undecodable bytes: exit 2, not the tokenizer's error
     from edgemm.runtime import Runtime
     cfg = build_config(config_path, model_dir, precision, threads)
     if scheduler is not None:
         cfg.scheduler.policy = scheduler  # a click.Choice, so already valid
-    source = read_image_arg(image, cfg.limits.max_image_bytes)
+    source = read_image_arg(image, cfg.limits.max_image_bytes, cfg.limits.max_pixels)
     with progress(model_label(cfg), quiet):
         runtime = Runtime(cfg, warm_up=False)
         started = time.perf_counter()
@@ -246,7 +262,9 @@ def stream(source_uri, prompt, fps, every, max_frames, out, change_threshold, ti
     a folder or glob of images, or synthetic://?fps=10. Ctrl-C / SIGTERM stop it
     after the frames in flight are answered; a summary goes to stderr.
     """
+    quiet_libraries()
     check_generation(max_new_tokens=max_new_tokens, names=GENERATION_FLAGS)
+    check_text(prompt, "--prompt")
     import signal
     import threading
 
@@ -308,6 +326,7 @@ def serve(config_path, socket_path, port, host, precision, model_dir, threads) -
     """
     if host is not None and port is None:
         raise click.UsageError("--host needs --port (the TCP port to listen on)")
+    quiet_libraries()
     from edgemm.daemon import serve as run_daemon
     cfg = build_config(config_path, model_dir, precision, threads)
     if port is not None:

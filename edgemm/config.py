@@ -33,7 +33,7 @@ from typing import Any
 import yaml
 
 from edgemm.errors import EdgemmError
-from edgemm.generation_limits import FIELDS as GENERATION_FIELDS, LimitError, check_generation
+from edgemm.generation_limits import FIELDS as GENERATION_FIELDS, LimitError, check_generation, check_text
 from edgemm.scheduler import DETAIL_WORDS, STATISTICS
 
 __all__ = [
@@ -267,12 +267,15 @@ class ServerConfig:
     batch_timeout_ms: float = 5.0  # how long the encoder waits for more images to fill a batch
     encoder_batching: str = "auto"  # auto: batch the encoder only at tiers where one call on max_batch images is timed >= 20 % faster per image than single calls (at start-up); on; off
     continuous_batching: str = "auto"  # requests reaching the decoder while a batch runs: on = join it between tokens; off = wait until it ends; auto = join when the rest of the batch is expected to take longer than their prefills delay it (timed as it runs)
-    request_timeout_s: float = 60.0  # a request not answered within this gets 504
+    request_timeout_s: float = 60.0  # a request not answered within this gets 504; its body must arrive within it too, else 408
     stall_s: float = 120.0  # a pipeline stage that makes no progress on its work this long is unhealthy: no WATCHDOG=1, /readyz and /healthz 503
     retry_after_s: int = 1  # the Retry-After header sent with 503
     grace_period_s: float = 10.0  # on SIGTERM: how long requests in flight may take to finish
     max_body_bytes: int = 16 * 1024 * 1024  # larger request bodies get 413 (base64 images are 4/3 of the file)
-    max_connections: int = 64  # open connections at once; beyond it the HTTP server answers 503
+    max_connections: int = 64  # open connections at once; one more closes the longest idle (or still sending its headers), else its request gets 503
+    header_timeout_s: float = 10.0  # a request line and headers not complete this long after their first byte: 408, connection closed
+    idle_timeout_s: float = 5.0  # a connection without a request in progress (new, or kept alive) is closed after this long
+    max_header_bytes: int = 65536  # a request line and headers larger than this: 431, connection closed
     image_dirs: list[str] = field(default_factory=list)  # folders that file:// image URLs may name (relative: to this file)
     remote_images: bool = False  # fetch http(s) image URLs; off = refused with 400
     remote_timeout_s: float = 10.0  # time allowed to fetch one http(s) image
@@ -288,10 +291,12 @@ class ServerConfig:
         for name in ("queue_size", "max_batch", "max_decoder_rows", "max_body_bytes", "max_connections", "retry_after_s",
                      "max_streams"):
             _require(getattr(self, name) >= 1, f"{path}.{name}", "be >= 1", getattr(self, name))
-        for name in ("request_timeout_s", "remote_timeout_s", "stall_s"):
+        for name in ("request_timeout_s", "remote_timeout_s", "stall_s", "header_timeout_s", "idle_timeout_s"):
             _require(getattr(self, name) > 0, f"{path}.{name}", "be > 0", getattr(self, name))
         for name in ("batch_timeout_ms", "grace_period_s"):
             _require(getattr(self, name) >= 0, f"{path}.{name}", "be >= 0", getattr(self, name))
+        _require(self.max_header_bytes >= 1024, f"{path}.max_header_bytes", "be >= 1024 (a request's line and "
+                 "headers need room)", self.max_header_bytes)
         _choice(self.encoder_batching, BATCHING_MODES, f"{path}.encoder_batching")
         _choice(self.continuous_batching, BATCHING_MODES, f"{path}.continuous_batching")
 
@@ -329,6 +334,11 @@ class StreamConfig:
         _require(STREAM_ID.fullmatch(self.id) is not None, f"{path}.id",
                  "be a name of letters, digits, '_', '.', '-' (at most 64)", self.id)
         _require(self.source.strip() != "", f"{path}.source", "be a source URI", self.source)
+        for name in ("source", "prompt"):  # a NUL or a lone surrogate: no path, no prompt the tokenizer takes
+            try:
+                check_text(getattr(self, name), f"{path}.{name}")
+            except LimitError as e:
+                raise ConfigError(str(e)) from None
         _require(self.every >= 1, f"{path}.every", "be >= 1", self.every)
         if self.fps is not None:
             _require(self.fps > 0, f"{path}.fps", "be > 0 or null", self.fps)

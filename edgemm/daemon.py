@@ -241,9 +241,8 @@ class Daemon:
         self._loop = asyncio.get_running_loop()
         self._server = _UvicornServer(uvicorn.Config(
             create_app(self.service), lifespan="off", log_config=None, log_level="warning",
-            access_log=False, http="httptools" if HTTPTOOLS else "h11", server_header=False, timeout_keep_alive=5,
-            limit_concurrency=cfg.max_connections + 1,  # uvicorn refuses at >= its limit: let max_connections in
-            timeout_graceful_shutdown=cfg.grace_period_s))
+            access_log=False, server_header=False, timeout_graceful_shutdown=cfg.grace_period_s,
+            **self._connection_limits()))
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._loop.add_signal_handler(sig, self._on_signal, signal.Signals(sig).name)
@@ -257,6 +256,19 @@ class Daemon:
             for task in helpers:
                 task.cancel()
         return self._drain_started or time.monotonic()
+
+    def _connection_limits(self) -> dict:
+        """uvicorn's settings for the server.* connection limits (edgemm.connections)."""
+        cfg = self.config.server
+        if not HTTPTOOLS:  # h11: uvicorn's own limits, which are coarser (a 400 for a large head,
+            # no header timeout, idle connections count against limit_concurrency: a plain-text 503)
+            log.warning("httptools is not installed: the HTTP server runs on h11 with coarser connection limits")
+            return {"http": "h11", "timeout_keep_alive": cfg.idle_timeout_s, "limit_concurrency": cfg.max_connections + 1,
+                    "h11_max_incomplete_event_size": cfg.max_header_bytes}
+        from edgemm.connections import ConnectionLimits, limited_protocol  # it needs httptools
+        limits = ConnectionLimits(cfg.max_connections, cfg.header_timeout_s, cfg.idle_timeout_s, cfg.max_header_bytes,
+                                  cfg.retry_after_s, on_limit=self.service.metrics.connection_limited)
+        return {"http": limited_protocol(limits), "timeout_keep_alive": cfg.idle_timeout_s}
 
     def _on_signal(self, name: str) -> None:
         if self.service is not None and self.service.draining and self._server is not None:

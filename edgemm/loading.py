@@ -17,7 +17,7 @@ from pathlib import Path
 
 from edgemm.backends.base import Component, LoadedComponents
 from edgemm.backends.onnxruntime import OnnxRuntimeBackend
-from edgemm.config import Config
+from edgemm.config import Config, ConfigError
 from edgemm.errors import EdgemmError
 from edgemm.generate import Generator
 from edgemm.model.contract import check_component
@@ -109,6 +109,9 @@ class ModelComponents:
         if self._ort is None:
             cfg = self.config.backend
             threads, spin = cfg.intra_op_threads, True
+            if threads > usable_cpus():  # more threads than cores only queue up behind each other
+                raise ConfigError(f"'backend.intra_op_threads' is {threads}, more than the {usable_cpus()} "
+                                  "cores this process may use (0 lets edgemm choose)")
             if self.concurrent:  # two stages at once: half the cores each, no spinning on the other's cores
                 threads, spin = threads or max(1, usable_cpus() // 2), False
             self._ort = OnnxRuntimeBackend(cfg.providers, threads, spin)

@@ -94,7 +94,8 @@ class Preparation:
     def load(self, image) -> np.ndarray:
         """A path, encoded bytes or an RGB array → RGB8 array, within the size limits."""
         self.check_size(image)
-        return load_image(image, max_pixels=self.config.limits.max_pixels)
+        limits = self.config.limits
+        return load_image(image, max_pixels=limits.max_pixels, max_bytes=limits.max_image_bytes)
 
     def pixels(self, rgb: np.ndarray, tier: ResolutionTier) -> np.ndarray:
         """[1,3,H,W], or [1,tiles,3,H,W] for a tiled family: the adapter decides."""
