@@ -133,11 +133,11 @@ def test_decoder_profiles_cover_prefill_and_single_token_decode(model_dir):
     assert prefill["past_key_values.0.key"] == {"min": [1, 4, 0, 48], "opt": [1, 4, 0, 48], "max": [8, 4, 0, 48]}
     assert prefill["inputs_embeds"] == {"min": [1, 1, 192], "opt": [1, 64, 192], "max": [8, 320, 192]}
     assert prefill["attention_mask"]["max"] == [8, 320]
-    # one new token (opt), up to 64 for a question continuing from a cached image prefix
-    assert decode["inputs_embeds"] == {"min": [1, 1, 192], "opt": [1, 1, 192], "max": [8, 64, 192]}
-    assert decode["position_ids"]["max"] == [8, 64]
+    # one new token (opt), up to max_context-1 for the rest of a prompt after a cached image prefix
+    assert decode["inputs_embeds"] == {"min": [1, 1, 192], "opt": [1, 1, 192], "max": [8, 319, 192]}
+    assert decode["position_ids"]["max"] == [8, 319]
     assert decode["past_key_values.3.value"] == {"min": [1, 4, 1, 48], "opt": [1, 4, 160, 48], "max": [8, 4, 319, 48]}
-    assert decode["attention_mask"] == {"min": [1, 2], "opt": [1, 161], "max": [8, 383]}
+    assert decode["attention_mask"] == {"min": [1, 2], "opt": [1, 161], "max": [8, 638]}
 
 
 def test_dla_builds_one_static_encoder_plan_per_tier(model_dir):
