@@ -8,7 +8,7 @@ import types
 from dataclasses import dataclass
 from pathlib import Path
 
-import fake_cuda
+import fake_cuda  # noqa: F401 (tests reach it as trt_harness.fake_cuda)
 from fake_tensorrt import FakeTensorRT
 from edgemm.config import load_config
 from edgemm.engines.build import BuildRequest, build_engines
