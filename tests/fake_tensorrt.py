@@ -30,9 +30,14 @@ used: set[tuple[str, str]] = set()
 _SESSIONS: dict[str, ort.InferenceSession] = {}
 
 
-def _record(owner: str, name: str) -> None:
-    if not name.startswith("_"):
-        used.add((owner, name))
+def _record(owner, name: str) -> None:
+    """`owner`: the class read, or "" for the module; a subclass edgemm defines (a calibrator)
+    counts as the fake class it derives from."""
+    if name.startswith("_"):
+        return
+    if not isinstance(owner, str):
+        owner = next(c.__name__ for c in owner.__mro__ if c.__module__ == __name__)
+    used.add((owner, name))
 
 
 class _Recorded(type):
@@ -40,14 +45,14 @@ class _Recorded(type):
 
     def __getattribute__(cls, name):
         if not name.startswith("_"):
-            _record(type.__getattribute__(cls, "__name__"), name)
+            _record(cls, name)
         return type.__getattribute__(cls, name)
 
 
 class _Object(metaclass=_Recorded):
     def __getattribute__(self, name):
         if not name.startswith("_"):
-            _record(type(self).__name__, name)
+            _record(type(self), name)
         return object.__getattribute__(self, name)
 
 
@@ -227,11 +232,15 @@ class IBuilderConfig(_Object):
         self._flags: set[str] = set()
         self._profiles: list[IOptimizationProfile] = []
         self._pools: dict[str, int] = {}
-        self.default_device_type = None
-        self.DLA_core = -1
-        self.int8_calibrator = None
+        self._device_type, self._dla_core, self._calibrator = None, -1, None
         self._calibration_profile = None
         self._timing = None
+
+    # properties, so that the fake's own reads of them are not counted as edgemm's
+    default_device_type = property(lambda self: self._device_type,
+                                   lambda self, value: setattr(self, "_device_type", value))
+    DLA_core = property(lambda self: self._dla_core, lambda self, value: setattr(self, "_dla_core", value))
+    int8_calibrator = property(lambda self: self._calibrator, lambda self, value: setattr(self, "_calibrator", value))
 
     def set_memory_pool_limit(self, pool, pool_size):
         self._pools[pool.name] = pool_size
@@ -281,10 +290,10 @@ class Builder(_Object):
             network._flags & (1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
         if typed and config._flags & {"FP16", "INT8"}:
             return None  # precision flags are an error on a strongly typed network
-        on_dla = config.default_device_type is not None and config.default_device_type.name == "DLA"
-        if on_dla and config.DLA_core < 0:
+        on_dla = config._device_type is not None and config._device_type.name == "DLA"
+        if on_dla and config._dla_core < 0:
             return None
-        if on_dla and "INT8" in config._flags and not _has_qdq(network) and config.int8_calibrator is None:
+        if on_dla and "INT8" in config._flags and not _has_qdq(network) and config._calibrator is None:
             return None  # implicit INT8 on a DLA without scales
         profiles = []
         for profile in config._profiles:
@@ -311,11 +320,11 @@ class Builder(_Object):
         else:
             inputs = network._inputs
         plan = {"version": trt.__version__, "onnx": network._onnx, "inputs": inputs, "outputs": network._outputs,
-                "profiles": profiles, "dla_core": config.DLA_core if on_dla else None,
+                "profiles": profiles, "dla_core": config._dla_core if on_dla else None,
                 "flags": sorted(config._flags), "strongly_typed": bool(typed),
                 "parser_flags": sorted(network._parser_flags),
-                "calibration_cache": (config.int8_calibrator.read_calibration_cache().decode("latin-1")
-                                      if config.int8_calibrator is not None else None)}
+                "calibration_cache": (config._calibrator.read_calibration_cache().decode("latin-1")
+                                      if config._calibrator is not None else None)}
         trt._built.append(plan)
         return trt.IHostMemory(json.dumps(plan).encode())
 
@@ -330,7 +339,9 @@ class Runtime(_Object):
     def __init__(self, logger):
         if self._trt._runtime_fails:
             raise TypeError("pybind11::init(): factory function returned nullptr")
-        self.DLA_core = -1
+        self._dla_core = -1
+
+    DLA_core = property(lambda self: self._dla_core, lambda self, value: setattr(self, "_dla_core", value))
 
     @property
     def num_DLA_cores(self):
@@ -344,9 +355,9 @@ class Runtime(_Object):
             return None
         if plan["version"] != self._trt.__version__:
             return None
-        if plan["dla_core"] is not None and self.DLA_core >= self._trt._dla_cores:
+        if plan["dla_core"] is not None and self._dla_core >= self._trt._dla_cores:
             return None
-        engine = self._trt.ICudaEngine(plan, self.DLA_core)
+        engine = self._trt.ICudaEngine(plan, self._dla_core)
         self._trt._loaded.append(engine)
         return engine
 
@@ -393,7 +404,7 @@ class IExecutionContext(_Object):
         self._shapes: dict[str, tuple] = {}
         self._addresses: dict[str, int] = {}
         self._results: dict[str, np.ndarray] | None = None
-        self.runs = 0
+        self._runs = 0
 
     def set_optimization_profile_async(self, profile_index, stream_handle):
         self._profile = profile_index
@@ -453,6 +464,6 @@ class IExecutionContext(_Object):
             dtype = np.dtype(trt.nptype(trt.DataType[self._engine._plan["outputs"][name]["dtype"]]))
             out = np.ascontiguousarray(value, dtype=dtype)
             trt._memory.view(self._addresses[name], out.nbytes)[:] = out.view(np.uint8).reshape(-1)
-        self.runs += 1
+        self._runs += 1
         self._results = None
         return True

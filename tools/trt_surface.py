@@ -150,7 +150,7 @@ def fetch(version: str, cache: Path) -> Path:
     prefix = package.replace("-", "_") + "-" + version
     wheel = next((w for w in wheels.glob(f"{prefix}-*.whl")), None)
     if wheel is None:
-        command = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+        command = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:", "--timeout", "20", "--retries", "1",
                    "--dest", str(wheels), VERSIONS[version]]
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=300)
@@ -208,7 +208,8 @@ def missing(used: set[tuple[str, str]], real: dict, fake: dict | None = None) ->
             continue
         fake_params = (fake or {}).get("classes", {}).get(owner, {}).get("members", {}).get(name)
         real_params = cls["members"][name]
-        if fake_params and real_params and fake_params[0] not in real_params:
+        # the fake's parameters must begin one real overload (it may leave out trailing defaulted ones)
+        if fake_params and real_params and not any(p[:len(fake_params[0])] == fake_params[0] for p in real_params):
             errors.append(f"tensorrt.{owner}.{name}({', '.join(fake_params[0])}): the real one takes "
                           + " or ".join(f"({', '.join(p)})" for p in real_params))
     return errors
