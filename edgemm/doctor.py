@@ -187,8 +187,11 @@ def pycuda_check(cfg: Config) -> Check:
     version = module_version("pycuda")
     if version is not None:
         return Check("pycuda", "ok", version)
+    cuda_python = module_version("cuda.bindings")  # edgemm.engines.cuda prefers it to pycuda
+    if cuda_python is not None:
+        return Check("pycuda", "ok", f"not installed; cuda-python {cuda_python} is used instead")
     return Check("pycuda", needed(needs_tensorrt(cfg)),
-                 f"not importable: pip install 'edgemm[tensorrt]' (builds against the local CUDA; {why_needed(cfg)})")
+                 f"neither cuda-python nor pycuda is importable: pip install 'edgemm[tensorrt]' ({why_needed(cfg)})")
 
 
 def gstreamer_check(cfg: Config) -> Check:
