@@ -19,7 +19,7 @@ from contextlib import contextmanager
 
 import click
 
-from edgemm.errors import EdgemmError, InputError, internal_message
+from edgemm.errors import EdgemmError, EngineError, InputError, internal_message
 from edgemm.generation_limits import MAX_BEAMS, MAX_NEW_TOKENS, MIN_TEMPERATURE, check_generation, check_text
 
 DEFAULT_PROMPT = "describe the image"
@@ -363,22 +363,43 @@ def _tier_list(_ctx, _param, value):
               help="Most images per encoder call on the GPU (server.max_batch).")
 @click.option("--max-beams", type=click.IntRange(1, MAX_BEAMS), default=MAX_BEAMS, show_default=True,
               help="Most decoder rows (generation.num_beams).")
+@click.option("--dry-run", is_flag=True, help="Print the plans and their shape profiles; build nothing.")
+@click.option("--tensorrt", "tensorrt_version", metavar="VERSION",
+              help="With --dry-run: plan for this TensorRT release on a module with two DLA cores, "
+                   "without probing this machine.")
 @reports_errors
-def engines_build(model_dir, out, device, precision, tiers, components, timing_cache, max_batch, max_beams) -> None:
+def engines_build(model_dir, out, device, precision, tiers, components, timing_cache, max_batch, max_beams,
+                  dry_run, tensorrt_version) -> None:
     """Build TensorRT engines for the model in MODEL_DIR and write manifest.yaml next to them.
 
-    Same as tools/build_engines.py. DLA plans (AGX Orin, Orin NX) are one per tier.
+    Same as tools/build_engines.py. DLA plans (AGX Orin, Orin NX) are one per tier (a tiled
+    family's encoder: one plan that takes a tile at a time).
     """
     from pathlib import Path
 
-    from edgemm.engines.build import BuildRequest, build_engines
+    from edgemm.engines.build import BuildRequest, build_engines, describe_jobs, plan_jobs
+    from edgemm.engines.platform import Platform, probe
     from edgemm.model.manifest import load_manifest
     from edgemm.runtime import default_engines_dir
+    if tensorrt_version and not dry_run:
+        raise click.UsageError("--tensorrt is for --dry-run: a real build uses the TensorRT installed here")
     model = load_manifest(model_dir)
     request = BuildRequest(model_dir=Path(model_dir), out=Path(out) if out else default_engines_dir(model.name),
                            device=device, precision=precision, tiers=tiers, components=components,
                            timing_cache=Path(timing_cache) if timing_cache else None,
                            max_batch=max_batch, max_beams=max_beams)
+    if dry_run:
+        if tensorrt_version:
+            platform = Platform(tensorrt=tensorrt_version, gpu="a module with two DLA cores", compute_capability="?",
+                                integrated=True, dla_cores=2)
+        else:
+            try:
+                platform = probe()
+            except EngineError as e:
+                raise EngineError(f"{e}; to plan without it: --dry-run --tensorrt VERSION") from None
+        for line in describe_jobs(plan_jobs(request, model, platform), platform.tensorrt):
+            click.echo(line)
+        return
     built = build_engines(request, model)
     total = sum(e.build_seconds for e in built)
     click.echo(f"{len(built)} engine(s) in {request.out} ({total:.1f} s); manifest: {request.out / 'manifest.yaml'}")

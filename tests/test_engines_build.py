@@ -221,3 +221,72 @@ def test_gpu_engines_build_run_and_match_onnxruntime(model_dir, tmp_path):
         ours, reference = rt.generator.encode(pixels), runtime.generator.encode(pixels)
         assert np.abs(ours - reference).max() < 0.05 * np.abs(reference).max()
     assert rt.infer(image, "how many shapes are there ?").text == runtime.infer(image, "how many shapes are there ?").text
+
+
+# ---- profiles from the graph's named dimensions (any model folder) ---------------------------------
+
+IDEFICS3 = ROOT / "tests" / "fixtures" / "idefics3-tiny"
+
+
+def test_idefics3_gpu_profiles_cover_every_input_by_its_named_dimensions():
+    built = jobs(IDEFICS3, max_batch=2, max_beams=4)
+    assert [(j.component, j.tier, j.onnx.name) for j in built] == [
+        ("vision_encoder", None, "vision_encoder_int8.onnx"), ("embed_tokens", None, "embed_tokens_int8.onnx"),
+        ("decoder", None, "decoder_model_merged_int8.onnx")]
+    # 5-D tiles [B,T,3,32,32]: 1 tile (the global tier) … 10 (3x3 tiles + the global image); the mask alike
+    assert built[0].profiles == [{
+        "pixel_values": {"min": [1, 1, 3, 32, 32], "opt": [1, 10, 3, 32, 32], "max": [2, 10, 3, 32, 32]},
+        "pixel_attention_mask": {"min": [1, 1, 32, 32], "opt": [1, 10, 32, 32], "max": [2, 10, 32, 32]}}]
+    prefill, decode = built[2].profiles
+    assert set(decode) == {"inputs_embeds", "attention_mask", "position_ids", *(
+        f"past_key_values.{i}.{kv}" for i in range(2) for kv in ("key", "value"))}
+    assert decode["past_key_values.1.value"] == {"min": [1, 2, 1, 16], "opt": [1, 2, 512, 16], "max": [4, 2, 1023, 16]}
+    assert decode["attention_mask"] == {"min": [1, 2], "opt": [1, 513], "max": [4, 2046]}
+    assert prefill["inputs_embeds"]["max"] == [4, 1024, 64]
+
+
+def test_idefics3_dla_plan_is_one_tile_for_every_tier():
+    built = jobs(IDEFICS3, device="dla0")
+    assert [(j.component, j.tier, j.file) for j in built] == [("vision_encoder", None, "vision_encoder.dla0.int8.plan")]
+    assert built[0].profiles == [{"pixel_values": {k: [1, 1, 3, 32, 32] for k in ("min", "opt", "max")},
+                                  "pixel_attention_mask": {k: [1, 1, 32, 32] for k in ("min", "opt", "max")}}]
+
+
+def _with_encoder_axis(tmp_path: Path, model_dir: Path, axis: int, name: str) -> Path:
+    """A copy of `model_dir` whose int8 encoder names `axis` of pixel_values `name` ("" = unnamed)."""
+    import onnx
+    import shutil
+    copy = tmp_path / model_dir.name
+    shutil.copytree(model_dir, copy, ignore=shutil.ignore_patterns("samples"))
+    path = copy / "vision_encoder_int8.onnx"
+    graph = onnx.load(str(path))
+    dim = graph.graph.input[0].type.tensor_type.shape.dim[axis]
+    dim.Clear()
+    if name:
+        dim.dim_param = name
+    onnx.save(graph, str(path))
+    return copy
+
+
+@pytest.mark.parametrize("name, reason", [
+    ("image_side", "its axis 2 is 'image_side', not a dimension edgemm sizes here (batch_size, batch, height, width)"),
+    ("", "its axis 2 is dynamic without a name (re-export the graph with named dynamic axes)"),
+])
+def test_an_axis_it_cannot_size_refuses_the_build_naming_the_input(model_dir, tmp_path, name, reason):
+    copy = _with_encoder_axis(tmp_path, model_dir, 2, name)
+    message = one_line_error(run_cli(copy, "--dry-run", "--tensorrt", "10.3.0"))
+    assert message == f"cannot profile input 'pixel_values' of vision_encoder_int8.onnx: {reason}"
+
+
+def test_dry_run_prints_the_jobs_without_tensorrt():
+    result = CliRunner().invoke(main, ["engines", "build", str(IDEFICS3), "--dry-run", "--tensorrt", "10.3.0",
+                                       "--components", "vision_encoder,embed_tokens"])
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines() == [
+        "vision_encoder.gpu.int8.plan: from vision_encoder_int8.onnx (explicit), 1 profile(s)",
+        "  profile 0 pixel_values: min [1, 1, 3, 32, 32] opt [1, 10, 3, 32, 32] max [4, 10, 3, 32, 32]",
+        "  profile 0 pixel_attention_mask: min [1, 1, 32, 32] opt [1, 10, 32, 32] max [4, 10, 32, 32]",
+        "embed_tokens.gpu.int8.plan: from embed_tokens_int8.onnx (explicit), 1 profile(s)",
+        "  profile 0 input_ids: min [1, 1] opt [1, 32] max [16, 1024]"]
+    assert one_line_error(CliRunner().invoke(main, ["engines", "build", str(IDEFICS3), "--tensorrt", "10.3.0"])) \
+        .startswith("--tensorrt is for --dry-run")

@@ -282,3 +282,30 @@ def test_fake_cuda_python_driver_has_the_real_names(monkeypatch):
     for member in h.fake_cuda.CUdevice_attribute:
         assert int(getattr(real.CUdevice_attribute, member.name)) == int(member)
     assert real.CU_MEMHOSTALLOC_DEVICEMAP == fake.CU_MEMHOSTALLOC_DEVICEMAP
+
+
+# ---- a tiled family (idefics3 / SmolVLM): 5-D pixels and their mask ---------------------------------
+
+@pytest.mark.parametrize("version, device", [("10.3.0", "gpu"), ("11.4.1", "dla0")])
+def test_idefics3_encoder_builds_and_runs_through_the_fake(monkeypatch, tmp_path, version, device):
+    """The builder accepts the profiles of every encoder input; the plan answers what ONNX Runtime does,
+    at every tier, for a square image (the most tiles) and a wide one (fewer)."""
+    fakes = h.install(monkeypatch, version)
+    h.build(tmp_path, device, model_dir=h.IDEFICS3_DIR, components=["vision_encoder"])
+    assert len(fakes.trt._built) == 1 and set(fakes.trt._built[0]["profiles"][0]) == {
+        "pixel_values", "pixel_attention_mask"}
+    ours = h.runtime(tmp_path, model_dir=h.IDEFICS3_DIR, vision_encoder=[device], embed_tokens=["cpu"],
+                     decoder=["cpu"])
+    assert ours.devices["vision_encoder"] == device
+    reference = Runtime(load_config({"model": {"path": str(h.IDEFICS3_DIR), "precision": "int8"},
+                                     "backend": {"warmup": False, "intra_op_threads": 1}}))
+    tiles = []
+    for image in ("tall.png", "wide.png"):
+        for tier in ours.manifest.tiers:
+            pixels, _ = reference.preprocess(h.IDEFICS3_DIR / image, tier)
+            expected = reference.generator.encode(pixels)
+            assert np.array_equal(ours.generator.encode(pixels), expected), (image, tier)
+            tiles.append(pixels.shape[1])
+    assert tiles == [1, 3, 7, 1, 5, 10]  # tall: fewer tiles than a tier takes at most; wide: the most
+    runs = sum(e.context._runs for e in ours.generator.encoder.engines)
+    assert runs == (6 if device == "gpu" else sum(tiles))  # the DLA plan takes one tile per call

@@ -17,6 +17,7 @@ from edgemm.model.manifest import load_manifest
 from edgemm.runtime import Runtime
 
 MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "tiny-vlm"
+IDEFICS3_DIR = Path(__file__).resolve().parent / "fixtures" / "idefics3-tiny"
 SAMPLE = MODEL_DIR / "samples" / "scene_11.png"
 
 
@@ -55,10 +56,10 @@ def build(out: Path, device: str = "gpu", precision: str = "int8", model_dir: Pa
     return build_engines(request, model, probe(), echo=lambda *a, **k: None)
 
 
-def runtime(engines: Path, precision: str = "int8", **placement) -> Runtime:
+def runtime(engines: Path, precision: str = "int8", model_dir: Path = MODEL_DIR, **placement) -> Runtime:
     placement = {"vision_encoder": ["gpu", "cpu"], "embed_tokens": ["gpu", "cpu"], "decoder": ["gpu", "cpu"],
                  **placement}
-    return Runtime(load_config({"model": {"path": str(MODEL_DIR), "precision": precision, "engines": str(engines)},
+    return Runtime(load_config({"model": {"path": str(model_dir), "precision": precision, "engines": str(engines)},
                                 "placement": placement, "backend": {"warmup": False, "intra_op_threads": 1}}))
 
 

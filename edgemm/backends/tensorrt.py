@@ -206,6 +206,12 @@ class TrtComponent:
         if batch > 1:  # static-batch plans (DLA): one row at a time, outputs stacked back
             rows = [self._run({k: v[i:i + 1] for k, v in feeds.items()}) for i in range(batch)]
             return {k: np.concatenate([r[k] for r in rows]) for k in rows[0]}
+        tiles = shapes.get("pixel_values", ())[1:2]
+        if len(shapes.get("pixel_values", ())) == 5 and tiles[0] > 1:
+            # a tiled encoder's one-tile plan (DLA): pixel_values [1,T,3,H,W] and its mask [1,T,H,W]
+            # tile by tile; the graph puts the tiles in its output's first axis, so they stack there
+            parts = [self._run({k: v[:, t:t + 1] for k, v in feeds.items()}) for t in range(tiles[0])]
+            return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
         raise BackendError(f"{self.name} on {self.device}: no engine accepts input shapes {shapes} "
                            f"(plans: {', '.join(e.path.name for e in self.engines)})")
 

@@ -25,7 +25,6 @@ before TensorRT is touched, and reported as one line.
 """
 from __future__ import annotations
 
-import re
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -41,12 +40,12 @@ from edgemm.engines.platform import (DEVICES, Platform, dla_core, import_tensorr
 from edgemm.engines.qdq import translate_file
 from edgemm.errors import EngineError, InputError
 from edgemm.model.manifest import COMPONENTS, ModelManifest
+from edgemm.model.tiling import tile_layout
 
 PRECISIONS = ("int8", "fp16")
 LAST_CALIBRATION_CACHE_DLA = (10, 7)  # TensorRT <= 10.7: DLA INT8 needs implicit quantisation
 STRONGLY_TYPED = (11,)  # TensorRT 11 dropped the precision flags: types come from the graph
 FIRST_STRONGLY_TYPED_DLA = (11, 4, 1)  # DLA returned in 11.4.1 (10.8 … 11.4.0 have none)
-_PAST = re.compile(r"past_key_values\.\d+\.(key|value)$")
 
 
 @dataclass
@@ -77,6 +76,19 @@ class EngineJob:
         return f"{self.component}.{self.device}.{self.precision}{'.' + self.tier if self.tier else ''}.plan"
 
 
+# What the named dimensions of the Hugging Face ONNX exports (Optimum, transformers.js) are:
+# a profile gives every role a (min, opt, max) size, and every input's axes take theirs by name.
+DIMENSIONS = {
+    "batch_size": "batch", "batch": "batch",
+    "num_images": "tiles", "num_tiles": "tiles",  # tiled encoders (idefics3 / SmolVLM): tiles per image
+    "height": "height", "width": "width",
+    "sequence_length": "sequence",  # the new tokens of this call
+    "past_sequence_length": "past",
+    "total_sequence_length": "total", "past_sequence_length + sequence_length": "total",  # past + new
+}
+Sizes = dict[str, tuple[int, int, int]]  # role → (min, opt, max)
+
+
 def _input_dims(path: Path) -> dict[str, list]:
     """input name → dims (int, or the symbolic name) as the ONNX graph declares them."""
     graph = onnx.load(str(path), load_external_data=False).graph
@@ -86,51 +98,80 @@ def _input_dims(path: Path) -> dict[str, list]:
             for i in graph.input if i.name not in initializers}
 
 
-def _shape(dims: list, fill: dict[int, int]) -> list[int]:
-    """Static dims as declared; dynamic ones from `fill` (position → size)."""
-    return [d if isinstance(d, int) and d > 0 else fill[i] for i, d in enumerate(dims)]
+def _profile(dims: dict[str, list], sizes: Sizes, graph: str) -> Profile:
+    """Every input's min/opt/max shape: static axes as declared, named ones by their role's size.
+    An axis that is dynamic without a name, or whose name has no size here, refuses the build."""
+    profile: Profile = {}
+    for name, axes in dims.items():
+        shapes: list[list[int]] = [[], [], []]
+        for axis, dim in enumerate(axes):
+            if isinstance(dim, int) and dim > 0:
+                triple = (dim, dim, dim)
+            elif not dim:
+                raise EngineError(f"cannot profile input {name!r} of {graph}: its axis {axis} is dynamic "
+                                  "without a name (re-export the graph with named dynamic axes)")
+            elif DIMENSIONS.get(dim) not in sizes:
+                known = ", ".join(n for n, role in DIMENSIONS.items() if role in sizes)
+                raise EngineError(f"cannot profile input {name!r} of {graph}: its axis {axis} is {dim!r}, "
+                                  f"not a dimension edgemm sizes here ({known})")
+            else:
+                triple = sizes[DIMENSIONS[dim]]
+            for shape, size in zip(shapes, triple):
+                shape.append(size)
+        profile[name] = dict(zip(("min", "opt", "max"), shapes))
+    return profile
 
 
-def _profile(dims: dict[str, list], ranges: dict[str, tuple[dict, dict, dict]]) -> Profile:
-    return {name: {k: _shape(dims[name], fill) for k, fill in zip(("min", "opt", "max"), ranges[name])}
-            for name in dims if name in ranges}
+def _tiles(model: ModelManifest, tier) -> int:
+    """The most encoder images (tiles plus the global image) a tiled family makes at `tier`:
+    a square image's."""
+    side = model.family_config["tile"]
+    return tile_layout(tier.height, tier.height, tier.height, side).tiles
 
 
-def encoder_profiles(dims: dict[str, list], tiers: list, max_batch: int, static: bool) -> list[Profile]:
-    """Pixel shapes [B,3,H,W]: one static profile per tier on a DLA, one range over tiers on the GPU."""
-    name = next(iter(dims))
-    low, top = tiers[0], tiers[-1]
-    if static:
-        return [_profile(dims, {name: ({0: 1, 2: low.height, 3: low.width},) * 3})]
-    return [_profile(dims, {name: ({0: 1, 2: min(t.height for t in tiers), 3: min(t.width for t in tiers)},
-                                   {0: 1, 2: top.height, 3: top.width},
-                                   {0: max_batch, 2: max(t.height for t in tiers), 3: max(t.width for t in tiers)})})]
+def encoder_profiles(dims: dict[str, list], model: ModelManifest, tiers: list, max_batch: int, static: bool,
+                     graph: str = "vision_encoder") -> list[Profile]:
+    """One range over the tiers on the GPU; a static profile on a DLA (one tier, batch 1).
+
+    Plain pixels [B,3,H,W] take the tier's height and width. A tiled family's pixels
+    [B,T,3,tile,tile] (and its pixel_attention_mask [B,T,tile,tile]) have the tile's side at
+    every tier; the tier sets the number of tiles T, and a DLA plan takes one tile at a time."""
+    if model.preprocessing.resize == "tiles":
+        side = model.family_config["tile"]
+        if static:
+            sizes: Sizes = {"batch": (1, 1, 1), "tiles": (1, 1, 1), "height": (side,) * 3, "width": (side,) * 3}
+        else:
+            most = max(_tiles(model, t) for t in tiers)
+            sizes = {"batch": (1, 1, max_batch), "tiles": (1, _tiles(model, tiers[-1]), most),
+                     "height": (side,) * 3, "width": (side,) * 3}
+    elif static:
+        tier = tiers[0]
+        sizes = {"batch": (1, 1, 1), "height": (tier.height,) * 3, "width": (tier.width,) * 3}
+    else:
+        top = tiers[-1]
+        sizes = {"batch": (1, 1, max_batch),
+                 "height": (min(t.height for t in tiers), top.height, max(t.height for t in tiers)),
+                 "width": (min(t.width for t in tiers), top.width, max(t.width for t in tiers))}
+    return [_profile(dims, sizes, graph)]
 
 
-def embed_profiles(dims: dict[str, list], max_beams: int, max_context: int) -> list[Profile]:
-    return [_profile(dims, {n: ({0: 1, 1: 1}, {0: 1, 1: min(32, max_context)}, {0: max_beams, 1: max_context})
-                            for n in dims})]
+def embed_profiles(dims: dict[str, list], max_beams: int, max_context: int,
+                   graph: str = "embed_tokens") -> list[Profile]:
+    return [_profile(dims, {"batch": (1, 1, max_beams), "sequence": (1, min(32, max_context), max_context)},
+                     graph)]
 
 
-def decoder_profiles(dims: dict[str, list], max_beams: int, max_context: int) -> list[Profile]:
+def decoder_profiles(dims: dict[str, list], max_beams: int, max_context: int,
+                     graph: str = "decoder") -> list[Profile]:
     """Prefill (no past, 1..max_context new tokens) and decode (1..max_context-1 past; one new
-    token, or up to max_context-1: the rest of a prompt after a cached prefix goes in one call)."""
-    def ranges(new: tuple[int, int, int], past: tuple[int, int, int]) -> dict:
-        batch = (1, 1, max_beams)
-        out = {}
-        for name in dims:
-            if _PAST.match(name):  # [B, heads, past, head_dim]
-                out[name] = tuple({0: b, 2: p} for b, p in zip(batch, past))
-            elif name == "attention_mask":  # [B, past + new]
-                out[name] = tuple({0: b, 1: p + s} for b, p, s in zip(batch, past, new))
-            elif name in ("inputs_embeds", "position_ids"):  # [B, new, (D)]
-                out[name] = tuple({0: b, 1: s} for b, s in zip(batch, new))
-            else:  # use_cache_branch [1], num_logits_to_keep []: declared static
-                out[name] = ({}, {}, {})
-        return out
-    prefill = ranges(new=(1, min(64, max_context), max_context), past=(0, 0, 0))
-    decode = ranges(new=(1, 1, max_context - 1), past=(1, max_context // 2, max_context - 1))
-    return [_profile(dims, prefill), _profile(dims, decode)]
+    token, or up to max_context-1: the rest of a prompt after a cached prefix goes in one call).
+    The attention mask's total length is past + new at each of min, opt and max."""
+    def sizes(new: tuple[int, int, int], past: tuple[int, int, int]) -> Sizes:
+        return {"batch": (1, 1, max_beams), "sequence": new, "past": past,
+                "total": tuple(p + s for p, s in zip(past, new))}
+    prefill = sizes(new=(1, min(64, max_context), max_context), past=(0, 0, 0))
+    decode = sizes(new=(1, 1, max_context - 1), past=(1, max_context // 2, max_context - 1))
+    return [_profile(dims, prefill, graph), _profile(dims, decode, graph)]
 
 
 def plan_jobs(request: BuildRequest, model: ModelManifest, platform: Platform) -> list[EngineJob]:
@@ -158,19 +199,23 @@ def plan_jobs(request: BuildRequest, model: ModelManifest, platform: Platform) -
     jobs = []
     for component in components:
         source = model.graph_path(component, "fp32" if request.precision == "fp16" and not typed else request.precision)
-        dims = _input_dims(source)
-        if component == "vision_encoder" and on_dla:
+        dims, graph = _input_dims(source), str(source.relative_to(model.path))
+        if component == "vision_encoder" and on_dla and model.preprocessing.resize == "tiles":
+            # a tile has the same shape at every tier: one plan, one tile per call, serves them all
+            jobs.append(EngineJob(component, request.device, request.precision, None, source,
+                                  encoder_profiles(dims, model, tiers, 1, static=True, graph=graph)))
+        elif component == "vision_encoder" and on_dla:
             jobs += [EngineJob(component, request.device, request.precision, tier.name, source,
-                               encoder_profiles(dims, [tier], 1, static=True)) for tier in tiers]
+                               encoder_profiles(dims, model, [tier], 1, static=True, graph=graph)) for tier in tiers]
         elif component == "vision_encoder":
             jobs.append(EngineJob(component, request.device, request.precision, None, source,
-                                  encoder_profiles(dims, tiers, request.max_batch, static=False)))
+                                  encoder_profiles(dims, model, tiers, request.max_batch, static=False, graph=graph)))
         elif component == "embed_tokens":
             jobs.append(EngineJob(component, request.device, request.precision, None, source,
-                                  embed_profiles(dims, request.max_beams, model.max_context)))
+                                  embed_profiles(dims, request.max_beams, model.max_context, graph)))
         else:
             jobs.append(EngineJob(component, request.device, request.precision, None, source,
-                                  decoder_profiles(dims, request.max_beams, model.max_context)))
+                                  decoder_profiles(dims, request.max_beams, model.max_context, graph)))
     return jobs
 
 
@@ -185,6 +230,19 @@ def quantization_mode(job: EngineJob, trt_version: str) -> str:
     if dla_core(job.device) is not None and version[:2] <= LAST_CALIBRATION_CACHE_DLA:
         return "calibration-cache"
     return "explicit"
+
+
+def describe_jobs(jobs: list[EngineJob], trt_version: str) -> list[str]:
+    """What `edgemm engines build --dry-run` prints: each plan, its source graph, how its precision
+    reaches the builder, and every input's min/opt/max shape per optimisation profile."""
+    lines = []
+    for job in jobs:
+        lines.append(f"{job.file}: from {job.onnx.name} ({quantization_mode(job, trt_version)}), "
+                     f"{len(job.profiles)} profile(s)")
+        for index, profile in enumerate(job.profiles):
+            for name, shape in profile.items():
+                lines.append(f"  profile {index} {name}: min {shape['min']} opt {shape['opt']} max {shape['max']}")
+    return lines
 
 
 def _cache_calibrator(trt, cache: bytes):
@@ -219,6 +277,12 @@ def _network(trt, builder, logger, source: Path, strongly_typed: bool):
         errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
         raise EngineError(f"TensorRT could not parse {source}: {errors}")
     return network, parser
+
+
+def _relative(graph: Path, model_dir: Path) -> str:
+    """The graph's path inside the model folder, as the manifest records it (onnx/… in a Hugging
+    Face folder), so that the load-time check finds the same file."""
+    return str(graph.resolve().relative_to(Path(model_dir).resolve()))
 
 
 def build_one(trt, job: EngineJob, request: BuildRequest, platform: Platform,
@@ -275,7 +339,7 @@ def build_one(trt, job: EngineJob, request: BuildRequest, platform: Platform,
     entry = EngineEntry(
         component=job.component, device=job.device, precision=job.precision, tier=job.tier, file=job.file,
         profiles=job.profiles, tensorrt=platform.tensorrt, compute_capability=platform.compute_capability,
-        dla_core=core, plan_sha256=sha256(path), onnx=job.onnx.name, onnx_sha256=sha256(job.onnx),
+        dla_core=core, plan_sha256=sha256(path), onnx=_relative(job.onnx, request.model_dir), onnx_sha256=sha256(job.onnx),
         flags=flags, quantization=mode, gpu_fallback=fallback, build_seconds=round(seconds, 2))
     return entry, bytes(config.get_timing_cache().serialize())
 
