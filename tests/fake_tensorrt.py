@@ -101,7 +101,7 @@ class FakeTensorRT(types.ModuleType):
         self.DeviceType = _enum("DeviceType", {"GPU": 0, "DLA": 1})
         self.MemoryPoolType = _enum("MemoryPoolType", {"WORKSPACE": 0})
         severity = _enum("Severity", {"INTERNAL_ERROR": 0, "ERROR": 1, "WARNING": 2, "INFO": 3, "VERBOSE": 4})
-        for cls in (Logger, Runtime, Builder, OnnxParser, IBuilderConfig, INetworkDefinition, ILayer,
+        for cls in (Logger, Runtime, Builder, OnnxParser, IBuilderConfig, INetworkDefinition, ILayer, ITensor,
                     IOptimizationProfile, ITimingCache, IHostMemory, ICudaEngine, IExecutionContext):
             setattr(self, cls.__name__, type(cls.__name__, (cls,), {"_trt": fake}))
         for level in severity:
@@ -166,6 +166,30 @@ class INetworkDefinition(_Object):
 
     def get_layer(self, index):
         return self._layers[index]
+
+    @property
+    def num_inputs(self):
+        return len(self._inputs)
+
+    @property
+    def num_outputs(self):
+        return len(self._outputs)
+
+    def get_input(self, index):
+        name = list(self._inputs)[index]
+        return self._trt.ITensor(name, self._trt.DataType[self._inputs[name]["dtype"]])
+
+    def get_output(self, index):
+        name = list(self._outputs)[index]
+        return self._trt.ITensor(name, self._trt.DataType[self._outputs[name]["dtype"]])
+
+
+class ITensor(_Object):
+    def __init__(self, name: str, dtype):
+        self._name, self._dtype = name, dtype
+
+    name = property(lambda self: self._name)
+    dtype = property(lambda self: self._dtype)
 
 
 class OnnxParser(_Object):
@@ -267,7 +291,7 @@ class IBuilderConfig(_Object):
         return self._timing
 
     def can_run_on_DLA(self, layer):
-        return layer._op not in ("Softmax", "Gather", "Reshape")  # a few ops the fake sends to the GPU
+        return layer._op != "Gather"  # not among the DLA's layers (Softmax and Shuffle run there on Orin)
 
 
 class Builder(_Object):

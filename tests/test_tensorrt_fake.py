@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import itertools
+import re
 import threading
 import time
 
 import numpy as np
 import pytest
+import yaml
 
 import trt_harness as h
 from edgemm.backends.tensorrt import TensorRTBackend, capacity_for, _Profile
 from edgemm.config import load_config
-from edgemm.engines.build import decoder_profiles, _input_dims
+from edgemm.engines.build import BuildRequest, build_engines, decoder_profiles, _input_dims
 from edgemm.engines.cuda import CudaError, load_cuda
 from edgemm.engines.manifest import read_manifest
 from edgemm.engines.platform import probe
@@ -136,12 +139,64 @@ def test_dla_int8_up_to_10_7_uses_the_calibration_cache(monkeypatch, tmp_path):
     assert entry.quantization == "calibration-cache" and entry.gpu_fallback  # the fake's GPU-only ops
 
 
-def test_dla_int8_on_11_4_1_is_strongly_typed(monkeypatch, tmp_path):
+def test_dla_int8_on_11_4_1_is_strongly_typed_and_follows_the_dla_guidance(monkeypatch, tmp_path):
     fakes = h.install(monkeypatch, "11.4.1")
-    h.build(tmp_path, device="dla0", tiers=["low"])
+    said = []
+    request = BuildRequest(model_dir=h.MODEL_DIR, out=tmp_path, device="dla0", tiers=["low"])
+    build_engines(request, load_manifest(h.MODEL_DIR), probe(), echo=lambda text, **_: said.append(text))
     plan = fakes.trt._built[0]
     assert plan["strongly_typed"] and plan["calibration_cache"] is None and plan["flags"] == ["GPU_FALLBACK"]
-    assert read_manifest(tmp_path, "").engines[0].quantization == "strongly-typed"
+    assert plan["parser_flags"] == ["ADJUST_FOR_DLA"]
+    entry = read_manifest(tmp_path, "").engines[0]
+    assert entry.quantization == "strongly-typed" and "ADJUST_FOR_DLA" in entry.flags
+    # the built-in model's graphs are FP32 at their edges: recorded, and said in one line
+    assert entry.fp32_boundaries == ["pixel_values", "image_features"]
+    assert [line for line in said if "boundary" in line] == [
+        "vision_encoder.dla0.int8.low.plan: FP32 at the DLA's boundary (pixel_values, image_features); a strongly "
+        "typed DLA network wants FP16 there (NVIDIA: python3 -m modelopt.onnx.autocast --target_dla "
+        "--low_precision_type fp16)"]
+
+
+def test_dla_before_11_has_no_parser_flag_and_no_boundary_rule(monkeypatch, tmp_path):
+    fakes = h.install(monkeypatch, "10.3.0")
+    h.build(tmp_path, device="dla0", tiers=["low"])
+    assert fakes.trt._built[0]["parser_flags"] == []
+    entry = read_manifest(tmp_path, "").engines[0]
+    assert "ADJUST_FOR_DLA" not in entry.flags and entry.fp32_boundaries == []
+
+
+def test_the_manifest_records_dla_loadables_per_core(monkeypatch, tmp_path):
+    h.install(monkeypatch, "10.3.0")
+    h.build(tmp_path, device="dla0", tiers=["low", "mid", "high"])
+    h.build(tmp_path, device="dla1", tiers=["low"])
+    h.build(tmp_path, components=["embed_tokens"])
+    manifest = read_manifest(tmp_path, "")
+    per_plan = {e.file: e.dla_loadables for e in manifest.engines}
+    # the fake sends Gather to the GPU: the encoder's DLA layers fall into 4 runs between them
+    assert per_plan == {"vision_encoder.dla0.int8.low.plan": 4, "vision_encoder.dla0.int8.mid.plan": 4,
+                        "vision_encoder.dla0.int8.high.plan": 4, "vision_encoder.dla1.int8.low.plan": 4,
+                        "embed_tokens.gpu.int8.plan": 0}
+    assert manifest.loadables_per_core() == {"dla0": 12, "dla1": 4}
+    assert yaml.safe_load((tmp_path / "manifest.yaml").read_text())["dla_loadables"] == {"dla0": 12, "dla1": 4}
+
+
+def test_a_plan_set_over_16_loadables_on_a_core_is_refused_before_building(monkeypatch, tmp_path):
+    fakes = h.install(monkeypatch, "10.3.0")
+    h.build(tmp_path, device="dla0", tiers=["low", "mid"])  # 8 loadables
+    before = (tmp_path / "manifest.yaml").read_text()
+    calls = itertools.count()  # a graph that splits more: every 20th layer on the GPU
+    monkeypatch.setattr(fakes.trt.IBuilderConfig, "can_run_on_DLA", lambda self, layer: next(calls) % 20 != 19)
+    fakes.trt._built.clear()
+    with pytest.raises(EngineError) as refused:
+        h.build(tmp_path, device="dla0", tiers=["high"])
+    message = str(refused.value)
+    assert re.fullmatch(r"dla0 would hold \d+ DLA loadables, more than the 16 a DLA core takes "
+                        r"\(vision_encoder\.dla0\.int8\.low\.plan 4, vision_encoder\.dla0\.int8\.mid\.plan 4, "
+                        r"vision_encoder\.dla0\.int8\.high\.plan \d+\); build fewer tiers there \(--tiers\) and the "
+                        r"rest on the other DLA core or the GPU", message), message
+    assert fakes.trt._built == [] and (tmp_path / "manifest.yaml").read_text() == before
+    h.build(tmp_path, device="dla1", tiers=["high"])  # the other core holds its own 16
+    assert len(fakes.trt._built) == 1
 
 
 # ---- failures ---------------------------------------------------------------------------------

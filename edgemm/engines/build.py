@@ -46,6 +46,7 @@ PRECISIONS = ("int8", "fp16")
 LAST_CALIBRATION_CACHE_DLA = (10, 7)  # TensorRT <= 10.7: DLA INT8 needs implicit quantisation
 STRONGLY_TYPED = (11,)  # TensorRT 11 dropped the precision flags: types come from the graph
 FIRST_STRONGLY_TYPED_DLA = (11, 4, 1)  # DLA returned in 11.4.1 (10.8 … 11.4.0 have none)
+DLA_LOADABLES_PER_CORE = 16  # the most DLA loadables one DLA core holds at a time
 
 
 @dataclass
@@ -265,14 +266,19 @@ def _cache_calibrator(trt, cache: bytes):
     return CacheCalibrator()
 
 
-def _network(trt, builder, logger, source: Path, strongly_typed: bool):
+def _network(trt, builder, logger, source: Path, strongly_typed: bool, on_dla: bool = False):
     flags = 0
-    if version_tuple(trt.__version__) < (10,):  # implicit batch is gone from 10 on; 8.x needs the flag
+    version = version_tuple(trt.__version__)
+    if version < (10,):  # implicit batch is gone from 10 on; 8.x needs the flag
         flags |= 1 << int(trt.NetworkDefinitionCreationFlag.EXPLICIT_BATCH)
     if strongly_typed:
         flags |= 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
     network = builder.create_network(flags)
     parser = trt.OnnxParser(network, logger)
+    if on_dla and version >= FIRST_STRONGLY_TYPED_DLA:
+        # NVIDIA's DLA guidance for strongly typed networks: let the parser reshape and rewrite
+        # layers so that more of them run on the DLA instead of falling back to the GPU
+        parser.set_flag(trt.OnnxParserFlag.ADJUST_FOR_DLA)
     if not parser.parse_from_file(str(source)):
         errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
         raise EngineError(f"TensorRT could not parse {source}: {errors}")
@@ -285,52 +291,95 @@ def _relative(graph: Path, model_dir: Path) -> str:
     return str(graph.resolve().relative_to(Path(model_dir).resolve()))
 
 
-def build_one(trt, job: EngineJob, request: BuildRequest, platform: Platform,
-              timing_cache: bytes) -> tuple[EngineEntry, bytes]:
-    """Build and write one plan; returns its manifest entry and the updated timing cache."""
+def dla_loadables(network, config) -> int:
+    """DLA loadables a plan holds, estimated before the build: every run of consecutive layers
+    the DLA can take (in the network's topological order), between layers that fall back to the
+    GPU, becomes a DLA subgraph of its own. The engine inspector on the Jetson has the real count."""
+    runs, on_dla = 0, False
+    for i in range(network.num_layers):
+        runs_here = bool(config.can_run_on_DLA(network.get_layer(i)))
+        runs += runs_here and not on_dla
+        on_dla = runs_here
+    return runs
+
+
+def fp32_boundaries(trt, network) -> list[str]:
+    """The network's FP32 inputs and outputs. A DLA computes in FP16 or INT8 only, so on a strongly
+    typed network (types come from the graph) FP32 at its boundary means reformatting or GPU layers
+    there; NVIDIA's guidance is FP16 tensors at the DLA's boundaries."""
+    tensors = ([network.get_input(i) for i in range(network.num_inputs)]
+               + [network.get_output(i) for i in range(network.num_outputs)])
+    return [t.name for t in tensors if t.dtype == trt.DataType.FLOAT]
+
+
+@dataclass
+class _Configured:
+    """One job's network and builder config, ready to build (or to count its DLA loadables)."""
+    builder: object
+    network: object
+    parser: object  # the network refers to the parser's weights: keep it alive until the build
+    config: object
+    mode: str
+    flags: list[str]
+
+
+def _configure(trt, job: EngineJob, request: BuildRequest, tmp: Path, timing_cache: bytes) -> _Configured:
     mode = quantization_mode(job, trt.__version__)
     core = dla_core(job.device)
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
     flags: list[str] = []
+    source, cache = job.onnx, None
+    if mode == "calibration-cache":
+        source, cache_path = tmp / "noqdq.onnx", tmp / "calibration.cache"
+        translate_file(job.onnx, source, cache_path, trt.__version__)
+        cache = cache_path.read_bytes()
+    network, parser = _network(trt, builder, logger, source, mode == "strongly-typed", core is not None)
+    config = builder.create_builder_config()
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, request.workspace_mib << 20)
+    if mode == "strongly-typed":
+        flags.append("STRONGLY_TYPED")  # types come from the graph; precision flags are not allowed
+    else:
+        flags.append("FP16")
+        config.set_flag(trt.BuilderFlag.FP16)
+        if job.precision == "int8":
+            flags.append("INT8")
+            config.set_flag(trt.BuilderFlag.INT8)
+    if core is not None:
+        config.default_device_type = trt.DeviceType.DLA
+        config.DLA_core = core
+        config.set_flag(trt.BuilderFlag.GPU_FALLBACK)
+        flags += ["GPU_FALLBACK", f"DLA_core={core}"]
+        if version_tuple(trt.__version__) >= FIRST_STRONGLY_TYPED_DLA:
+            flags.append("ADJUST_FOR_DLA")
+    profiles = []
+    for shapes in job.profiles:
+        profile = builder.create_optimization_profile()
+        for name, dims in shapes.items():
+            profile.set_shape(name, dims["min"], dims["opt"], dims["max"])
+        config.add_optimization_profile(profile)
+        profiles.append(profile)
+    if cache is not None:
+        config.int8_calibrator = _cache_calibrator(trt, cache)
+        config.set_calibration_profile(profiles[0])
+    timing = config.create_timing_cache(timing_cache)
+    config.set_timing_cache(timing, ignore_mismatch=False)
+    return _Configured(builder, network, parser, config, mode, flags)
+
+
+def build_one(trt, job: EngineJob, request: BuildRequest, platform: Platform,
+              timing_cache: bytes) -> tuple[EngineEntry, bytes]:
+    """Build and write one plan; returns its manifest entry and the updated timing cache."""
+    core = dla_core(job.device)
     with tempfile.TemporaryDirectory() as tmp:
-        source, cache = job.onnx, None
-        if mode == "calibration-cache":
-            source, cache_path = Path(tmp) / "noqdq.onnx", Path(tmp) / "calibration.cache"
-            translate_file(job.onnx, source, cache_path, trt.__version__)
-            cache = cache_path.read_bytes()
-        network, _parser = _network(trt, builder, logger, source, mode == "strongly-typed")
-        config = builder.create_builder_config()
-        config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, request.workspace_mib << 20)
-        if mode == "strongly-typed":
-            flags.append("STRONGLY_TYPED")  # types come from the graph; precision flags are not allowed
-        else:
-            flags.append("FP16")
-            config.set_flag(trt.BuilderFlag.FP16)
-            if job.precision == "int8":
-                flags.append("INT8")
-                config.set_flag(trt.BuilderFlag.INT8)
-        if core is not None:
-            config.default_device_type = trt.DeviceType.DLA
-            config.DLA_core = core
-            config.set_flag(trt.BuilderFlag.GPU_FALLBACK)
-            flags += ["GPU_FALLBACK", f"DLA_core={core}"]
-        profiles = []
-        for shapes in job.profiles:
-            profile = builder.create_optimization_profile()
-            for name, dims in shapes.items():
-                profile.set_shape(name, dims["min"], dims["opt"], dims["max"])
-            config.add_optimization_profile(profile)
-            profiles.append(profile)
-        if cache is not None:
-            config.int8_calibrator = _cache_calibrator(trt, cache)
-            config.set_calibration_profile(profiles[0])
-        timing = config.create_timing_cache(timing_cache)
-        config.set_timing_cache(timing, ignore_mismatch=False)
+        ready = _configure(trt, job, request, Path(tmp), timing_cache)
+        network, config = ready.network, ready.config
         fallback = ([network.get_layer(i).name for i in range(network.num_layers)
                      if not config.can_run_on_DLA(network.get_layer(i))] if core is not None else [])
+        loadables = dla_loadables(network, config) if core is not None else 0
+        boundaries = fp32_boundaries(trt, network) if core is not None and ready.mode == "strongly-typed" else []
         started = time.perf_counter()
-        plan = builder.build_serialized_network(network, config)
+        plan = ready.builder.build_serialized_network(network, config)
         seconds = time.perf_counter() - started
     if plan is None:
         raise EngineError(f"TensorRT could not build {job.file} (its log above says why)")
@@ -339,9 +388,32 @@ def build_one(trt, job: EngineJob, request: BuildRequest, platform: Platform,
     entry = EngineEntry(
         component=job.component, device=job.device, precision=job.precision, tier=job.tier, file=job.file,
         profiles=job.profiles, tensorrt=platform.tensorrt, compute_capability=platform.compute_capability,
-        dla_core=core, plan_sha256=sha256(path), onnx=_relative(job.onnx, request.model_dir), onnx_sha256=sha256(job.onnx),
-        flags=flags, quantization=mode, gpu_fallback=fallback, build_seconds=round(seconds, 2))
+        dla_core=core, plan_sha256=sha256(path), onnx=_relative(job.onnx, request.model_dir),
+        onnx_sha256=sha256(job.onnx), flags=ready.flags, quantization=ready.mode, gpu_fallback=fallback,
+        dla_loadables=loadables, fp32_boundaries=boundaries, build_seconds=round(seconds, 2))
     return entry, bytes(config.get_timing_cache().serialize())
+
+
+def check_dla_loadables(trt, jobs: list[EngineJob], request: BuildRequest, manifest: EngineManifest) -> None:
+    """Refuse, before anything is built, a plan set that would put more loadables on a DLA core
+    than it takes: these jobs' plans plus the manifest's other plans on the same core."""
+    counted: dict[str, list[tuple[str, int]]] = {}
+    for job in jobs:
+        if dla_core(job.device) is None:
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            ready = _configure(trt, job, request, Path(tmp), b"")
+            counted.setdefault(job.device, []).append((job.file, dla_loadables(ready.network, ready.config)))
+    replaced = {job.file for job in jobs}
+    for device, plans in counted.items():
+        plans = [(e.file, e.dla_loadables) for e in manifest.engines
+                 if e.device == device and e.file not in replaced] + plans
+        total = sum(n for _, n in plans)
+        if total > DLA_LOADABLES_PER_CORE:
+            each = ", ".join(f"{file} {n}" for file, n in plans)
+            raise EngineError(f"{device} would hold {total} DLA loadables, more than the {DLA_LOADABLES_PER_CORE} "
+                              f"a DLA core takes ({each}); build fewer tiers there (--tiers) and the rest "
+                              "on the other DLA core or the GPU")
 
 
 def _existing(request: BuildRequest, model: ModelManifest) -> EngineManifest:
@@ -365,6 +437,7 @@ def build_engines(request: BuildRequest, model: ModelManifest, platform: Platfor
     trt = import_tensorrt()
     request.out.mkdir(parents=True, exist_ok=True)
     manifest = _existing(request, model)
+    check_dla_loadables(trt, jobs, request, manifest)
     timing = request.timing_cache.read_bytes() if request.timing_cache and request.timing_cache.is_file() else b""
     built = []
     with click.progressbar(jobs, label=f"building {len(jobs)} engine(s) on {platform.gpu}", file=None,
@@ -376,6 +449,10 @@ def build_engines(request: BuildRequest, model: ModelManifest, platform: Platfor
             built.append(entry)
             fell_back = f", {len(entry.gpu_fallback)} layer(s) on the GPU" if entry.gpu_fallback else ""
             echo(f"\nbuilt {entry.file} in {entry.build_seconds:.1f} s ({entry.quantization}{fell_back})", err=True)
+            if entry.fp32_boundaries:
+                echo(f"{entry.file}: FP32 at the DLA's boundary ({', '.join(entry.fp32_boundaries)}); a strongly "
+                     "typed DLA network wants FP16 there (NVIDIA: python3 -m modelopt.onnx.autocast --target_dla "
+                     "--low_precision_type fp16)", err=True)
     if request.timing_cache:
         request.timing_cache.write_bytes(timing)
     return built

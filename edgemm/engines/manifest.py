@@ -44,6 +44,8 @@ class EngineEntry:
     flags: list[str] = field(default_factory=list)  # BuilderFlag names, STRONGLY_TYPED, DLA_core=N …
     quantization: str = "none"  # none | explicit (QDQ) | calibration-cache | strongly-typed
     gpu_fallback: list[str] = field(default_factory=list)  # layers of a DLA plan that run on the GPU
+    dla_loadables: int = 0  # DLA subgraphs in the plan (estimated at build); a DLA core takes 16 at most
+    fp32_boundaries: list[str] = field(default_factory=list)  # a strongly typed DLA plan's FP32 inputs/outputs
     build_seconds: float = 0.0
 
     @property
@@ -61,6 +63,14 @@ class EngineManifest:
     def find(self, component: str, device: str, precision: str) -> list[EngineEntry]:
         return [e for e in self.engines
                 if (e.component, e.device, e.precision) == (component, device, precision)]
+
+    def loadables_per_core(self) -> dict[str, int]:
+        """DLA device → the DLA loadables of all its plans (what must fit in one core)."""
+        out: dict[str, int] = {}
+        for e in self.engines:
+            if e.dla_core is not None:
+                out[e.device] = out.get(e.device, 0) + e.dla_loadables
+        return dict(sorted(out.items()))
 
     def put(self, entry: EngineEntry) -> None:
         """Add `entry`, replacing the one with the same component, device, precision and tier."""
@@ -88,6 +98,7 @@ def rebuild_command(model_dir: str | Path, out: str | Path, component: str, devi
 def write_manifest(folder: Path, manifest: EngineManifest) -> Path:
     path = folder / MANIFEST
     data = {"format": manifest.format, "model": manifest.model, "model_dir": manifest.model_dir,
+            "dla_loadables": manifest.loadables_per_core(),  # per DLA core, for the reader; not read back
             "engines": [asdict(e) for e in sorted(manifest.engines, key=lambda e: tuple(map(str, e.key)))]}
     tmp = path.with_suffix(".yaml.tmp")
     tmp.write_text("# written by edgemm engines build (tools/build_engines.py); do not edit\n"
