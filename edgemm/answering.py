@@ -93,8 +93,13 @@ class Answering:
     def result(self, request: PreparedRequest, generation: Generation, generator: Generator) -> InferenceResult:
         prompt = request.prompt
         schedule = request.decision.to_dict() if request.decision else {}
-        if request.route is not None:
-            schedule["placement"] = request.route.reason
+        reasons = [request.route.reason] if request.route is not None else []
+        # a component that did not load on the first device of its list, and why (CUDA that would
+        # not start, a missing engine …): the answer says where it ran instead
+        reasons += [f"{name} on {p.device} ({'; '.join(f'{device}: {why}' for device, why in p.skipped)})"
+                    for name, p in self.models.placements.items() if p.skipped]
+        if reasons:
+            schedule["placement"] = "; ".join(reasons)
         return InferenceResult(
             text=self.adapter.decode(generation.tokens), tokens=generation.tokens,
             finish_reason=generation.finish_reason, prompt_tokens=int(prompt.input_ids.shape[1]),

@@ -318,7 +318,8 @@ def components(runtime: Runtime) -> dict:
     """Loaded graphs: stage → device, precision, what runs them and the standby devices
     the power policy can move the stage to (placement.keep_alternatives)."""
     return {c.name: {"device": c.device, "precision": c.precision, "provider": c.provider,
-                     "standby": list(runtime.placements[c.name].standby)}
+                     "standby": list(runtime.placements[c.name].standby),
+                     "skipped": runtime.placements[c.name].to_dict()["skipped"]}  # earlier devices, and why
             for c in runtime.components.all()}
 
 

@@ -364,3 +364,30 @@ def test_idefics3_encoder_builds_and_runs_through_the_fake(monkeypatch, tmp_path
     assert tiles == [1, 3, 7, 1, 5, 10]  # tall: fewer tiles than a tier takes at most; wide: the most
     runs = sum(e.context._runs for e in ours.generator.encoder.engines)
     assert runs == (6 if device == "gpu" else sum(tiles))  # the DLA plan takes one tile per call
+
+
+def test_infer_and_status_json_say_why_a_gpu_placement_answered_on_the_cpu(monkeypatch, tmp_path):
+    """placement [gpu, cpu] where CUDA will not start: the answer comes from the CPU, and both
+    `edgemm infer --json` and the status report's components say why."""
+    import json
+    from click.testing import CliRunner
+    from edgemm.cli import main
+    from edgemm.service import components
+    h.install(monkeypatch, "10.3.0", raise_on_init=RuntimeError("cuInit: no CUDA driver"))
+    config = tmp_path / "edgemm.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": {"path": str(h.MODEL_DIR), "precision": "int8", "engines": str(tmp_path / "engines")},
+        "placement": {"vision_encoder": ["gpu", "cpu"], "embed_tokens": ["cpu"], "decoder": ["gpu", "cpu"]},
+        "backend": {"warmup": False, "intra_op_threads": 1}}))
+    result = CliRunner().invoke(main, ["infer", str(h.SAMPLE), "-p", QUESTION, "--config", str(config), "--json",
+                                       "--tier", "low"])
+    assert result.exit_code == 0, result.output
+    answer = json.loads(result.stdout)
+    assert answer["devices"] == {"encode": "cpu", "decode": "cpu"} and answer["answer"]
+    why = "gpu: CUDA did not start (cuInit): cuInit: no CUDA driver"
+    assert answer["schedule"]["placement"] == f"vision_encoder on cpu ({why}); decoder on cpu ({why})"
+    rt = h.runtime(tmp_path / "engines", embed_tokens=["cpu"])
+    report = components(rt)
+    assert report["decoder"]["device"] == "cpu"
+    assert report["decoder"]["skipped"] == [{"device": "gpu", "reason": why[len("gpu: "):]}]
+    assert report["embed_tokens"]["skipped"] == []
