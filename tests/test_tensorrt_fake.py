@@ -391,3 +391,44 @@ def test_infer_and_status_json_say_why_a_gpu_placement_answered_on_the_cpu(monke
     assert report["decoder"]["device"] == "cpu"
     assert report["decoder"]["skipped"] == [{"device": "gpu", "reason": why[len("gpu: "):]}]
     assert report["embed_tokens"]["skipped"] == []
+
+
+# ---- tools/hil_check.py against the fakes --------------------------------------------------------
+
+def _hil_check():
+    import importlib
+    import sys
+    sys.path.insert(0, str(h.MODEL_DIR.parent.parent / "tools"))
+    try:
+        return importlib.import_module("hil_check")
+    finally:
+        sys.path.pop(0)
+
+
+HIL_ARGS = ["--encoder", "gpu", "--embed", "gpu", "--decoder", "gpu", "--n", "1", "--tiers", "low",
+            "--max-new-tokens", "2"]
+
+
+def test_hil_check_reports_cuda_that_will_not_start(monkeypatch, tmp_path, capsys):
+    import json
+    h.install(monkeypatch, "10.3.0", raise_on_init=RuntimeError("cuInit: no CUDA driver"))
+    code = _hil_check().main([str(h.MODEL_DIR), "--engines", str(tmp_path), *HIL_ARGS])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 1 and report["ok"] is False
+    assert report["platform"] == {"error": "CUDA did not start (cuInit): cuInit: no CUDA driver"}
+    assert report["placement"]["decoder"]["device"] == "cpu"
+    assert report["placement"]["decoder"]["skipped"][0]["reason"].startswith("CUDA did not start (cuInit)")
+    assert report["kv_memory"] == {"skipped": "the decoder runs on cpu (CPUExecutionProvider), not on TensorRT"}
+
+
+def test_hil_check_compares_zero_copy_and_device_memory_for_the_kv_tensors(monkeypatch, tmp_path, capsys):
+    import json
+    fakes = h.install(monkeypatch, "10.3.0")
+    code = _hil_check().main([str(h.MODEL_DIR), "--engines", str(tmp_path), "--build", *HIL_ARGS])
+    out = capsys.readouterr().out
+    report = json.loads(out[out.index("{\n"):])
+    assert code == 0 and report["ok"] and report["placement"]["decoder"]["provider"] == "TensorRT 10.3.0 GPU"
+    kv = report["kv_memory"]
+    assert kv["past"] == 128 and set(kv["median_ms"]) == {"zero_copy", "device"}
+    assert kv["faster"] in ("zero_copy", "device")
+    assert fakes.memory.allocations["device"] > 0  # the device-memory way really ran with device buffers

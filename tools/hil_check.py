@@ -13,6 +13,11 @@ through both. Prints one JSON object:
     tiers.<tier>  accuracy of each side ("placed" as asked, "onnxruntime_cpu"), answers that agree, max |logit difference| of the
                   prefill step, median latency per stage (encode, prefill, decode) and device
     ok            every component runs on the first device asked for it
+    kv_memory     the decoder's KV tensors in zero-copy (mapped host) memory against device memory
+                  with copies: median ms per decode step at a long past, each way (Orin: measure,
+                  then choose; skipped when the decoder is not on TensorRT)
+
+A CUDA or TensorRT that will not start is reported (platform.error, placement.*.skipped), not raised.
 
 Exit status 0 when ok, 1 when a component fell back (the JSON says why), 2 on bad arguments.
 """
@@ -133,6 +138,39 @@ def check_tier(device_rt: Runtime, cpu_rt: Runtime, tier: str, seeds: range, max
     }
 
 
+def kv_memory(rt: Runtime, past: int = 128, steps: int = 20) -> dict:
+    """One decode step with `past` cached positions, timed with the decoder's buffers in zero-copy
+    memory and in device memory (the buffers made afresh each way), then put back as they were."""
+    decoder = rt.generator.decoder
+    engines = getattr(decoder, "engines", None)
+    if not engines:
+        return {"skipped": f"the decoder runs on {decoder.device} ({decoder.provider}), not on TensorRT"}
+    generator = rt.generator
+    past = min(past, rt.manifest.max_context - 2)
+    embeds = generator.embed_next([0])
+    mask = np.ones((1, past + 1), generator.mask_dtype)
+    cache = {name: np.zeros((1, generator.kv_shape[0], past, generator.kv_shape[1]), generator.kv_dtype)
+             for name in generator.past_names}
+    kept = [(engine, engine.zero_copy, engine.buffers) for engine in engines]
+    medians = {}
+    try:
+        for mode, zero_copy in (("zero_copy", True), ("device", False)):
+            times = []
+            for engine in engines:
+                engine.zero_copy, engine.buffers = zero_copy, {}
+            generator.step(embeds, mask, cache)  # allocates this way's buffers
+            for _ in range(steps):
+                started = time.perf_counter()
+                generator.step(embeds, mask, cache)
+                times.append((time.perf_counter() - started) * 1e3)
+            medians[mode] = round(statistics.median(times), 3)
+    finally:
+        for engine, zero_copy, buffers in kept:
+            engine.zero_copy, engine.buffers = zero_copy, buffers
+    return {"past": past, "steps": steps, "median_ms": medians,
+            "faster": min(medians, key=medians.get)}
+
+
 def platform_info() -> dict:
     try:
         from edgemm.engines.platform import probe
@@ -158,7 +196,7 @@ def main(argv=None) -> int:
     asked = {"vision_encoder": args.encoder[0], "embed_tokens": args.embed[0], "decoder": args.decoder[0]}
     ok = all(placement[c]["device"] == asked[c] for c in asked)
     report = {"model": device_rt.manifest.name, "precision": args.precision, "scenes": args.n,
-              "platform": platform_info(), "placement": placement, "ok": ok,
+              "platform": platform_info(), "placement": placement, "ok": ok, "kv_memory": kv_memory(device_rt),
               "tiers": {tier: check_tier(device_rt, cpu_rt, tier, seeds, args.max_new_tokens) for tier in tiers}}
     print(json.dumps(report, indent=1))
     return 0 if ok else 1
