@@ -119,7 +119,9 @@ class DecodingBatch:
     """Requests decoding together on one generator; they join and leave between steps.
 
     `finished(key, outcome)` is called for each request once, as soon as its answer ends
-    (a Generation) or fails (the exception), from the thread that calls join/step.
+    (a Generation) or fails (the exception), from the thread that calls join/step, always
+    through `_hand_over`: a subclass that puts answers in its own terms overrides that
+    (edgemm/answering.py's RequestBatch).
     """
 
     def __init__(self, gen: Generator, finished: Finished, steps_by_rows: Counter | None = None):

@@ -109,9 +109,9 @@ class Runtime:
     def decode(self, request: PreparedRequest, features: np.ndarray, on_token: TextCallback | None = None,
                cancelled: threading.Event | None = None) -> InferenceResult:
         """Stage 3 for one request, its features [1,N,D]: a decoding batch of one."""
-        outcome: list = []
-        batch = self.open_batch(request.route, lambda _key, result: outcome.append(result))
-        batch.join([(None, request, features, on_token, cancelled)])
+        outcome: list = [None]
+        batch = self.open_batch(request.route, outcome.__setitem__)
+        batch.join([(0, request, features, on_token, cancelled)])
         batch.run_to_end()
         if isinstance(outcome[0], Exception):
             raise outcome[0]
