@@ -69,7 +69,9 @@ class Answering:
         between steps (continuous batching, edgemm/decode.py). `finished(key, result or
         exception)` is called for each request as soon as its answer ends; decoder calls are
         counted by rows stepped together into `steps_by_rows` (a Counter) if given."""
-        return RequestBatch(self, self.models.generator_for(route), finished, steps_by_rows)
+        models = self.models  # no route (Runtime.infer): the first devices, without resolving it
+        return RequestBatch(self, models.generator if route is None else models.generator_for(route), finished,
+                            steps_by_rows)
 
     def result(self, request: PreparedRequest, generation: Generation, generator: Generator) -> InferenceResult:
         prompt = request.prompt
