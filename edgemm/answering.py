@@ -21,7 +21,7 @@ import numpy as np
 from edgemm.decode import BatchItem, DecodingBatch
 from edgemm.detokenize import TextCallback, TextStream
 from edgemm.encoding import Encoding
-from edgemm.generate import Generation, Generator, PrefixReuse
+from edgemm.generate import Generation, PrefixReuse
 from edgemm.loading import ModelComponents
 from edgemm.model.family import Family
 from edgemm.model.manifest import ModelManifest
@@ -60,46 +60,26 @@ Answered = Callable[[object, "InferenceResult | Exception"], None]  # (the calle
 
 
 class Answering:
+    """What stage 3 needs of the runtime: the decoders, the feature cache (for prompt
+    prefixes), the family's tokenizer and the model's name. RequestBatch does the work."""
+
     def __init__(self, models: ModelComponents, encoding: Encoding, adapter: Family, manifest: ModelManifest):
         self.models, self.encoding, self.adapter, self.manifest = models, encoding, adapter, manifest
-
-    def open_batch(self, route: Route | None, finished: Answered,
-                   steps_by_rows: Counter | None = None) -> "RequestBatch":
-        """An empty batch on the decoder `route` resolves to, that requests join and leave
-        between steps (continuous batching, edgemm/decode.py). `finished(key, result or
-        exception)` is called for each request as soon as its answer ends; decoder calls are
-        counted by rows stepped together into `steps_by_rows` (a Counter) if given."""
-        models = self.models  # no route (Runtime.infer): the first devices, without resolving it
-        return RequestBatch(self, models.generator if route is None else models.generator_for(route), finished,
-                            steps_by_rows)
-
-    def result(self, request: PreparedRequest, generation: Generation, generator: Generator) -> InferenceResult:
-        prompt = request.prompt
-        schedule = request.decision.to_dict() if request.decision else {}
-        if request.route is not None:
-            schedule["placement"] = request.route.reason
-        return InferenceResult(
-            text=self.adapter.decode(generation.tokens), tokens=generation.tokens,
-            finish_reason=generation.finish_reason, prompt_tokens=int(prompt.input_ids.shape[1]),
-            tier=request.tier.name, image_tokens=prompt.image_tokens, precision=self.models.precision,
-            devices={"encode": generator.encoder.device, "decode": generator.decoder.device},
-            timings_ms={**request.timings_ms, **generation.timings_ms}, model=self.manifest.name,
-            schedule=schedule,
-            prefix_reused=bool(generation.stats.get("prefix_reused")),
-            decode_batch=int(generation.stats.get("decode_batch", 1)),
-            decoder_steps=int(generation.stats.get("decoder_rows", 0)))
 
 
 class RequestBatch(DecodingBatch):
     """The decode loop in the runtime's terms: prepared requests and their features join,
     and each leaves as an InferenceResult (or its exception), handed to `finished(key, …)`
-    the moment its answer ends. It is the DecodingBatch itself, not a wrapper around one:
-    a batch is opened for every request, and each object and call between the caller and
-    the loop runs on the caches the encoder and the prefill left cold."""
+    the moment its answer ends; decoder calls are counted by rows stepped together into
+    `steps_by_rows` (a Counter) if given. It is the DecodingBatch itself, not a wrapper
+    around one: a batch is opened for every request, and each object and call between the
+    caller and the loop runs on the caches the encoder and the prefill left cold."""
 
-    def __init__(self, answering: Answering, generator: Generator, finished: Answered,
+    def __init__(self, answering: Answering, route: Route | None, finished: Answered,
                  steps_by_rows: Counter | None = None):
-        super().__init__(generator, finished, steps_by_rows)
+        models = answering.models  # no route (Runtime.infer): the first devices, without resolving it
+        DecodingBatch.__init__(self, models.generator if route is None else models.generator_for(route),
+                               finished, steps_by_rows)
         self.answering = answering
 
     def join(self, requests: list[Joining]) -> None:
@@ -116,17 +96,31 @@ class RequestBatch(DecodingBatch):
             prompt = request.prompt
             items.append(((key, request, stream), BatchItem(features, prompt.input_ids, prompt.image_positions,
                                                             request.options, stream, reuse, cancelled)))
-        super().join(items)
+        DecodingBatch.join(self, items)
 
     def _hand_over(self, key: tuple, outcome: Generation | Exception) -> None:
         """An answer ended: its Generation becomes the request's InferenceResult (a failure
-        to assemble it fails this request alone), and goes to the caller."""
+        to assemble it fails this request alone), which goes to the caller."""
         caller_key, request, stream = key
         if not isinstance(outcome, Exception):
             try:
-                outcome = self.answering.result(request, outcome, self.gen)
+                outcome = self._result(request, outcome)
                 if stream is not None:
                     stream.finish(outcome.text)
             except Exception as e:
                 outcome = e
-        super()._hand_over(caller_key, outcome)
+        DecodingBatch._hand_over(self, caller_key, outcome)
+
+    def _result(self, request: PreparedRequest, generation: Generation) -> InferenceResult:
+        answering, gen, prompt, stats = self.answering, self.gen, request.prompt, generation.stats
+        schedule = request.decision.to_dict() if request.decision else {}
+        if request.route is not None:
+            schedule["placement"] = request.route.reason
+        return InferenceResult(
+            text=answering.adapter.decode(generation.tokens), tokens=generation.tokens,
+            finish_reason=generation.finish_reason, prompt_tokens=int(prompt.input_ids.shape[1]),
+            tier=request.tier.name, image_tokens=prompt.image_tokens, precision=answering.models.precision,
+            devices={"encode": gen.encoder.device, "decode": gen.decoder.device},
+            timings_ms={**request.timings_ms, **generation.timings_ms}, model=answering.manifest.name,
+            schedule=schedule, prefix_reused=bool(stats.get("prefix_reused")),
+            decode_batch=int(stats.get("decode_batch", 1)), decoder_steps=int(stats.get("decoder_rows", 0)))
