@@ -205,7 +205,7 @@ class DecodingBatch:
         # one is (argmax lands on a NaN or +inf; all -inf stays -inf). Few numpy calls and
         # few objects per step: each one right after a decoder call runs on cold caches.
         best = self.logits.argmax(axis=-1).tolist()
-        top = self.logits.item
+        top, stop_ids = self.logits.item, self.stop_ids
         outcomes: list = []  # each answer's: the token its one row is fed, or what _regroup handles
         regroup = False
         start = 0  # the answer's first row
@@ -217,7 +217,24 @@ class DecodingBatch:
                 if not (isfinite(top(start, best[start])) if width == 1 else
                         all(isfinite(top(j, best[j])) for j in range(start, start + width))):
                     raise DecodeFailure("the decoder gave non-finite logits (NaN or inf) for this request")
-                outcome = self._next(a, start, best)
+                # a beam search steps by its own rules (edgemm/beams.py): its survivors, its end,
+                # or the offset of the row it collapses to, which then goes on greedily
+                offset = 0 if a.beams is None else self._next_beams(a, start)
+                if offset.__class__ is not int:
+                    outcome = offset
+                else:  # the answer's next token: greedy, or sampled from its own generator
+                    row = start + offset
+                    token = best[row] if a.rng is None else sample_token(self.logits[row], a.item.options, a.rng)
+                    if token in stop_ids:
+                        outcome = a.generation(a.tokens, "stop")
+                    else:
+                        a.tokens.append(token)
+                        if a.on_token is not None:
+                            a.on_token(token)
+                        if len(a.tokens) >= a.budget:
+                            outcome = a.generation(a.tokens, "length")
+                        else:  # it goes on: its one row fed this token, or (row offset, token)
+                            outcome = token if width == 1 else [(offset, token)]
             except Exception as e:  # this answer fails alone; the others go on
                 outcome = e
             if outcome.__class__ is int:  # the common case: its one row goes on
@@ -282,30 +299,9 @@ class DecodingBatch:
         while self.answers:
             self.step()
 
-    def _next(self, a: _Answer, start: int, best: list[int]) -> int | list[tuple[int, int]] | Generation:
-        """One answer's step, its rows starting at `start`: the token its one row is fed next,
-        or (row offset, token) for each of its rows that goes on when they change (beams),
-        or its Generation when it ends."""
-        offset = 0
-        if a.beams is not None:
-            outcome = self._next_beams(a, start)
-            if not isinstance(outcome, int):
-                return outcome
-            offset = outcome  # collapsed: that row goes on greedily
-        row = start + offset
-        token = best[row] if a.rng is None else sample_token(self.logits[row], a.item.options, a.rng)
-        if token in self.stop_ids:
-            return a.generation(a.tokens, "stop")
-        a.tokens.append(token)
-        if a.on_token is not None:
-            a.on_token(token)
-        if len(a.tokens) >= a.budget:
-            return a.generation(a.tokens, "length")
-        return token if a.width == 1 else [(offset, token)]
-
     def _next_beams(self, a: _Answer, start: int) -> list[tuple[int, int]] | Generation | int:
         """A beam search's step (edgemm/beams.py): its survivors, its end, or the offset of
-        the row it collapses to (which then goes on greedily in `_next`)."""
+        the row it collapses to (which then goes on greedily in `step`)."""
         beams, options = a.beams, a.item.options
         logits = self.logits[start:start + a.width]
         while True:  # at most twice: a step where every continuation stopped ends at the top
