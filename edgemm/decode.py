@@ -358,7 +358,8 @@ class DecodingBatch:
 
     def _hand_over(self, key: Any, outcome: Generation | Exception) -> None:
         """The caller's callback; its own failure must not stop the loop for the others."""
-        self._count_calls()
+        if self._calls:  # (checked here: a call that does nothing still costs on cold caches)
+            self._count_calls()
         try:
             self.finished(key, outcome)
         except Exception:
@@ -393,7 +394,8 @@ class DecodingBatch:
         that are padding for every row left are cut, so that a batch joined again and
         again never grows past its longest live row."""
         if not gather:  # the batch is empty: nothing to copy (no numpy call on the hot path's cold caches)
-            self._count_calls()
+            if self._calls:
+                self._count_calls()
             self.feeds, self.rows, self.width, self._padding = {}, 0, 0, None
             self.logits = self._mask = self._positions = _EMPTY_2D
             return
@@ -441,7 +443,8 @@ class DecodingBatch:
         """The mask and the position table of rows with `padding` [R] (None: one row without
         any), for `width` columns in use and `spare` more: a token in column c of row j
         has position c - padding[j], and the mask is 1 from there on."""
-        self._count_calls()  # for the rows before
+        if self._calls:  # for the rows before
+            self._count_calls()
         self.width, capacity = width, width + spare
         self._padding = padding
         if padding is None:  # the shared tables whole: their capacity is at least ours
