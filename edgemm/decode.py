@@ -107,12 +107,13 @@ class _Answer:
     beam_steps: int = 0
     collapsed_at: int | None = None
 
-    def generation(self, tokens: list[int], reason: str) -> Generation:
+    def generation(self, reason: str) -> Generation:
+        """Its outcome as it ends; its token list goes with it (the answer leaves the batch)."""
         stats = {"decoder_rows": self.rows_stepped, "prefix_reused": self.reused, "decode_batch": self.peers}
         if self.item.options.num_beams > 1:
             stats.update(beam_steps=self.beam_steps, collapsed_at=self.collapsed_at)
-        return Generation(list(tokens), reason, {"prefill": self.prefill_ms,
-                                                 "decode": (time.perf_counter() - self.joined) * 1e3}, stats)
+        return Generation(self.tokens, reason, {"prefill": self.prefill_ms,
+                                                "decode": (time.perf_counter() - self.joined) * 1e3}, stats)
 
 
 class DecodingBatch:
@@ -124,6 +125,19 @@ class DecodingBatch:
     (edgemm/answering.py's RequestBatch).
     """
 
+    # the rows' state, an empty batch's as class attributes (a batch is opened for every
+    # request): each row's cache is left-padded to `width` columns, row j's first
+    # `_padding[j]` being padding (None: a lone row, which has none). From the padding come
+    # the mask and the position table, both with spare columns, so that a step only takes
+    # views (see _lay_out)
+    rows = 0  # decoder rows in use: one per answer, a beam search's live beams
+    width = 0
+    logits = _EMPTY_2D  # [R, V]: each row's next-token logits
+    _padding: np.ndarray | None = None
+    _mask = _EMPTY_2D  # [R, capacity]: 0 over each row's padding, 1 after
+    _positions = _EMPTY_2D  # [capacity, R, 1]: the position id of a token in each column
+    _calls = 0  # decoder calls on the current rows, not yet in _steps_by_rows
+
     def __init__(self, gen: Generator, finished: Finished, steps_by_rows: Counter | None = None):
         """`steps_by_rows`: where to count decoder calls by rows stepped together (the
         caller's running tally). It is brought up to date whenever the rows change and
@@ -132,22 +146,11 @@ class DecodingBatch:
         self.gen, self.finished = gen, finished
         self.stop_ids = gen.stop_ids
         self.answers: list[_Answer] = []
-        self.logits = _EMPTY_2D  # [R, V]: each row's next-token logits
         # the decoder's feeds between steps: the KV cache ([R, heads, T, head_dim] per layer,
         # left-padded) and the graph's optional inputs; each step takes the new cache in place
         self.feeds: dict[str, np.ndarray] = {}
-        # each row's cache is left-padded to `width` columns, row j's first `_padding[j]`
-        # being padding (None: a lone row, which has none). From the padding come the mask
-        # and the position table, both with spare columns, so that a step only takes views
-        # (see _lay_out)
-        self.rows = 0  # decoder rows in use: one per answer, a beam search's live beams
-        self.width = 0
-        self._padding: np.ndarray | None = None
-        self._mask = _EMPTY_2D  # [R, capacity]: 0 over each row's padding, 1 after
-        self._positions = _EMPTY_2D  # [capacity, R, 1]: the position id of a token in each column
         # the caller's Counter, or a plain dict of its own (a Counter costs more to make)
         self._steps_by_rows: dict[int, int] = {} if steps_by_rows is None else steps_by_rows
-        self._calls = 0  # decoder calls on the current rows, not yet in _steps_by_rows
 
     def __len__(self) -> int:
         return len(self.answers)
@@ -226,13 +229,13 @@ class DecodingBatch:
                     row = start + offset
                     token = best[row] if a.rng is None else sample_token(self.logits[row], a.item.options, a.rng)
                     if token in stop_ids:
-                        outcome = a.generation(a.tokens, "stop")
+                        outcome = a.generation("stop")
                     else:
                         a.tokens.append(token)
                         if a.on_token is not None:
                             a.on_token(token)
                         if len(a.tokens) >= a.budget:
-                            outcome = a.generation(a.tokens, "length")
+                            outcome = a.generation("length")
                         else:  # it goes on: its one row fed this token, or (row offset, token)
                             outcome = token if width == 1 else [(offset, token)]
             except Exception as e:  # this answer fails alone; the others go on
@@ -329,7 +332,7 @@ class DecodingBatch:
 
     def _beams_end(self, a: _Answer, tokens: list[int], reason: str) -> Generation:
         self._commit(a, tokens)
-        return a.generation(a.tokens, reason)
+        return a.generation(reason)
 
     def _commit(self, a: _Answer, tokens: list[int]) -> None:
         """The search settled on `tokens`: they become the answer's, and go to its callback."""
