@@ -196,8 +196,9 @@ class DecodingBatch:
             if a.item.options.num_beams > 1:
                 a.beams = Beams([[]], np.zeros(1))
         self._merge(answers, logits[0] if len(logits) == 1 else np.concatenate(logits), pasts)
-        for a in self.answers:
-            a.peers = max(a.peers, len(self.answers))
+        if len(self.answers) > 1:  # (a lone answer's peers are itself)
+            for a in self.answers:
+                a.peers = max(a.peers, len(self.answers))
 
     # ---- the step ------------------------------------------------------------------------
 
@@ -207,7 +208,7 @@ class DecodingBatch:
         # the greedy token of every row in one pass; a row's logits are finite if its top
         # one is (argmax lands on a NaN or +inf; all -inf stays -inf). Few numpy calls and
         # few objects per step: each one right after a decoder call runs on cold caches.
-        best = self.logits.argmax(axis=-1).tolist()
+        best = self.logits.argmax(1).tolist()
         top, stop_ids = self.logits.item, self.stop_ids
         outcomes: list = []  # each answer's: the token its one row is fed, or what _regroup handles
         regroup = False
@@ -529,7 +530,7 @@ def _prefill(gen: Generator, items: list[tuple[Any, BatchItem]],
             # rows whose logits are not finite, by the step's rule: argmax lands on a NaN or
             # +inf (ndarray.argmax is all C; max() goes through numpy's Python wrappers, which
             # cost tens of µs on the caches the decoder call left cold)
-            broken = [j for j, top in enumerate(out.argmax(axis=-1).tolist()) if not isfinite(out.item(j, top))]
+            broken = [j for j, top in enumerate(out.argmax(1).tolist()) if not isfinite(out.item(j, top))]
         except Exception as e:  # the shared call failed: so does each of its requests
             for key, *_ in group:
                 failed(key, e)
