@@ -1,8 +1,9 @@
 """Stage 3, answering: prepared requests and their image features become answers.
 
     PreparedRequest + features [1,N,D] ─► RequestBatch.join ─► the decode loop
-        (edgemm/decode.py: prefill, then one decoder call per step for every row)
-        ─► Generation ─► InferenceResult (text, tier, devices, timings) ─► finished(key, …)
+        (a RequestBatch is a DecodingBatch, edgemm/decode.py: prefill, then one decoder
+        call per step for every row) ─► Generation ─► InferenceResult (text, tier,
+        devices, timings) ─► finished(key, …)
 
 Requests join and leave a batch between steps; a lone request is a batch of one.
 Streamed requests get the text each token adds (edgemm/detokenize.py); the image's
@@ -20,7 +21,7 @@ import numpy as np
 from edgemm.decode import BatchItem, DecodingBatch
 from edgemm.detokenize import TextCallback, TextStream
 from edgemm.encoding import Encoding
-from edgemm.generate import Generation, Generator, PrefixReuse
+from edgemm.generate import Generation, PrefixReuse
 from edgemm.loading import ModelComponents
 from edgemm.model.family import Family
 from edgemm.model.manifest import ModelManifest
@@ -61,96 +62,75 @@ Answered = Callable[[object, "InferenceResult | Exception"], None]  # (the calle
 
 
 class Answering:
+    """What stage 3 needs of the runtime: the decoders, the feature cache (for prompt
+    prefixes), the family's tokenizer and the model's name. RequestBatch does the work."""
+
     def __init__(self, models: ModelComponents, encoding: Encoding, adapter: Family, manifest: ModelManifest):
         self.models, self.encoding, self.adapter, self.manifest = models, encoding, adapter, manifest
-
-    def open_batch(self, route: Route | None, finished: Answered,
-                   steps_by_rows: Counter | None = None) -> "RequestBatch":
-        """An empty batch on the decoder `route` resolves to, that requests join and leave
-        between steps (continuous batching, edgemm/decode.py). `finished(key, result or
-        exception)` is called for each request as soon as its answer ends; decoder calls are
-        counted by rows stepped together into `steps_by_rows` (a Counter) if given."""
-        generator = self.models.generator_for(route)
-
-        def done(key, outcome) -> None:
-            caller_key, request, stream = key
-            if not isinstance(outcome, Exception):
-                try:
-                    outcome = self.result(request, outcome, generator)
-                    if stream is not None:
-                        stream.finish(outcome.text)
-                except Exception as e:  # assembling the answer failed: this request alone
-                    outcome = e
-            finished(caller_key, outcome)
-        return RequestBatch(self, DecodingBatch(generator, done, steps_by_rows))
-
-    def prefix_reuse(self, request: PreparedRequest) -> PrefixReuse | None:
-        cache = self.encoding.cache
-        if cache is None or request.cache_key is None:
-            return None
-        return PrefixReuse(cache, request.cache_key)
-
-    def result(self, request: PreparedRequest, generation: Generation, generator: Generator) -> InferenceResult:
-        prompt = request.prompt
-        schedule = request.decision.to_dict() if request.decision else {}
-        reasons = [request.route.reason] if request.route is not None else []
         # a component that did not load on the first device of its list, and why (CUDA that would
-        # not start, a missing engine …): the answer says where it ran instead
-        reasons += [f"{name} on {p.device} ({'; '.join(f'{device}: {why}' for device, why in p.skipped)})"
-                    for name, p in self.models.placements.items() if p.skipped]
-        if reasons:
-            schedule["placement"] = "; ".join(reasons)
-        return InferenceResult(
-            text=self.adapter.decode(generation.tokens), tokens=generation.tokens,
-            finish_reason=generation.finish_reason, prompt_tokens=int(prompt.input_ids.shape[1]),
-            tier=request.tier.name, image_tokens=prompt.image_tokens, precision=self.models.precision,
-            devices={"encode": generator.encoder.device, "decode": generator.decoder.device},
-            timings_ms={**request.timings_ms, **generation.timings_ms}, model=self.manifest.name,
-            schedule=schedule,
-            prefix_reused=bool(generation.stats.get("prefix_reused")),
-            decode_batch=int(generation.stats.get("decode_batch", 1)),
-            decoder_steps=int(generation.stats.get("decoder_rows", 0)),
-            warnings=list(request.warnings))
+        # not start, a missing engine …): every answer says where it ran instead
+        self.placement_notes = [f"{name} on {p.device} ({'; '.join(f'{device}: {why}' for device, why in p.skipped)})"
+                                for name, p in models.placements.items() if p.skipped]
 
 
-class RequestBatch:
-    """A DecodingBatch in the runtime's terms: prepared requests and their features in,
-    InferenceResults out (through the `finished` callback of Answering.open_batch)."""
+class RequestBatch(DecodingBatch):
+    """The decode loop in the runtime's terms: prepared requests and their features join,
+    and each leaves as an InferenceResult (or its exception), handed to `finished(key, …)`
+    the moment its answer ends; decoder calls are counted by rows stepped together into
+    `steps_by_rows` (a Counter) if given. It is the DecodingBatch itself, not a wrapper
+    around one: a batch is opened for every request, and each object and call between the
+    caller and the loop runs on the caches the encoder and the prefill left cold."""
 
-    def __init__(self, answering: Answering, batch: DecodingBatch):
-        self.answering, self.batch = answering, batch
-
-    def __len__(self) -> int:
-        return len(self.batch)
-
-    @property
-    def rows(self) -> int:
-        """Decoder rows in use (a beam search holds several)."""
-        return self.batch.rows
-
-    @property
-    def steps_by_rows(self) -> Counter:
-        """Rows stepped together → decoder calls, so far."""
-        return self.batch.steps_by_rows
+    def __init__(self, answering: Answering, route: Route | None, finished: Answered,
+                 steps_by_rows: Counter | None = None):
+        models = answering.models  # no route (Runtime.infer): the first devices, without resolving it
+        DecodingBatch.__init__(self, models.generator if route is None else models.generator_for(route),
+                               finished, steps_by_rows)
+        self.answering = answering
 
     def join(self, requests: list[Joining]) -> None:
         """(key, request, its features [1,N,D], on_token or None, cancel flag or None) each;
         prefilled and added. `on_token(token_id, new_text)` gets the text each token adds
         (edgemm/detokenize.py): only requests that stream pay for detokenizing."""
-        answering = self.answering
+        tokenizer, cache = self.answering.adapter.tokenizer, self.answering.encoding.cache
         items = []
         for key, request, features, on_token, cancelled in requests:
-            stream = TextStream(answering.adapter.tokenizer, on_token) if on_token is not None else None
-            items.append(((key, request, stream),
-                          BatchItem(features, request.prompt.input_ids, request.prompt.image_positions,
-                                    request.options, stream, answering.prefix_reuse(request), cancelled)))
-        self.batch.join(items)
+            stream = TextStream(tokenizer, on_token) if on_token is not None else None
+            # the image's prompt prefix is kept in, and reused from, the feature cache
+            reuse = PrefixReuse(cache, request.cache_key) if cache is not None and request.cache_key is not None \
+                else None
+            prompt = request.prompt
+            items.append(((key, request, stream), BatchItem(features, prompt.input_ids, prompt.image_positions,
+                                                            request.options, stream, reuse, cancelled)))
+        DecodingBatch.join(self, items)
 
-    def step(self) -> None:
-        self.batch.step()
+    def _hand_over(self, key: tuple, outcome: Generation | Exception) -> None:
+        """An answer ended: its Generation becomes the request's InferenceResult (a failure
+        to assemble it fails this request alone), which goes to the caller."""
+        caller_key, request, stream = key
+        if not isinstance(outcome, Exception):
+            try:
+                outcome = self._result(request, outcome)
+                if stream is not None:
+                    stream.finish(outcome.text)
+            except Exception as e:
+                outcome = e
+        DecodingBatch._hand_over(self, caller_key, outcome)
 
-    def run_to_end(self) -> None:
-        self.batch.run_to_end()
-
-    def progress(self) -> list[tuple[int, int]]:
-        return self.batch.progress()
+    def _result(self, request: PreparedRequest, generation: Generation) -> InferenceResult:
+        answering, gen, prompt, stats = self.answering, self.gen, request.prompt, generation.stats
+        schedule = request.decision.to_dict() if request.decision else {}
+        reasons = [request.route.reason] if request.route is not None else []
+        if answering.placement_notes:
+            reasons += answering.placement_notes
+        if reasons:
+            schedule["placement"] = "; ".join(reasons)
+        return InferenceResult(
+            text=answering.adapter.decode(generation.tokens), tokens=generation.tokens,
+            finish_reason=generation.finish_reason, prompt_tokens=int(prompt.input_ids.shape[1]),
+            tier=request.tier.name, image_tokens=prompt.image_tokens, precision=answering.models.precision,
+            devices={"encode": gen.encoder.device, "decode": gen.decoder.device},
+            timings_ms={**request.timings_ms, **generation.timings_ms}, model=answering.manifest.name,
+            schedule=schedule, prefix_reused=bool(stats.get("prefix_reused")),
+            decode_batch=int(stats.get("decode_batch", 1)), decoder_steps=int(stats.get("decoder_rows", 0)),
+            warnings=list(request.warnings))

@@ -107,20 +107,36 @@ class _Answer:
     beam_steps: int = 0
     collapsed_at: int | None = None
 
-    def generation(self, tokens: list[int], reason: str) -> Generation:
+    def generation(self, reason: str) -> Generation:
+        """Its outcome as it ends; its token list goes with it (the answer leaves the batch)."""
         stats = {"decoder_rows": self.rows_stepped, "prefix_reused": self.reused, "decode_batch": self.peers}
         if self.item.options.num_beams > 1:
             stats.update(beam_steps=self.beam_steps, collapsed_at=self.collapsed_at)
-        return Generation(list(tokens), reason, {"prefill": self.prefill_ms,
-                                                 "decode": (time.perf_counter() - self.joined) * 1e3}, stats)
+        return Generation(self.tokens, reason, {"prefill": self.prefill_ms,
+                                                "decode": (time.perf_counter() - self.joined) * 1e3}, stats)
 
 
 class DecodingBatch:
     """Requests decoding together on one generator; they join and leave between steps.
 
     `finished(key, outcome)` is called for each request once, as soon as its answer ends
-    (a Generation) or fails (the exception), from the thread that calls join/step.
+    (a Generation) or fails (the exception), from the thread that calls join/step, always
+    through `_hand_over`: a subclass that puts answers in its own terms overrides that
+    (edgemm/answering.py's RequestBatch).
     """
+
+    # the rows' state, an empty batch's as class attributes (a batch is opened for every
+    # request): each row's cache is left-padded to `width` columns, row j's first
+    # `_padding[j]` being padding (None: a lone row, which has none). From the padding come
+    # the mask and the position table, both with spare columns, so that a step only takes
+    # views (see _lay_out)
+    rows = 0  # decoder rows in use: one per answer, a beam search's live beams
+    width = 0
+    logits = _EMPTY_2D  # [R, V]: each row's next-token logits
+    _padding: np.ndarray | None = None
+    _mask = _EMPTY_2D  # [R, capacity]: 0 over each row's padding, 1 after
+    _positions = _EMPTY_2D  # [capacity, R, 1]: the position id of a token in each column
+    _calls = 0  # decoder calls on the current rows, not yet in _steps_by_rows
 
     def __init__(self, gen: Generator, finished: Finished, steps_by_rows: Counter | None = None):
         """`steps_by_rows`: where to count decoder calls by rows stepped together (the
@@ -130,22 +146,11 @@ class DecodingBatch:
         self.gen, self.finished = gen, finished
         self.stop_ids = gen.stop_ids
         self.answers: list[_Answer] = []
-        self.logits = _EMPTY_2D  # [R, V]: each row's next-token logits
         # the decoder's feeds between steps: the KV cache ([R, heads, T, head_dim] per layer,
         # left-padded) and the graph's optional inputs; each step takes the new cache in place
         self.feeds: dict[str, np.ndarray] = {}
-        # each row's cache is left-padded to `width` columns, row j's first `_padding[j]`
-        # being padding (None: a lone row, which has none). From the padding come the mask
-        # and the position table, both with spare columns, so that a step only takes views
-        # (see _lay_out)
-        self.rows = 0  # decoder rows in use: one per answer, a beam search's live beams
-        self.width = 0
-        self._padding: np.ndarray | None = None
-        self._mask = _EMPTY_2D  # [R, capacity]: 0 over each row's padding, 1 after
-        self._positions = _EMPTY_2D  # [capacity, R, 1]: the position id of a token in each column
         # the caller's Counter, or a plain dict of its own (a Counter costs more to make)
         self._steps_by_rows: dict[int, int] = {} if steps_by_rows is None else steps_by_rows
-        self._calls = 0  # decoder calls on the current rows, not yet in _steps_by_rows
 
     def __len__(self) -> int:
         return len(self.answers)
@@ -191,8 +196,9 @@ class DecodingBatch:
             if a.item.options.num_beams > 1:
                 a.beams = Beams([[]], np.zeros(1))
         self._merge(answers, logits[0] if len(logits) == 1 else np.concatenate(logits), pasts)
-        for a in self.answers:
-            a.peers = max(a.peers, len(self.answers))
+        if len(self.answers) > 1:  # (a lone answer's peers are itself)
+            for a in self.answers:
+                a.peers = max(a.peers, len(self.answers))
 
     # ---- the step ------------------------------------------------------------------------
 
@@ -202,8 +208,8 @@ class DecodingBatch:
         # the greedy token of every row in one pass; a row's logits are finite if its top
         # one is (argmax lands on a NaN or +inf; all -inf stays -inf). Few numpy calls and
         # few objects per step: each one right after a decoder call runs on cold caches.
-        best = self.logits.argmax(axis=-1).tolist()
-        top = self.logits.item
+        best = self.logits.argmax(1).tolist()
+        top, stop_ids = self.logits.item, self.stop_ids
         outcomes: list = []  # each answer's: the token its one row is fed, or what _regroup handles
         regroup = False
         start = 0  # the answer's first row
@@ -215,7 +221,24 @@ class DecodingBatch:
                 if not (isfinite(top(start, best[start])) if width == 1 else
                         all(isfinite(top(j, best[j])) for j in range(start, start + width))):
                     raise DecodeFailure("the decoder gave non-finite logits (NaN or inf) for this request")
-                outcome = self._next(a, start, best)
+                # a beam search steps by its own rules (edgemm/beams.py): its survivors, its end,
+                # or the offset of the row it collapses to, which then goes on greedily
+                offset = 0 if a.beams is None else self._next_beams(a, start)
+                if offset.__class__ is not int:
+                    outcome = offset
+                else:  # the answer's next token: greedy, or sampled from its own generator
+                    row = start + offset
+                    token = best[row] if a.rng is None else sample_token(self.logits[row], a.item.options, a.rng)
+                    if token in stop_ids:
+                        outcome = a.generation("stop")
+                    else:
+                        a.tokens.append(token)
+                        if a.on_token is not None:
+                            a.on_token(token)
+                        if len(a.tokens) >= a.budget:
+                            outcome = a.generation("length")
+                        else:  # it goes on: its one row fed this token, or (row offset, token)
+                            outcome = token if width == 1 else [(offset, token)]
             except Exception as e:  # this answer fails alone; the others go on
                 outcome = e
             if outcome.__class__ is int:  # the common case: its one row goes on
@@ -280,30 +303,9 @@ class DecodingBatch:
         while self.answers:
             self.step()
 
-    def _next(self, a: _Answer, start: int, best: list[int]) -> int | list[tuple[int, int]] | Generation:
-        """One answer's step, its rows starting at `start`: the token its one row is fed next,
-        or (row offset, token) for each of its rows that goes on when they change (beams),
-        or its Generation when it ends."""
-        offset = 0
-        if a.beams is not None:
-            outcome = self._next_beams(a, start)
-            if not isinstance(outcome, int):
-                return outcome
-            offset = outcome  # collapsed: that row goes on greedily
-        row = start + offset
-        token = best[row] if a.rng is None else sample_token(self.logits[row], a.item.options, a.rng)
-        if token in self.stop_ids:
-            return a.generation(a.tokens, "stop")
-        a.tokens.append(token)
-        if a.on_token is not None:
-            a.on_token(token)
-        if len(a.tokens) >= a.budget:
-            return a.generation(a.tokens, "length")
-        return token if a.width == 1 else [(offset, token)]
-
     def _next_beams(self, a: _Answer, start: int) -> list[tuple[int, int]] | Generation | int:
         """A beam search's step (edgemm/beams.py): its survivors, its end, or the offset of
-        the row it collapses to (which then goes on greedily in `_next`)."""
+        the row it collapses to (which then goes on greedily in `step`)."""
         beams, options = a.beams, a.item.options
         logits = self.logits[start:start + a.width]
         while True:  # at most twice: a step where every continuation stopped ends at the top
@@ -331,7 +333,7 @@ class DecodingBatch:
 
     def _beams_end(self, a: _Answer, tokens: list[int], reason: str) -> Generation:
         self._commit(a, tokens)
-        return a.generation(a.tokens, reason)
+        return a.generation(reason)
 
     def _commit(self, a: _Answer, tokens: list[int]) -> None:
         """The search settled on `tokens`: they become the answer's, and go to its callback."""
@@ -360,7 +362,8 @@ class DecodingBatch:
 
     def _hand_over(self, key: Any, outcome: Generation | Exception) -> None:
         """The caller's callback; its own failure must not stop the loop for the others."""
-        self._count_calls()
+        if self._calls:  # (checked here: a call that does nothing still costs on cold caches)
+            self._count_calls()
         try:
             self.finished(key, outcome)
         except Exception:
@@ -395,7 +398,8 @@ class DecodingBatch:
         that are padding for every row left are cut, so that a batch joined again and
         again never grows past its longest live row."""
         if not gather:  # the batch is empty: nothing to copy (no numpy call on the hot path's cold caches)
-            self._count_calls()
+            if self._calls:
+                self._count_calls()
             self.feeds, self.rows, self.width, self._padding = {}, 0, 0, None
             self.logits = self._mask = self._positions = _EMPTY_2D
             return
@@ -443,7 +447,8 @@ class DecodingBatch:
         """The mask and the position table of rows with `padding` [R] (None: one row without
         any), for `width` columns in use and `spare` more: a token in column c of row j
         has position c - padding[j], and the mask is 1 from there on."""
-        self._count_calls()  # for the rows before
+        if self._calls:  # for the rows before
+            self._count_calls()
         self.width, capacity = width, width + spare
         self._padding = padding
         if padding is None:  # the shared tables whole: their capacity is at least ours
@@ -522,10 +527,10 @@ def _prefill(gen: Generator, items: list[tuple[Any, BatchItem]],
             if len(group) > 1:
                 positions = np.repeat(positions, len(group), axis=0)
             out, past = gen.step(embeds, _ones(gen, len(group), length), gen.empty_past(len(group)), positions)
-            # rows whose logits are not finite (NaN and +inf come out on top): one reduction
-            # for the whole group when none is
-            broken = () if isfinite(out.max()) else \
-                [j for j, top in enumerate(out.max(axis=-1).tolist()) if not isfinite(top)]
+            # rows whose logits are not finite, by the step's rule: argmax lands on a NaN or
+            # +inf (ndarray.argmax is all C; max() goes through numpy's Python wrappers, which
+            # cost tens of µs on the caches the decoder call left cold)
+            broken = [j for j, top in enumerate(out.argmax(1).tolist()) if not isfinite(out.item(j, top))]
         except Exception as e:  # the shared call failed: so does each of its requests
             for key, *_ in group:
                 failed(key, e)

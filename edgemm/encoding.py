@@ -35,7 +35,8 @@ class Encoding:
         With the feature cache on, only the images it doesn't hold reach the encoder.
         `keys` are the images' cache keys when already computed (PreparedRequest.cache_key).
         """
-        generator = self.models.generator_for(route)
+        models = self.models  # no route (Runtime.infer): the first devices, without resolving it
+        generator = models.generator if route is None else models.generator_for(route)
         if self.cache is None:
             return generator.encode(pixel_values)
         if keys is None or any(k is None for k in keys):

@@ -115,15 +115,18 @@ class Runtime:
 
     def open_batch(self, route: Route | None, finished: Answered,
                    steps_by_rows: Counter | None = None) -> RequestBatch:
-        """Stage 3 (edgemm/answering.py): a decoding batch that requests join and leave."""
-        return self.answering.open_batch(route, finished, steps_by_rows)
+        """Stage 3 (edgemm/answering.py): a decoding batch on the decoder `route` resolves to,
+        that requests join and leave between steps (continuous batching, edgemm/decode.py).
+        `finished(key, result or exception)` is called for each request as soon as its answer
+        ends; decoder calls are counted by rows stepped together into `steps_by_rows`."""
+        return RequestBatch(self.answering, route, finished, steps_by_rows)
 
     def decode(self, request: PreparedRequest, features: np.ndarray, on_token: TextCallback | None = None,
                cancelled: threading.Event | None = None) -> InferenceResult:
         """Stage 3 for one request, its features [1,N,D]: a decoding batch of one."""
-        outcome: list = []
-        batch = self.open_batch(request.route, lambda _key, result: outcome.append(result))
-        batch.join([(None, request, features, on_token, cancelled)])
+        outcome: list = [None]
+        batch = self.open_batch(request.route, outcome.__setitem__)
+        batch.join([(0, request, features, on_token, cancelled)])
         batch.run_to_end()
         if isinstance(outcome[0], Exception):
             raise outcome[0]
