@@ -29,6 +29,8 @@ the pixel limit) is a `SourceUnusable`; everything else may go away by itself.
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import functools
 import glob
 import logging
@@ -338,27 +340,46 @@ def gstreamer_available() -> bool:
 @functools.lru_cache(maxsize=64)
 def gstreamer_element_exists(name: str) -> bool | None:
     """Whether GStreamer has the element `name` (e.g. nvarguscamerasrc); None if this
-    machine has no way to ask (no gst-inspect-1.0, no PyGObject): the open then decides.
+    machine has no way to ask (no libgstreamer, no gst-inspect-1.0): the open then decides.
 
-    OpenCV only says "could not open" when an element is missing, with the cause in its
-    log; asking GStreamer's registry first gives the user the real cause.
+    Asked before OpenCV opens a pipeline: OpenCV only says "could not open" when an
+    element is missing, with the cause in its log, and OpenCV 4.6 (Debian 12's) never
+    returns from opening the CSI pipeline without nvarguscamerasrc.
     """
+    registry = _gstreamer_registry()
+    if registry is not None:
+        factory = registry.gst_element_factory_find(name.encode())
+        if factory:
+            registry.gst_object_unref(factory)
+        return bool(factory)
     tool = shutil.which("gst-inspect-1.0")
-    if tool is not None:
-        try:
-            return subprocess.run([tool, "--exists", name], stdin=subprocess.DEVNULL,
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                  timeout=GST_INSPECT_TIMEOUT_S).returncode == 0
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-    try:
-        import gi
-        gi.require_version("Gst", "1.0")
-        from gi.repository import Gst
-    except (ImportError, ValueError):
+    if tool is None:
         return None
-    initialised, _ = Gst.init_check(None)
-    return Gst.ElementFactory.find(name) is not None if initialised else None
+    try:
+        return subprocess.run([tool, "--exists", name], stdin=subprocess.DEVNULL,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              timeout=GST_INSPECT_TIMEOUT_S).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+@functools.lru_cache(maxsize=1)
+def _gstreamer_registry() -> Any | None:
+    """libgstreamer-1.0, initialised, through ctypes: the library OpenCV's GStreamer backend
+    uses, in this process, so it sees the same plugins (None if it cannot be loaded)."""
+    path = ctypes.util.find_library("gstreamer-1.0")
+    if path is None:
+        return None
+    try:
+        library = ctypes.CDLL(path)
+        library.gst_init_check.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        library.gst_init_check.restype = ctypes.c_int
+        library.gst_element_factory_find.argtypes = [ctypes.c_char_p]
+        library.gst_element_factory_find.restype = ctypes.c_void_p
+        library.gst_object_unref.argtypes = [ctypes.c_void_p]
+    except (OSError, AttributeError):
+        return None
+    return library if library.gst_init_check(None, None, None) else None
 
 
 def pipeline_elements(pipeline: str) -> list[str]:

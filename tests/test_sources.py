@@ -5,6 +5,7 @@ written into tmp_path, and clocks and sleeps are injected.
 """
 from __future__ import annotations
 
+import ctypes.util
 import os
 import shutil
 import threading
@@ -591,11 +592,35 @@ def test_csi_whose_pipeline_cannot_be_built_is_unusable(monkeypatch):
         open_source("rtsp://cam/x?backend=gstreamer").open()
 
 
-@pytest.mark.skipif(shutil.which("gst-inspect-1.0") is None, reason="needs GStreamer's gst-inspect-1.0")
+@pytest.mark.skipif(ctypes.util.find_library("gstreamer-1.0") is None, reason="needs libgstreamer-1.0")
 def test_gstreamer_element_exists_asks_the_real_registry():
     sources.gstreamer_element_exists.cache_clear()
-    assert sources.gstreamer_element_exists("fakesrc") is True  # in GStreamer's core
-    assert sources.gstreamer_element_exists("nvarguscamerasrc-nowhere") is False
+    try:
+        assert sources.gstreamer_element_exists("fakesrc") is True  # in GStreamer's core
+        assert sources.gstreamer_element_exists("nvarguscamerasrc-nowhere") is False
+    finally:
+        sources.gstreamer_element_exists.cache_clear()
+
+
+@pytest.mark.skipif(shutil.which("gst-inspect-1.0") is None, reason="needs GStreamer's gst-inspect-1.0")
+def test_gstreamer_element_exists_without_the_library_asks_gst_inspect(monkeypatch):
+    monkeypatch.setattr(sources, "_gstreamer_registry", lambda: None)
+    sources.gstreamer_element_exists.cache_clear()
+    try:
+        assert sources.gstreamer_element_exists("fakesrc") is True
+        assert sources.gstreamer_element_exists("nvarguscamerasrc-nowhere") is False
+    finally:
+        sources.gstreamer_element_exists.cache_clear()
+
+
+def test_gstreamer_element_exists_says_none_when_nobody_can_tell(monkeypatch):
+    monkeypatch.setattr(sources, "_gstreamer_registry", lambda: None)
+    monkeypatch.setattr(sources.shutil, "which", lambda name: None)
+    sources.gstreamer_element_exists.cache_clear()
+    try:
+        assert sources.gstreamer_element_exists("nvarguscamerasrc") is None
+    finally:
+        sources.gstreamer_element_exists.cache_clear()
 
 
 def test_without_gstreamer_csi_is_unusable(no_gstreamer):
