@@ -20,6 +20,9 @@ from test_server import assert_error, metric, raw_client, running, sock_path, sy
 
 import edgemm.streams
 from edgemm import sources
+from edgemm.config import load_config
+from edgemm.daemon import Daemon
+from edgemm.errors import InputError
 from edgemm.sources import CaptureSource
 
 NEVER_OPENS = "rtsp://127.0.0.1:1/x"  # nothing listens on port 1: every open is refused
@@ -141,3 +144,14 @@ def test_stream_events_carry_sse_ids_in_order(runtime):
                         break
         assert len(ids) == 3 and ids == list(range(ids[0], ids[0] + 3)) and ids[0] >= 1
         assert all(r["stream"] == "synth" and "frame" in r for r in records)
+
+
+def test_a_configured_synthetic_size_over_the_pixel_limit_fails_the_start(runtime, tmp_path):
+    cfg = load_config({"limits": {"max_pixels": 256 * 256},
+                       "server": {"socket": str(tmp_path / "edgemm.sock")},
+                       "streams": [stream("big", "synthetic://?size=300")]})
+    with pytest.raises(InputError) as info:
+        Daemon(cfg, runtime=runtime).run()
+    assert str(info.value) == ("config: streams[0].source (big): synthetic://?size=300: size 300 makes "
+                               "90000 pixels per frame, above limits.max_pixels (65536)")
+    assert not (tmp_path / "edgemm.sock").exists()  # refused before the socket was made
