@@ -58,7 +58,7 @@ from edgemm.model.image import DEFAULT_MAX_PIXELS, load_image
 __all__ = [
     "SourceError", "SourceUnusable", "Frame", "SourceSpec", "SourceStats", "Source", "CaptureSource",
     "CsiSource", "V4l2Source", "RtspSource", "VideoFileSource", "ImageFilesSource",
-    "SyntheticSource", "open_source", "parse_uri", "gstreamer_available",
+    "SyntheticSource", "open_source", "parse_uri", "check_uri", "gstreamer_available",
     "csi_pipeline", "rtsp_pipeline", "rtsp_capture_args",
 ]
 
@@ -71,6 +71,7 @@ SUPPORTED = ("csi://N, v4l2:///dev/videoN, rtsp://host/path, file://PATH, synthe
              "or a video file, image file, folder or glob")
 
 CSI_DEFAULTS = {"width": 1280, "height": 720, "fps": 30.0}
+SYNTHETIC_SIZE = 256  # synthetic:// scenes' side in pixels unless ?size= says otherwise
 FIRST_BACKOFF_S = 0.5
 # Bounded waits so a dead network camera is noticed and reconnected, not waited on forever.
 FFMPEG_OPEN_TIMEOUT_MS = 10_000
@@ -153,10 +154,25 @@ def open_source(uri: str, *, fps: float | None = None, width: int | None = None,
         return VideoFileSource(uri, spec.location)
     if spec.kind == "synthetic":
         return SyntheticSource(uri, fps=_pick(opts, "fps", fps, 0.0), seed=opts.get("seed", 0),
-                               count=opts.get("count"), size=opts.get("size", 256),
+                               count=opts.get("count"), size=opts.get("size", SYNTHETIC_SIZE),
                                text_probability=opts.get("text", 0.5), max_pixels=max_pixels,
                                sleep=sleep, clock=clock)
     return ImageFilesSource(uri, spec.kind, spec.location, max_pixels=max_pixels)
+
+
+def check_uri(uri: str, *, max_pixels: int = DEFAULT_MAX_PIXELS) -> SourceSpec:
+    """parse_uri, and the limits a URI can break as written: a synthetic `size` whose
+    frames would be over `max_pixels` (SourceUnusable). Opens and makes nothing."""
+    spec = parse_uri(uri)
+    if spec.kind == "synthetic":
+        _check_synthetic_size(uri, spec.options.get("size", SYNTHETIC_SIZE), max_pixels)
+    return spec
+
+
+def _check_synthetic_size(uri: str, size: int, max_pixels: int) -> None:
+    if size * size > max_pixels:  # refused before a frame is made: a frame is size² × 3 bytes
+        raise SourceUnusable(f"{_redact(uri)}: size {size} makes {size * size} pixels per frame, "
+                             f"above limits.max_pixels ({max_pixels})")
 
 
 def _pick(options: dict[str, Any], name: str, given: Any, default: Any = None) -> Any:
@@ -858,12 +874,10 @@ class SyntheticSource(Source):
     """
 
     def __init__(self, uri: str = "synthetic://", *, fps: float = 0.0, seed: int = 0,
-                 count: int | None = None, size: int = 256, text_probability: float = 0.5,
+                 count: int | None = None, size: int = SYNTHETIC_SIZE, text_probability: float = 0.5,
                  max_pixels: int = DEFAULT_MAX_PIXELS, sleep: Callable[[float], Any] | None = None,
                  clock: Callable[[], float] = time.monotonic):
-        if size * size > max_pixels:  # refused before a frame is made: a frame is size² × 3 bytes
-            raise SourceUnusable(f"{_redact(uri)}: size {size} makes {size * size} pixels per frame, "
-                                 f"above limits.max_pixels ({max_pixels})")
+        _check_synthetic_size(uri, size, max_pixels)
         super().__init__(uri, live=fps > 0, sleep=sleep)
         self.fps, self.seed, self.count = fps, seed, count
         self.size, self.text_probability = size, text_probability

@@ -38,7 +38,7 @@ from edgemm.config import ConfigError, StreamConfig, config_from_dict
 from edgemm.errors import EdgemmError, InputError
 from edgemm.model.image import DEFAULT_MAX_PIXELS
 from edgemm.pipeline import Pipeline
-from edgemm.sources import Source, SourceError, SourceUnusable, open_source, parse_uri
+from edgemm.sources import Source, SourceError, SourceUnusable, check_uri, open_source, parse_uri
 from edgemm.stream import StreamOptions, run_stream
 
 log = logging.getLogger("edgemm")
@@ -253,7 +253,7 @@ def check_configured(specs: list[StreamConfig], limit: int, max_pixels: int = DE
     synthetic size over limits.max_pixels, fails the start)."""
     for i, spec in enumerate(specs):
         try:
-            open_source(spec.source, max_pixels=max_pixels)  # parses; opens nothing
+            check_uri(spec.source, max_pixels=max_pixels)
         except SourceError as e:
             raise InputError(f"config: streams[{i}].source ({spec.id}): {e}") from None
     if len(specs) > limit:

@@ -19,7 +19,7 @@ from edgemm.errors import InputError
 from edgemm.model.image import ImageError
 from edgemm.scenes import Scene, make_scene
 from edgemm.sources import (CaptureSource, SourceError, SourceSpec, SourceUnusable, SyntheticSource,
-                            csi_pipeline, open_source, parse_uri, pipeline_elements, rtsp_capture_args,
+                            check_uri, csi_pipeline, open_source, parse_uri, pipeline_elements, rtsp_capture_args,
                             rtsp_pipeline)
 
 RED_BGR, GREEN_BGR, BLUE_BGR = (0, 0, 255), (0, 255, 0), (255, 0, 0)
@@ -523,8 +523,11 @@ def test_synthetic_size_over_the_pixel_limit_is_refused_before_a_frame(monkeypat
                                "above limits.max_pixels (40000000)")
     with pytest.raises(SourceUnusable, match=r"size 65 makes 4225 pixels .*\(4096\)"):
         open_source("synthetic://?size=65", max_pixels=64 * 64)
+    with pytest.raises(SourceUnusable, match=r"size 65 makes 4225 pixels"):
+        check_uri("synthetic://?size=65", max_pixels=64 * 64)  # the check the daemon makes of its config
     assert made == []
     assert open_source("synthetic://?size=64&count=1", max_pixels=64 * 64) is not None
+    assert check_uri("synthetic://?size=64", max_pixels=64 * 64).options == {"size": 64}
 
 
 @pytest.mark.parametrize("name", ["clip.mp4", "photo.png"])
