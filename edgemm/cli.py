@@ -7,6 +7,7 @@ the image and video libraries' own messages, which are otherwise dropped).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -237,6 +238,40 @@ def infer(image, prompt, tier, scheduler, beams, beam_gate, precision, model_dir
             click.echo(f"edgemm: warning: {warning}", err=True)
 
 
+class JsonLines:
+    """`edgemm stream`'s output: one JSON object a line to --out or stdout, flushed per line.
+
+    A reader that closes the pipe (`| head -1`) ends the output quietly: write() says
+    False, and stdout goes to /dev/null so that the interpreter's last flush cannot fail.
+    """
+
+    def __init__(self, path: str | None):
+        try:
+            self.file = open(path, "w", buffering=1) if path else sys.stdout
+        except OSError as e:
+            raise InputError(f"cannot write --out {path}: {e.strerror}") from None
+        self.path, self.closed_by_reader = path, False
+
+    def write(self, record: dict) -> bool:
+        if self.closed_by_reader:
+            return False
+        try:
+            print(json.dumps(record), file=self.file, flush=True)
+            return True
+        except BrokenPipeError:
+            self.closed_by_reader = True
+            if self.path is None:
+                with contextlib.suppress(OSError, ValueError):  # not a real descriptor (a test's capture)
+                    devnull = os.open(os.devnull, os.O_WRONLY)
+                    os.dup2(devnull, sys.stdout.fileno())
+                    os.close(devnull)
+            return False
+
+    def close(self) -> None:
+        if self.path:
+            self.file.close()
+
+
 @main.command()
 @click.argument("source_uri", metavar="SOURCE")
 @click.option("--prompt", "-p", default=DEFAULT_PROMPT, show_default=True)
@@ -274,8 +309,12 @@ def stream(source_uri, prompt, fps, every, max_frames, out, change_threshold, ti
     from edgemm.stream import StreamOptions, run_stream
 
     cfg = build_config(config_path, model_dir, precision)
-    source = open_source(source_uri, latency_ms=latency_ms, max_pixels=cfg.limits.max_pixels)
+    # a camera that does not open now is reported (exit 2), not waited for; one that opens
+    # and later stops delivering is reopened with backoff
+    source = open_source(source_uri, latency_ms=latency_ms, max_pixels=cfg.limits.max_pixels,
+                         wait_for_camera=False)
     source.open()  # a missing camera or file is reported before the model loads
+    sink = JsonLines(out)  # so is an --out that cannot be written
     runtime = Runtime(cfg, concurrent=True)
     generation = {k: v for k, v in (("tier", tier), ("max_new_tokens", max_new_tokens)) if v is not None}
     options = StreamOptions(prompt=prompt, every=every, fps=fps, max_frames=max_frames,
@@ -287,18 +326,20 @@ def stream(source_uri, prompt, fps, every, max_frames, out, change_threshold, ti
         click.echo(f"edgemm: {signal.Signals(signum).name}: finishing frames in flight …", err=True)
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    sink = open(out, "w", buffering=1) if out else sys.stdout
     # alone in this process: a pipeline of its own, with room for the stream's share
     pipeline = Pipeline(runtime, queue_size=options.share(source.live))
+
+    def emit(record: dict) -> None:
+        if not sink.write(record):  # the reader went away (`| head -1`): stop, as Ctrl-C does
+            stop.set()
+
     try:
-        summary = run_stream(pipeline, source, options,
-                             lambda record: print(json.dumps(record), file=sink, flush=True), stop)
+        summary = run_stream(pipeline, source, options, emit, stop)
     finally:
         pipeline.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        if out:
-            sink.close()
+        sink.close()
     click.echo("edgemm: summary: " + json.dumps(summary.to_dict()), err=True)
 
 

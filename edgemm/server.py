@@ -112,7 +112,9 @@ class Routes:
     async def add_stream(self, http: HttpRequest) -> Response:
         if self.service.draining:
             raise Overloaded("the server is shutting down")
-        stream = self.service.streams.add(stream_spec(await self.read_json(http)), from_api=True)
+        spec = stream_spec(await self.read_json(http))
+        await asyncio.to_thread(self.service.streams.check, spec)  # 403/400 now; may ask GStreamer
+        stream = self.service.streams.add(spec, from_api=True)
         return JSONResponse(stream.describe(), 201)
 
     async def get_stream(self, http: HttpRequest) -> Response:
@@ -129,8 +131,9 @@ class Routes:
 
         async def events():
             try:
-                while (record := await queue.get()) is not END:
-                    yield sse(record)
+                while (item := await queue.get()) is not END:
+                    event_id, record = item
+                    yield f"id: {event_id}\n" + sse(record)
             finally:
                 stream.listeners.discard(queue)
 

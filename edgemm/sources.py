@@ -16,20 +16,31 @@ Every source yields RGB uint8 frames (OpenCV's BGR is converted here, once).
 Live sources (cameras, paced synthetic) keep producing frames whether or not anyone
 is keeping up; downstream takes the latest frame. Files are read losslessly, frame by
 frame, and `read()` returns None at their end. Cameras that fail to open or stop
-delivering are reopened with exponential backoff.
+delivering are reopened with exponential backoff (or, with `wait_for_camera=False`, a
+camera that does not open at first is an error at once, as `edgemm stream` wants it).
+A source reports whether it delivers to `on_health` (the daemon's stream state).
 
 Checks that need a device or the file system (missing file, missing /dev/video node,
 OpenCV without GStreamer) happen in `open()`, which `read()`, `with` and iteration
-call for you; `parse_uri` only rejects URIs that are wrong as written.
+call for you; `check()` makes the ones that open nothing. `parse_uri` only rejects URIs
+that are wrong as written. What no retry can fix (no GStreamer, or no such GStreamer
+element, a path that is no camera, a device edgemm may not open, a synthetic frame over
+the pixel limit) is a `SourceUnusable`; everything else may go away by itself.
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import functools
 import glob
 import logging
 import math
 import os
 import re
+import shutil
+import stat
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -45,9 +56,9 @@ from edgemm.errors import InputError
 from edgemm.model.image import DEFAULT_MAX_PIXELS, load_image
 
 __all__ = [
-    "SourceError", "Frame", "SourceSpec", "SourceStats", "Source", "CaptureSource",
+    "SourceError", "SourceUnusable", "Frame", "SourceSpec", "SourceStats", "Source", "CaptureSource",
     "CsiSource", "V4l2Source", "RtspSource", "VideoFileSource", "ImageFilesSource",
-    "SyntheticSource", "open_source", "parse_uri", "gstreamer_available",
+    "SyntheticSource", "open_source", "parse_uri", "check_uri", "gstreamer_available",
     "csi_pipeline", "rtsp_pipeline", "rtsp_capture_args",
 ]
 
@@ -60,14 +71,21 @@ SUPPORTED = ("csi://N, v4l2:///dev/videoN, rtsp://host/path, file://PATH, synthe
              "or a video file, image file, folder or glob")
 
 CSI_DEFAULTS = {"width": 1280, "height": 720, "fps": 30.0}
+SYNTHETIC_SIZE = 256  # synthetic:// scenes' side in pixels unless ?size= says otherwise
 FIRST_BACKOFF_S = 0.5
 # Bounded waits so a dead network camera is noticed and reconnected, not waited on forever.
 FFMPEG_OPEN_TIMEOUT_MS = 10_000
 FFMPEG_READ_TIMEOUT_MS = 5_000
+V4L2_MAJOR = 81  # Linux's character-device major number of every V4L2 node (linux/major.h)
+GST_INSPECT_TIMEOUT_S = 10.0  # gst-inspect's first run scans the plugins; bounded all the same
 
 
 class SourceError(InputError):
     """A source that cannot be opened or read; str(e) is one line for the user."""
+
+
+class SourceUnusable(SourceError):
+    """A source that no retry can fix (the daemon's stream goes to `failed`, not `retrying`)."""
 
 
 @dataclass
@@ -78,6 +96,7 @@ class Frame:
     source: str              # the source URI (credentials masked)
     truth: object | None = None  # the edgemm.scenes.Scene for synthetic frames
     name: str | None = None      # file name, for image files, folders and globs
+    media_time: float | None = None  # seconds into a video file (its timestamp); None when live
 
 
 @dataclass
@@ -97,6 +116,7 @@ class SourceSpec:
 class SourceStats:
     frames: int = 0       # frames delivered
     reconnects: int = 0   # reopen attempts after a failure, over the source's life
+    last_error: str | None = None  # why it last failed to open or deliver
 
 
 # ---- opening a source by URI ----------------------------------------------------------
@@ -104,18 +124,21 @@ class SourceStats:
 def open_source(uri: str, *, fps: float | None = None, width: int | None = None,
                 height: int | None = None, latency_ms: int = 200, reconnect: bool = True,
                 max_backoff_s: float = 8.0, max_reconnects: int | None = None,
-                max_pixels: int = DEFAULT_MAX_PIXELS,
+                wait_for_camera: bool = True, max_pixels: int = DEFAULT_MAX_PIXELS,
                 sleep: Callable[[float], Any] | None = None,
                 clock: Callable[[], float] = time.monotonic) -> Source:
     """The source for `uri`, not yet opened (`open()`, `with`, `read()` or iteration do).
 
     Options written in the URI (`csi://0?width=1920`, `rtsp://…?latency=50`) win over
     the keyword arguments, which are defaults for the whole command line or config.
+    `wait_for_camera=False`: a camera that does not open at first is a SourceError from
+    `open()` instead of being retried (one that opened and then stops is still retried).
+    `max_pixels` bounds image files and synthetic frames (SourceUnusable here if over).
     """
     spec = parse_uri(uri)
     opts = spec.options
     retry = dict(reconnect=reconnect, max_backoff_s=max_backoff_s,
-                 max_reconnects=max_reconnects, sleep=sleep)
+                 max_reconnects=max_reconnects, wait_for_camera=wait_for_camera, sleep=sleep)
     if spec.kind == "csi":
         size = {k: _pick(opts, k, given, CSI_DEFAULTS[k])
                 for k, given in (("width", width), ("height", height), ("fps", fps))}
@@ -131,9 +154,25 @@ def open_source(uri: str, *, fps: float | None = None, width: int | None = None,
         return VideoFileSource(uri, spec.location)
     if spec.kind == "synthetic":
         return SyntheticSource(uri, fps=_pick(opts, "fps", fps, 0.0), seed=opts.get("seed", 0),
-                               count=opts.get("count"), size=opts.get("size", 256),
-                               text_probability=opts.get("text", 0.5), sleep=sleep, clock=clock)
+                               count=opts.get("count"), size=opts.get("size", SYNTHETIC_SIZE),
+                               text_probability=opts.get("text", 0.5), max_pixels=max_pixels,
+                               sleep=sleep, clock=clock)
     return ImageFilesSource(uri, spec.kind, spec.location, max_pixels=max_pixels)
+
+
+def check_uri(uri: str, *, max_pixels: int = DEFAULT_MAX_PIXELS) -> SourceSpec:
+    """parse_uri, and the limits a URI can break as written: a synthetic `size` whose
+    frames would be over `max_pixels` (SourceUnusable). Opens and makes nothing."""
+    spec = parse_uri(uri)
+    if spec.kind == "synthetic":
+        _check_synthetic_size(uri, spec.options.get("size", SYNTHETIC_SIZE), max_pixels)
+    return spec
+
+
+def _check_synthetic_size(uri: str, size: int, max_pixels: int) -> None:
+    if size * size > max_pixels:  # refused before a frame is made: a frame is size² × 3 bytes
+        raise SourceUnusable(f"{_redact(uri)}: size {size} makes {size * size} pixels per frame, "
+                             f"above limits.max_pixels ({max_pixels})")
 
 
 def _pick(options: dict[str, Any], name: str, given: Any, default: Any = None) -> Any:
@@ -314,6 +353,74 @@ def gstreamer_available() -> bool:
     return found is not None and found.group(1).upper().startswith("YES")
 
 
+@functools.lru_cache(maxsize=64)
+def gstreamer_element_exists(name: str) -> bool | None:
+    """Whether GStreamer has the element `name` (e.g. nvarguscamerasrc); None if this
+    machine has no way to ask (no libgstreamer, no gst-inspect-1.0): the open then decides.
+
+    Asked before OpenCV opens a pipeline: OpenCV only says "could not open" when an
+    element is missing, with the cause in its log, and OpenCV 4.6 (Debian 12's) never
+    returns from opening the CSI pipeline without nvarguscamerasrc.
+    """
+    registry = _gstreamer_registry()
+    if registry is not None:
+        factory = registry.gst_element_factory_find(name.encode())
+        if factory:
+            registry.gst_object_unref(factory)
+        return bool(factory)
+    tool = shutil.which("gst-inspect-1.0")
+    if tool is None:
+        return None
+    try:
+        return subprocess.run([tool, "--exists", name], stdin=subprocess.DEVNULL,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              timeout=GST_INSPECT_TIMEOUT_S).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+@functools.lru_cache(maxsize=1)
+def _gstreamer_registry() -> Any | None:
+    """libgstreamer-1.0, initialised, through ctypes: the library OpenCV's GStreamer backend
+    uses, in this process, so it sees the same plugins (None if it cannot be loaded)."""
+    path = ctypes.util.find_library("gstreamer-1.0")
+    if path is None:
+        return None
+    try:
+        library = ctypes.CDLL(path)
+        library.gst_init_check.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        library.gst_init_check.restype = ctypes.c_int
+        library.gst_element_factory_find.argtypes = [ctypes.c_char_p]
+        library.gst_element_factory_find.restype = ctypes.c_void_p
+        library.gst_object_unref.argtypes = [ctypes.c_void_p]
+    except (OSError, AttributeError):
+        return None
+    return library if library.gst_init_check(None, None, None) else None
+
+
+def pipeline_elements(pipeline: str) -> list[str]:
+    """The element names of a gst-launch style pipeline, without caps ("video/x-raw, …")."""
+    parts = (part.strip().split(maxsplit=1) for part in pipeline.split("!"))
+    return [words[0] for words in parts if words and "/" not in words[0]]
+
+
+def _check_pipeline(shown: str, pipeline: str) -> None:
+    """SourceUnusable when OpenCV lacks GStreamer or GStreamer lacks one of the pipeline's
+    elements (a csi:// camera off a Jetson, a JetPack without its camera plugins)."""
+    if not gstreamer_available():
+        raise SourceUnusable(_needs_gstreamer(shown))
+    missing = [e for e in pipeline_elements(pipeline) if gstreamer_element_exists(e) is False]
+    if missing:
+        raise SourceUnusable(f"{shown}: GStreamer has no element {', '.join(missing)} "
+                             f"({_element_hint(missing[0])})")
+
+
+def _element_hint(element: str) -> str:
+    if element.startswith("nv"):
+        return "NVIDIA's GStreamer plugins come with JetPack, on a Jetson only"
+    return "install the GStreamer plugin package that provides it"
+
+
 def csi_pipeline(sensor_id: int, width: int = 1280, height: int = 720,
                  fps: float = 30.0) -> str:
     """Argus camera → NVMM → nvvidconv (hardware) to BGRx → BGR for OpenCV.
@@ -339,7 +446,7 @@ def rtsp_capture_args(location: str, latency_ms: int, backend: str,
     """(target, OpenCV backend, open params) for cv2.VideoCapture on an RTSP URL."""
     if backend == "gstreamer" or (backend == "auto" and gstreamer):
         if not gstreamer:
-            raise SourceError(_needs_gstreamer(_redact(location)))
+            raise SourceUnusable(_needs_gstreamer(_redact(location)))
         return rtsp_pipeline(location, latency_ms), cv2.CAP_GSTREAMER, []
     return location, cv2.CAP_FFMPEG, _ffmpeg_timeouts()
 
@@ -372,6 +479,10 @@ class Source:
 
     `read()` may be called from one thread while another calls `close()`: close cuts
     a backoff wait short, and later reads return None. A closed source stays closed.
+
+    `on_health`, if set, is called from the reading thread with the reason each time
+    the source fails to open or deliver (and retries), and with None when it delivers
+    a frame after not delivering (its first frame, or the first after a failure).
     """
 
     def __init__(self, uri: str, *, live: bool, sleep: Callable[[float], Any] | None = None):
@@ -385,6 +496,12 @@ class Source:
         self._lock = threading.Lock()  # one cv2 call at a time: never release mid-read
         self._opened = False
         self._next_index = 0
+        self.on_health: Callable[[str | None], Any] | None = None
+        self._delivering = False
+
+    def check(self) -> None:
+        """The checks that open nothing (no device, no network, no file's content): raise
+        SourceUnusable for what no retry fixes, SourceError for what is wrong now."""
 
     def open(self) -> None:
         with self._lock:
@@ -423,12 +540,25 @@ class Source:
             self._opened = True
 
     def _frame(self, image: np.ndarray, truth: object | None = None,
-               name: str | None = None) -> Frame:
+               name: str | None = None, media_time: float | None = None) -> Frame:
         """Stamp a captured image with its number, time and source."""
-        frame = Frame(self._next_index, image, time.time(), self._shown, truth, name)
+        frame = Frame(self._next_index, image, time.time(), self._shown, truth, name, media_time)
         self._next_index += 1
         self.stats.frames += 1
+        if not self._delivering:
+            self._delivering = True
+            self._report(None)
         return frame
+
+    def _failing(self, reason: str) -> None:
+        """The source could not open or deliver, and will try again."""
+        self._delivering = False
+        self.stats.last_error = reason
+        self._report(reason)
+
+    def _report(self, reason: str | None) -> None:
+        if self.on_health is not None:
+            self.on_health(reason)
 
     def _open(self) -> None:
         pass
@@ -446,21 +576,28 @@ class CaptureSource(Source):
     """Frames from a cv2.VideoCapture-like object.
 
     Subclasses override `_open_capture()` (a capture, or None if it could not open
-    now) and, if needed, `_grab()` (a BGR image, or None) and `_preflight()` (raise
-    SourceError for what no retry can fix). A live source that fails to open or
-    to deliver a frame is reopened after 0.5, 1, 2, 4 … s (capped at max_backoff_s);
-    the backoff restarts after the next good frame. A non-live source ends instead.
+    now) and, if needed, `_grab()` (a BGR image, or None), `_preflight()` (raise
+    SourceUnusable for what no retry can fix, SourceError for what is wrong now) and
+    `_media_time()`. A live source that fails to open or to deliver a frame is reopened
+    after 0.5, 1, 2, 4 … s (capped at max_backoff_s); the backoff restarts after the
+    next good frame. A non-live source ends instead. With `wait_for_camera=False` a
+    camera that does not open the first time is a SourceError from `open()`.
     """
+    open_hint = ""  # what to check when the camera does not open, e.g. " (is it plugged in?)"
 
     def __init__(self, uri: str, *, live: bool, reconnect: bool = True,
                  max_backoff_s: float = 8.0, max_reconnects: int | None = None,
-                 sleep: Callable[[float], Any] | None = None):
+                 wait_for_camera: bool = True, sleep: Callable[[float], Any] | None = None):
         super().__init__(uri, live=live, sleep=sleep)
         self.reconnect = reconnect
         self.max_backoff_s = max_backoff_s
         self.max_reconnects = max_reconnects
+        self.wait_for_camera = wait_for_camera
         self._capture: Any = None
         self._retry = Backoff(FIRST_BACKOFF_S, max_backoff_s)  # counts failed reconnects since the last good frame
+
+    def check(self) -> None:
+        self._preflight()
 
     def _preflight(self) -> None:
         pass
@@ -472,19 +609,24 @@ class CaptureSource(Source):
         ok, image = self._capture.read()
         return image if ok and image is not None and image.size else None
 
+    def _media_time(self) -> float | None:
+        return None
+
     def _open(self) -> None:
         self._preflight()
         self._capture = self._open_capture()
-        if self._capture is None and not (self.live and self.reconnect):
-            raise SourceError(f"could not open camera {self._shown}")
-        # A live camera that is not up yet is retried by the first read().
+        if self._capture is None:
+            reason = f"could not open camera {self._shown}{self.open_hint}"
+            if not (self.live and self.reconnect and self.wait_for_camera):
+                raise SourceError(reason)
+            self._failing(reason)  # a live camera that is not up yet is retried by the first read()
 
     def _next_frame(self) -> Frame | None:
         while not self._closed.is_set():
             image = self._grab() if self._capture is not None else None
             if image is not None:
                 self._retry.reset()
-                return self._frame(_to_rgb(image))
+                return self._frame(_to_rgb(image), media_time=self._media_time())
             if not self.live:
                 return None  # end of a video file
             self._reconnect()
@@ -497,7 +639,10 @@ class CaptureSource(Source):
             raise SourceError(f"camera {self._shown} disconnected; "
                               f"gave up after {self._retry.failures} reconnects")
         delay = self._retry.delay()
-        log.warning("camera %s: no frame; reconnecting in %.1f s", self._shown, delay)
+        reason = (f"camera {self._shown} delivers no frames" if self._capture is not None
+                  else f"could not open camera {self._shown}{self.open_hint}")
+        self._failing(reason)
+        log.warning("%s; reconnecting in %.1f s", reason, delay)
         self._close()
         self._sleep(delay)
         self._retry.next()  # counted after the wait, as max_reconnects counts reconnects made
@@ -518,10 +663,11 @@ class CsiSource(CaptureSource):
                  fps: float = 30.0, **retry: Any):
         super().__init__(uri, live=True, **retry)
         self.pipeline = csi_pipeline(sensor_id, width, height, fps)
+        self.open_hint = (f" (no camera on sensor {sensor_id}, a mode it lacks, "
+                          "or nvargus-daemon is not running)")
 
     def _preflight(self) -> None:
-        if not gstreamer_available():
-            raise SourceError(_needs_gstreamer(self._shown))
+        _check_pipeline(self._shown, self.pipeline)
 
     def _open_capture(self) -> Any | None:
         return _video_capture(self.pipeline, cv2.CAP_GSTREAMER)
@@ -536,11 +682,27 @@ class V4l2Source(CaptureSource):
         self.device = device
         self._settings = {cv2.CAP_PROP_FRAME_WIDTH: width, cv2.CAP_PROP_FRAME_HEIGHT: height,
                           cv2.CAP_PROP_FPS: fps}
+        self.open_hint = " (busy in another program, or not a capture device)"
 
     def _preflight(self) -> None:
-        # Missing at start is a mistake to report; missing later is an unplug to wait out.
-        if not os.path.exists(self.device):
-            raise SourceError(f"camera {self.device} not found (is it plugged in?)")
+        # Missing at start is a mistake to report (and a device that may yet appear);
+        # missing later is an unplug to wait out.
+        try:
+            mode = os.stat(self.device)
+        except FileNotFoundError:
+            raise SourceError(f"camera {self.device} not found (is it plugged in?)") from None
+        except OSError as e:
+            raise SourceUnusable(f"camera {self.device}: {e.strerror}") from None
+        if not stat.S_ISCHR(mode.st_mode):
+            raise SourceUnusable(f"{self.device} is not a camera: it is {_file_kind(mode.st_mode)}, "
+                                 "not a V4L2 device node")
+        if sys.platform.startswith("linux") and os.major(mode.st_rdev) != V4L2_MAJOR:
+            raise SourceUnusable(f"{self.device} is not a camera: character device "
+                                 f"{os.major(mode.st_rdev)}:{os.minor(mode.st_rdev)}, "
+                                 f"V4L2 devices are {V4L2_MAJOR}:N")
+        if not os.access(self.device, os.R_OK | os.W_OK):
+            raise SourceUnusable(f"camera {self.device}: permission denied "
+                                 "(add the user to the group that owns it, usually 'video')")
 
     def _open_capture(self) -> Any | None:
         if not os.path.exists(self.device):
@@ -564,10 +726,13 @@ class RtspSource(CaptureSource):
         self.latency_ms = latency_ms
         self.backend = backend
         self._args: tuple[str, int, list[int]] | None = None
+        self.open_hint = " (unreachable, refused, or no such stream)"
 
     def _preflight(self) -> None:
         self._args = rtsp_capture_args(self.location, self.latency_ms, self.backend,
                                        gstreamer_available())
+        if self._args[1] == cv2.CAP_GSTREAMER:
+            _check_pipeline(self._shown, self._args[0])
 
     def _open_capture(self) -> Any | None:
         assert self._args is not None
@@ -580,17 +745,49 @@ class VideoFileSource(CaptureSource):
     def __init__(self, uri: str, path: str):
         super().__init__(uri, live=False, reconnect=False)
         self.path = path
+        self._fps = 0.0
 
     def _preflight(self) -> None:
-        if not os.path.isfile(self.path):
-            raise SourceError(f"no such file or folder: {self.path}")
+        _require_regular_file(self.path)
 
     def _open_capture(self) -> Any | None:
         capture = _video_capture(self.path, cv2.CAP_ANY)
         if capture is None:
             raise SourceError(f"could not open video {self.path} "
                               "(unsupported format or codec, or a corrupt file)")
+        self._fps = capture.get(cv2.CAP_PROP_FPS) or 0.0
         return capture
+
+    def _media_time(self) -> float | None:
+        """The frame's timestamp in the file, in seconds (after read(): the frame read's)."""
+        msec = self._capture.get(cv2.CAP_PROP_POS_MSEC)
+        if msec > 0 or self._next_index == 0:
+            return msec / 1e3
+        # a backend that keeps no timestamps: the nominal frame rate, else none
+        return self._next_index / self._fps if self._fps > 0 else None
+
+
+def _require_regular_file(path: str) -> None:
+    """SourceError unless `path` is a regular file: a FIFO or a device would block the
+    open (or never end), and is not a video or an image. Asked of stat, never by opening."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise SourceError(f"no such file or folder: {path}") from None
+    except OSError as e:
+        raise SourceError(f"cannot read {path}: {e.strerror}") from None
+    if not stat.S_ISREG(mode):
+        hint = f"; for a camera use v4l2://{path}" if stat.S_ISCHR(mode) else ""
+        raise SourceUnusable(f"{path} is not a regular file: it is {_file_kind(mode)}{hint}")
+
+
+def _file_kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a folder"),
+                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return kind
+    return "not a regular file"
 
 
 def _video_capture(target: str, api: int, params: list[int] | None = None) -> Any | None:
@@ -649,10 +846,11 @@ def _image_paths(kind: str, location: str) -> list[str]:
         if not paths:
             raise SourceError(f"no images match {location}")
         return paths
+    if kind == "image":
+        _require_regular_file(location)
+        return [location]
     if not os.path.exists(location):
         raise SourceError(f"no such file or folder: {location}")
-    if kind == "image":
-        return [location]
     # Hidden files are skipped, as glob does: macOS leaves "._photo.jpg" companions.
     names = [n for n in sorted(os.listdir(location)) if not n.startswith(".")]
     paths = [p for p in (os.path.join(location, n) for n in names) if _is_image_file(p)]
@@ -676,9 +874,10 @@ class SyntheticSource(Source):
     """
 
     def __init__(self, uri: str = "synthetic://", *, fps: float = 0.0, seed: int = 0,
-                 count: int | None = None, size: int = 256, text_probability: float = 0.5,
-                 sleep: Callable[[float], Any] | None = None,
+                 count: int | None = None, size: int = SYNTHETIC_SIZE, text_probability: float = 0.5,
+                 max_pixels: int = DEFAULT_MAX_PIXELS, sleep: Callable[[float], Any] | None = None,
                  clock: Callable[[], float] = time.monotonic):
+        _check_synthetic_size(uri, size, max_pixels)
         super().__init__(uri, live=fps > 0, sleep=sleep)
         self.fps, self.seed, self.count = fps, seed, count
         self.size, self.text_probability = size, text_probability

@@ -84,28 +84,38 @@ class StreamSummary:
 
 
 class LatestSlot:
-    """A one-item mailbox: put() replaces what is there (a drop), get() waits."""
+    """A one-frame mailbox: put() replaces the frame there (a drop), get() waits.
+
+    The end marker and a source's failure are final: they never replace the frame
+    waiting (that frame is still given out, first), are never overwritten, and frames
+    put after them are ignored.
+    """
 
     def __init__(self):
         self._item = None
+        self._final = None  # _END or the source's exception, given out after the frame
         self._cond = threading.Condition()
         self.dropped = 0
 
     def put(self, item) -> None:
         with self._cond:
-            final = self._item is _END or isinstance(self._item, Exception)
-            if not final:  # the end marker and a source's failure are never overwritten
-                if self._item is not None:
-                    self.dropped += 1  # a frame nobody took: newer one wins
-                self._item = item
+            if self._final is None:
+                if item is _END or isinstance(item, Exception):
+                    self._final = item
+                else:
+                    if self._item is not None:
+                        self.dropped += 1  # a frame nobody took: newer one wins
+                    self._item = item
             self._cond.notify()
 
     def get(self):
         with self._cond:
-            while self._item is None:
+            while self._item is None and self._final is None:
                 self._cond.wait()
-            item, self._item = self._item, None
-            return item
+            if self._item is not None:
+                item, self._item = self._item, None
+                return item
+            return self._final  # stays: a get after the end gets the end again
 
 
 class ChangeGate:
@@ -142,20 +152,26 @@ class _Taken:
 
 
 class FrameFilter:
-    """--every N and --fps F: which source frames to process at all."""
+    """--every N and --fps F: which source frames to process at all.
+
+    --fps goes by the frame's own timestamp when it has one (a video file's: the file
+    is read as fast as the model allows, so the clock says nothing about its time),
+    else by the clock (cameras, paced sources).
+    """
+    SLACK_S = 1e-3  # timestamps in ms are not exact (0.30000000000000004 s): a frame this early is due
 
     def __init__(self, every: int, fps: float | None, clock: Callable[[], float] = time.monotonic):
         self.every, self.interval, self.clock = every, (1.0 / fps if fps else 0.0), clock
-        self._next_due = 0.0
+        self._next_due: float | None = None
 
     def keep(self, frame: Frame) -> bool:
         if frame.index % self.every:
             return False
         if self.interval:
-            now = self.clock()
-            if now < self._next_due:
+            now = frame.media_time if frame.media_time is not None else self.clock()
+            if self._next_due is not None and now + self.SLACK_S < self._next_due:
                 return False
-            self._next_due = max(self._next_due, now) + self.interval
+            self._next_due = (now if self._next_due is None else max(self._next_due, now)) + self.interval
         return True
 
 

@@ -12,9 +12,15 @@ Its results go to whoever listens on /v1/streams/{id}/events, through a bounded 
 per listener: a listener that falls behind loses the oldest results (counted), never
 the daemon's memory.
 
-A source that fails (a camera unplugged, a network camera down) is retried with
-backoff (0.5 s doubling to 30 s) and its status says "retrying" with the error;
-one stream's trouble never reaches the API or the other streams.
+A stream is "starting" until its source delivers its first frame, then "running". A
+source that fails to open or to deliver (a camera unplugged, a network camera down, a
+device that is not there yet) is retried with backoff (the camera's own reconnects, and
+restarts after 0.5 s doubling to 30 s), and the stream is "retrying" with the error until
+the source delivers again. A source that no retry can fix (edgemm.sources.SourceUnusable:
+no GStreamer or no such GStreamer element, a path that is no camera, permission denied)
+is "failed" with the cause and not retried; POST /v1/streams refuses such a source with
+400 before the stream exists (`StreamManager.check`). One stream's trouble never reaches
+the API or the other streams.
 """
 from __future__ import annotations
 
@@ -30,8 +36,9 @@ from typing import Any
 from edgemm.backoff import Backoff
 from edgemm.config import ConfigError, StreamConfig, config_from_dict
 from edgemm.errors import EdgemmError, InputError
+from edgemm.model.image import DEFAULT_MAX_PIXELS
 from edgemm.pipeline import Pipeline
-from edgemm.sources import Source, SourceError, open_source, parse_uri
+from edgemm.sources import Source, SourceError, SourceUnusable, check_uri, open_source, parse_uri
 from edgemm.stream import StreamOptions, run_stream
 
 log = logging.getLogger("edgemm")
@@ -75,7 +82,7 @@ def stream_spec(data: object) -> StreamConfig:
 
 @dataclass
 class StreamFigures:
-    state: str = "starting"  # starting | running | retrying | ended | stopped
+    state: str = "starting"  # starting | running | retrying | failed | ended | stopped
     frames: int = 0  # answered frames
     errors: int = 0
     dropped: int = 0  # live frames replaced by newer ones before processing (the current run)
@@ -94,6 +101,7 @@ class ManagedStream:
         self.figures = StreamFigures()
         self.listeners: set[asyncio.Queue] = set()  # touched only from the event loop
         self.lagged = 0  # results a slow listener missed
+        self.sent = 0  # results delivered: the SSE id of the last one
         self.finished = False  # END was delivered: the stream's thread is done
         self._stop = threading.Event()  # the stream is to stop for good
         self._run_stop = threading.Event()  # the current run is to stop (run_stream also sets it when done)
@@ -120,12 +128,15 @@ class ManagedStream:
         return queue
 
     def _deliver(self, record: dict | None) -> None:
+        """To every listener: (the event's id, the result), or END."""
         self.finished = self.finished or record is END
+        if record is not END:
+            self.sent += 1  # numbered in order, so a listener that lagged sees the gap
         for queue in self.listeners:
             if record is not END and queue.qsize() >= EVENTS_BUFFER:
                 queue.get_nowait()  # the oldest result makes room
                 self.lagged += 1
-            queue.put_nowait(record)
+            queue.put_nowait(END if record is END else (self.sent, record))
 
     # -- from any thread --
 
@@ -145,7 +156,12 @@ class ManagedStream:
         retry = Backoff(FIRST_RETRY_S, MAX_RETRY_S)
         while not self._stop.is_set():
             answered = self.figures.frames
-            error = self._run_once()
+            try:
+                error = self._run_once()
+            except SourceUnusable as e:  # no retry can fix it: say so once, and stay down
+                log.error("stream %s: %s; not retried", self.spec.id, e)
+                self._set(state="failed", last_error=str(e))
+                break
             if self._stop.is_set():
                 break
             if error is None:
@@ -170,8 +186,8 @@ class ManagedStream:
             self._source = open_source(spec.source, max_pixels=self.pipeline.runtime.config.limits.max_pixels)
             if self._stop.is_set():
                 return None
-            self._source.open()
-            self._set(state="running")
+            self._source.on_health = self._source_health
+            self._source.open()  # a camera that is not up yet: retrying, from the source's report
             generation = {k: v for k, v in (("tier", spec.tier), ("max_new_tokens", spec.max_new_tokens))
                           if v is not None}
             options = StreamOptions(prompt=spec.prompt, every=spec.every, fps=spec.fps,
@@ -179,6 +195,8 @@ class ManagedStream:
                                     route=self.route, live_inflight=STREAM_SHARE, lossless_inflight=STREAM_SHARE,
                                     pool=self.pool)
             run_stream(self.pipeline, self._source, options, lambda record: self._emit(record, failure), run_stop)
+        except SourceUnusable:
+            raise
         except Exception as e:  # a camera that won't open, a bad URI: the stream's problem only
             return str(e) or type(e).__name__
         if not self._source.live:
@@ -199,6 +217,16 @@ class ManagedStream:
                 self.figures.last_result_at = time.time()
         self._post({"stream": self.spec.id, **record})
 
+    def _source_health(self, reason: str | None) -> None:
+        """From the source's reading thread: it delivers (None) or it failed and retries."""
+        with self._lock:
+            if self._stop.is_set() or self.figures.state not in ("starting", "running", "retrying"):
+                return
+            if reason is None:
+                self.figures.state = "running"
+            else:
+                self.figures.state, self.figures.last_error = "retrying", reason
+
     def _post(self, record: dict | None) -> None:
         with contextlib.suppress(RuntimeError):  # the loop is gone: the daemon is exiting
             self.loop.call_soon_threadsafe(self._deliver, record)
@@ -209,16 +237,23 @@ class ManagedStream:
                 setattr(self.figures, key, value)
 
 
+def _api_may_start(kind: str) -> None:
+    if kind not in API_SOURCE_KINDS:
+        raise StreamForbidden(f"a {kind} source can only be configured in the config file's streams: "
+                              f"the API starts {', '.join(API_SOURCE_KINDS)} sources")
+
+
 def reserved_places(max_streams: int) -> int:
     """Pipeline inbox places the daemon's streams may fill, beyond the API's queue_size."""
     return max_streams * STREAM_SHARE
 
 
-def check_configured(specs: list[StreamConfig], limit: int) -> None:
-    """The config's streams, checked as far as can be without opening them (a bad URI fails the start)."""
+def check_configured(specs: list[StreamConfig], limit: int, max_pixels: int = DEFAULT_MAX_PIXELS) -> None:
+    """The config's streams, checked as far as can be without opening them (a bad URI, or a
+    synthetic size over limits.max_pixels, fails the start)."""
     for i, spec in enumerate(specs):
         try:
-            parse_uri(spec.source)
+            check_uri(spec.source, max_pixels=max_pixels)
         except SourceError as e:
             raise InputError(f"config: streams[{i}].source ({spec.id}): {e}") from None
     if len(specs) > limit:
@@ -234,7 +269,8 @@ class StreamManager:
 
     def __init__(self, pipeline: Pipeline, specs: list[StreamConfig], limit: int,
                  route: Callable[[], Any] | None = None):
-        check_configured(specs, limit)
+        self.max_pixels = pipeline.runtime.config.limits.max_pixels
+        check_configured(specs, limit, self.max_pixels)
         self.pipeline, self.specs, self.limit = pipeline, specs, limit
         self.pool = threading.BoundedSemaphore(reserved_places(limit))
         self.route = route  # the power policy's local placement, asked per frame (Router.local_route)
@@ -246,23 +282,40 @@ class StreamManager:
         for spec in self.specs:
             self.add(spec)
 
+    def check(self, spec: StreamConfig) -> None:
+        """What POST /v1/streams refuses before a stream exists: a source the API may not
+        start (403), or one that cannot work now, checked without opening it (400): no
+        GStreamer or no such element, no such device or no camera at that path, permission
+        denied, a synthetic size over limits.max_pixels. May ask GStreamer's registry (a
+        subprocess, once per element): call it off the event loop."""
+        kind = self._kind(spec)
+        _api_may_start(kind)  # before anything looks at the daemon's files
+        try:
+            open_source(spec.source, max_pixels=self.max_pixels).check()
+        except SourceError as e:
+            raise InputError(str(e)) from None
+
     def add(self, spec: StreamConfig, from_api: bool = False) -> ManagedStream:
+        """Start a stream; from the API, `check(spec)` first."""
         assert self.loop is not None, "start() first"
         if spec.id in self.streams:
             raise StreamConflict(f"a stream named {spec.id!r} exists; DELETE it first")
         if len(self.streams) >= self.limit:
             raise StreamConflict(f"{self.limit} streams are running (server.max_streams)")
-        try:
-            kind = parse_uri(spec.source).kind
-        except SourceError as e:
-            raise InputError(str(e)) from None
-        if from_api and kind not in API_SOURCE_KINDS:
-            raise StreamForbidden(f"a {kind} source can only be configured in the config file's streams: "
-                                  f"the API starts {', '.join(API_SOURCE_KINDS)} sources")
+        kind = self._kind(spec)
+        if from_api:
+            _api_may_start(kind)
         stream = ManagedStream(spec, self.pipeline, self.loop, self.route, self.pool)
         self.streams[spec.id] = stream
         stream.start()
         return stream
+
+    @staticmethod
+    def _kind(spec: StreamConfig) -> str:
+        try:
+            return parse_uri(spec.source).kind
+        except SourceError as e:
+            raise InputError(str(e)) from None
 
     def get(self, stream_id: str) -> ManagedStream:
         try:

@@ -5,6 +5,9 @@ written into tmp_path, and clocks and sleeps are injected.
 """
 from __future__ import annotations
 
+import ctypes.util
+import os
+import shutil
 import threading
 
 import cv2
@@ -15,8 +18,8 @@ from edgemm import sources
 from edgemm.errors import InputError
 from edgemm.model.image import ImageError
 from edgemm.scenes import Scene, make_scene
-from edgemm.sources import (CaptureSource, SourceError, SourceSpec, SyntheticSource,
-                            csi_pipeline, open_source, parse_uri, rtsp_capture_args,
+from edgemm.sources import (CaptureSource, SourceError, SourceSpec, SourceUnusable, SyntheticSource,
+                            check_uri, csi_pipeline, open_source, parse_uri, pipeline_elements, rtsp_capture_args,
                             rtsp_pipeline)
 
 RED_BGR, GREEN_BGR, BLUE_BGR = (0, 0, 255), (0, 255, 0), (255, 0, 0)
@@ -489,3 +492,173 @@ def test_close_wakes_a_reader_in_backoff():
     reader.join(timeout=5)
     assert not reader.is_alive() and results == [None]
     assert camera.read() is None
+
+
+# ---- limits before work, paths that are no file, cameras that can never open -------------
+
+def opened_within(source, seconds: float = 10.0) -> BaseException | None:
+    """source.open() in a thread: the error it raised (None if it opened); a hang fails."""
+    out: list = []
+
+    def target():
+        try:
+            source.open()
+            out.append(None)
+        except BaseException as e:  # returned to the test
+            out.append(e)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"{source!r}.open() blocked"
+    return out[0]
+
+
+def test_synthetic_size_over_the_pixel_limit_is_refused_before_a_frame(monkeypatch):
+    made = []
+    monkeypatch.setattr("edgemm.scenes.make_scene", lambda *a, **k: made.append(1))
+    with pytest.raises(SourceUnusable) as info:
+        open_source("synthetic://?size=10000")  # 10⁸ pixels: 300 MB a frame, 40 M allowed by default
+    assert str(info.value) == ("synthetic://?size=10000: size 10000 makes 100000000 pixels per frame, "
+                               "above limits.max_pixels (40000000)")
+    with pytest.raises(SourceUnusable, match=r"size 65 makes 4225 pixels .*\(4096\)"):
+        open_source("synthetic://?size=65", max_pixels=64 * 64)
+    with pytest.raises(SourceUnusable, match=r"size 65 makes 4225 pixels"):
+        check_uri("synthetic://?size=65", max_pixels=64 * 64)  # the check the daemon makes of its config
+    assert made == []
+    assert open_source("synthetic://?size=64&count=1", max_pixels=64 * 64) is not None
+    assert check_uri("synthetic://?size=64", max_pixels=64 * 64).options == {"size": 64}
+
+
+@pytest.mark.parametrize("name", ["clip.mp4", "photo.png"])
+def test_a_fifo_as_a_file_source_is_refused_without_blocking(tmp_path, name):
+    fifo = tmp_path / name
+    os.mkfifo(fifo)  # opening it for reading would wait for a writer for ever
+    for uri in (str(fifo), f"file://{fifo}"):
+        error = opened_within(open_source(uri))
+        assert isinstance(error, SourceUnusable), error
+        assert str(error) == f"{fifo} is not a regular file: it is a FIFO"
+
+
+def test_a_device_as_a_file_source_is_refused():
+    error = opened_within(open_source("file:///dev/zero"))  # a video to OpenCV: it would read for ever
+    assert isinstance(error, SourceUnusable)
+    assert str(error) == ("/dev/zero is not a regular file: it is a character device; "
+                          "for a camera use v4l2:///dev/zero")
+
+
+@pytest.mark.parametrize("uri, message", [
+    ("v4l2:///etc/passwd", "/etc/passwd is not a camera: it is a regular file, not a V4L2 device node"),
+    ("v4l2:///tmp", "/tmp is not a camera: it is a folder, not a V4L2 device node"),
+    ("v4l2:///dev/null", "/dev/null is not a camera: character device 1:3, V4L2 devices are 81:N"),
+])
+def test_a_v4l2_path_that_is_no_camera_is_unusable(uri, message):
+    source = open_source(uri)
+    with pytest.raises(SourceUnusable) as info:
+        source.check()  # the check that opens nothing, as POST /v1/streams makes it
+    assert str(info.value) == message
+    assert isinstance(opened_within(open_source(uri)), SourceUnusable)
+
+
+def test_a_v4l2_device_without_permission_is_unusable(monkeypatch):
+    # /dev/null stands in for a camera node (major 81) that this user may not open (tests run as root)
+    monkeypatch.setattr(sources, "V4L2_MAJOR", os.major(os.stat("/dev/null").st_rdev))
+    monkeypatch.setattr(sources.os, "access", lambda path, mode: False)
+    with pytest.raises(SourceUnusable, match=r"^camera /dev/null: permission denied \(add the user to the group"):
+        open_source("v4l2:///dev/null").check()
+
+
+def test_a_missing_v4l2_device_may_yet_appear():
+    with pytest.raises(SourceError) as info:
+        open_source("v4l2:///dev/video99").check()
+    assert not isinstance(info.value, SourceUnusable)  # udev may create it after the daemon started
+
+
+def test_pipeline_elements():
+    assert pipeline_elements(csi_pipeline(0)) == ["nvarguscamerasrc", "nvvidconv", "videoconvert", "appsink"]
+    assert pipeline_elements(rtsp_pipeline("rtsp://cam/x", 10)) == ["rtspsrc", "decodebin", "videoconvert", "appsink"]
+
+
+def test_csi_whose_pipeline_cannot_be_built_is_unusable(monkeypatch):
+    """GStreamer in OpenCV, but no nvarguscamerasrc (not a Jetson, or no JetPack plugins)."""
+    monkeypatch.setattr(sources, "gstreamer_available", lambda: True)
+    monkeypatch.setattr(sources, "gstreamer_element_exists", lambda name: name != "nvarguscamerasrc")
+    opened = []
+    monkeypatch.setattr(sources, "_video_capture", lambda *args: opened.append(args))
+    with pytest.raises(SourceUnusable) as info:
+        open_source("csi://0").open()
+    assert str(info.value) == ("csi://0: GStreamer has no element nvarguscamerasrc "
+                               "(NVIDIA's GStreamer plugins come with JetPack, on a Jetson only)")
+    assert opened == []  # refused before OpenCV was asked
+    monkeypatch.setattr(sources, "gstreamer_element_exists", lambda name: name != "rtspsrc")
+    with pytest.raises(SourceUnusable, match=r"^rtsp://cam/x\?backend=gstreamer: GStreamer has no element rtspsrc"):
+        open_source("rtsp://cam/x?backend=gstreamer").open()
+
+
+@pytest.mark.skipif(ctypes.util.find_library("gstreamer-1.0") is None, reason="needs libgstreamer-1.0")
+def test_gstreamer_element_exists_asks_the_real_registry():
+    sources.gstreamer_element_exists.cache_clear()
+    try:
+        assert sources.gstreamer_element_exists("fakesrc") is True  # in GStreamer's core
+        assert sources.gstreamer_element_exists("nvarguscamerasrc-nowhere") is False
+    finally:
+        sources.gstreamer_element_exists.cache_clear()
+
+
+@pytest.mark.skipif(shutil.which("gst-inspect-1.0") is None, reason="needs GStreamer's gst-inspect-1.0")
+def test_gstreamer_element_exists_without_the_library_asks_gst_inspect(monkeypatch):
+    monkeypatch.setattr(sources, "_gstreamer_registry", lambda: None)
+    sources.gstreamer_element_exists.cache_clear()
+    try:
+        assert sources.gstreamer_element_exists("fakesrc") is True
+        assert sources.gstreamer_element_exists("nvarguscamerasrc-nowhere") is False
+    finally:
+        sources.gstreamer_element_exists.cache_clear()
+
+
+def test_gstreamer_element_exists_says_none_when_nobody_can_tell(monkeypatch):
+    monkeypatch.setattr(sources, "_gstreamer_registry", lambda: None)
+    monkeypatch.setattr(sources.shutil, "which", lambda name: None)
+    sources.gstreamer_element_exists.cache_clear()
+    try:
+        assert sources.gstreamer_element_exists("nvarguscamerasrc") is None
+    finally:
+        sources.gstreamer_element_exists.cache_clear()
+
+
+def test_without_gstreamer_csi_is_unusable(no_gstreamer):
+    with pytest.raises(SourceUnusable):
+        open_source("csi://0").check()
+
+
+def test_a_camera_that_does_not_open_first_is_an_error_when_not_waited_for():
+    camera = FakeCamera(fail_opens=1, wait_for_camera=False)
+    with pytest.raises(SourceError, match="^could not open camera fake://cam$"):
+        camera.open()
+    assert camera.sleeps == []
+    # one that opened, then stops delivering, is still reconnected
+    camera = FakeCamera(grabs=[True, False, True], wait_for_camera=False)
+    assert [camera.read().index for _ in range(2)] == [0, 1]
+    assert camera.sleeps == [0.5] and camera.stats.reconnects == 1
+
+
+def test_a_source_reports_its_health_on_changes_only():
+    camera = FakeCamera(fail_opens=2, grabs=[True, True, False, True])
+    reports = []
+    camera.on_health = reports.append
+    camera.open()
+    assert reports == ["could not open camera fake://cam"]
+    camera.read()  # two failed opens, then a frame
+    assert reports == ["could not open camera fake://cam"] * 3 + [None]
+    camera.read()  # delivering goes on: nothing to report
+    assert len(reports) == 4
+    camera.read()  # a grab fails, the camera is reopened, and delivers again
+    assert reports[4:] == ["camera fake://cam delivers no frames", None]
+    assert camera.stats.last_error == "camera fake://cam delivers no frames"
+
+
+def test_video_frames_carry_the_file_timestamps(tmp_path):
+    path = write_video(tmp_path / "clip.avi", [RED_BGR] * 5)  # 10 fps
+    frames = list(open_source(str(path)))
+    assert [f.media_time for f in frames] == pytest.approx([0.0, 0.1, 0.2, 0.3, 0.4])
+    assert open_source("synthetic://?count=1&size=32").read().media_time is None

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import logging
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -20,6 +22,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from edgemm import sources
 from edgemm.cli import main
 from edgemm.pipeline import Pipeline
 from edgemm.scenes import make_scene
@@ -84,15 +87,26 @@ def test_latest_slot_get_waits_for_a_put():
     assert got == ["item"]
 
 
-def test_latest_slot_never_overwrites_the_end_marker():
+def test_latest_slot_gives_the_waiting_frame_before_the_end():
+    """The end of a source does not replace the last frame nobody took yet: it is given
+    out first, and not counted as a drop (a paced synthetic count=N lost its last one)."""
     slot = LatestSlot()
     slot.put("frame")
-    slot.put(_END)  # the waiting frame is dropped for the end, and counted
-    assert slot.dropped == 1
-    slot.put("late frame")
-    slot.put("later frame")
-    assert slot.get() is _END
-    assert slot.dropped == 1  # frames after the end are not counted as drops
+    slot.put(_END)
+    assert slot.dropped == 0
+    slot.put("late frame")  # frames after the end are ignored, and not counted as drops
+    assert slot.get() == "frame"
+    assert slot.get() is _END and slot.get() is _END  # the end stays the end
+    assert slot.dropped == 0
+
+
+def test_latest_slot_gives_the_waiting_frame_before_the_source_error():
+    slot = LatestSlot()
+    slot.put("frame")
+    failure = SourceError("camera fake:// disconnected")
+    slot.put(failure)
+    slot.put(_END)  # the error is final: the end does not replace it
+    assert slot.get() == "frame" and slot.get() is failure and slot.dropped == 0
 
 
 # ---- FrameFilter ----------------------------------------------------------------------------------
@@ -563,3 +577,116 @@ def test_end_to_end_counts_shapes_in_a_video(cli, tmp_path):
     records = json_lines(result.stdout)
     assert [r["frame"] for r in records] == [0, 1, 2, 3, 4]
     assert [r["answer"] for r in records] == [s.count() for s in scenes]
+
+
+# ---- stream details: the last paced frame, --fps on files, a closed stdout, bad --out, cameras --------
+
+def test_frame_filter_fps_goes_by_the_file_timestamps_not_the_clock():
+    f = FrameFilter(1, 2.0, clock=lambda: 1000.0)  # the file is read in no time: the clock stands still
+    kept = [i for i in range(30) if f.keep(Frame(i, None, 0.0, "clip", media_time=i * 0.1 + (3e-17 if i % 3 else 0)))]
+    assert kept == [0, 5, 10, 15, 20, 25]
+
+
+def stderr_lines(result) -> list[str]:
+    return [line for line in result.stderr.splitlines() if not line.startswith("edgemm: warning:")]
+
+
+def summary_of(result) -> dict:
+    lines = [line for line in result.stderr.splitlines() if line.startswith("edgemm: summary: ")]
+    assert len(lines) == 1, result.stderr
+    return json.loads(lines[0].split(": ", 2)[2])
+
+
+def test_cli_paced_synthetic_answers_every_frame_with_no_drops(cli):
+    """5 frames a second: the tiny model keeps up, so all N are answered, the last one too."""
+    result = cli("synthetic://?fps=5&count=6&size=64", "--tier", "low", "--max-new-tokens", "1")
+    assert result.exit_code == 0, result.output
+    records = json_lines(result.stdout)
+    assert [r["frame"] for r in records] == list(range(6))
+    assert all(r["dropped"] == 0 for r in records)
+    assert (summary_of(result)["frames"], summary_of(result)["dropped"]) == (6, 0)
+
+
+def test_cli_fps_on_a_video_file_samples_by_its_timestamps(cli, tmp_path):
+    path = tmp_path / "three_seconds.avi"
+    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"MJPG"), 10.0, (64, 64))
+    assert writer.isOpened()
+    for i in range(30):  # 3 s at 10 fps
+        writer.write(cv2.cvtColor(make_scene(300 + i, size=64).image, cv2.COLOR_RGB2BGR))
+    writer.release()
+    result = cli(path, "--fps", "2", "--tier", "low", "--max-new-tokens", "1")
+    assert result.exit_code == 0, result.output
+    assert [r["frame"] for r in json_lines(result.stdout)] == [0, 5, 10, 15, 20, 25]
+    summary = summary_of(result)
+    assert (summary["frames"], summary["skipped"], summary["dropped"]) == (6, 24, 0)
+
+
+def test_cli_stream_into_a_pipe_closed_early_ends_quietly(tmp_path):
+    """`edgemm stream … | head -1`: the reader leaves after one line; the stream stops, says
+    its summary on stderr and exits 0 (no BrokenPipeError, no 'internal error')."""
+    config = tmp_path / "edgemm.yaml"
+    config.write_text("backend:\n  intra_op_threads: 1\n  warmup: false\n")
+    command = [sys.executable, "-m", "edgemm.cli", "stream", "synthetic://?count=200&size=64",
+               "--tier", "low", "--max-new-tokens", "1", "--config", str(config)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        first = json.loads(process.stdout.readline())
+        process.stdout.close()  # as head -1 does
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    text = stderr.decode()
+    assert first["frame"] == 0
+    assert process.returncode == 0, text
+    assert "Error" not in text and "internal error" not in text and "Traceback" not in text
+    lines = text.splitlines()
+    assert lines and lines[-1].startswith("edgemm: summary: ")
+    assert json.loads(lines[-1].split(": ", 2)[2])["frames"] < 200  # it stopped, it did not read on
+
+
+def test_cli_stream_unwritable_out_is_exit_2(cli, tmp_path):
+    out = tmp_path / "no-such-folder" / "answers.jsonl"
+    result = cli("synthetic://?count=2&size=64", "--out", out)
+    assert result.exit_code == 2
+    assert stderr_lines(result) == [f"edgemm: error: cannot write --out {out}: No such file or directory"]
+
+
+def test_cli_stream_unavailable_provider_is_exit_2(tmp_path):
+    config = tmp_path / "edgemm.yaml"
+    config.write_text("backend:\n  providers: [cuda]\n  warmup: false\n")  # not in the CPU onnxruntime build
+    result = CliRunner().invoke(main, ["stream", "synthetic://?count=2&size=64", "--config", str(config)])
+    assert result.exit_code == 2, result.output
+    lines = stderr_lines(result)
+    assert len(lines) == 1 and lines[0].startswith("edgemm: error: none of backend.providers ['cuda'] is available")
+
+
+def invoke_bounded(cli, *args):
+    """cli(*args) in a thread: a camera retried for ever fails the test instead of hanging it."""
+    out = []
+    thread = threading.Thread(target=lambda: out.append(cli(*args)), daemon=True)
+    thread.start()
+    thread.join(WAIT_S)
+    assert not thread.is_alive(), f"edgemm stream {' '.join(args)} did not end"
+    return out[0]
+
+
+def test_cli_csi_whose_pipeline_cannot_be_built_exits_2(cli, monkeypatch):
+    """GStreamer present, nvarguscamerasrc absent (faked: this machine is no Jetson)."""
+    monkeypatch.setattr(sources, "gstreamer_available", lambda: True)
+    monkeypatch.setattr(sources, "gstreamer_element_exists", lambda name: name != "nvarguscamerasrc")
+    result = invoke_bounded(cli, "csi://0")
+    assert result.exit_code == 2
+    assert stderr_lines(result) == ["edgemm: error: csi://0: GStreamer has no element nvarguscamerasrc "
+                                    "(NVIDIA's GStreamer plugins come with JetPack, on a Jetson only)"]
+
+
+def test_cli_csi_camera_that_does_not_open_exits_2(cli, monkeypatch):
+    """The pipeline's elements are there (or nobody can say), but OpenCV cannot open it: no
+    camera on that sensor. Reported at once, not retried for ever."""
+    monkeypatch.setattr(sources, "gstreamer_available", lambda: True)
+    monkeypatch.setattr(sources, "gstreamer_element_exists", lambda name: None)
+    monkeypatch.setattr(sources, "_video_capture", lambda *args: None)  # OpenCV: not opened
+    result = invoke_bounded(cli, "csi://1")
+    assert result.exit_code == 2
+    assert stderr_lines(result) == ["edgemm: error: could not open camera csi://1 (no camera on sensor 1, "
+                                    "a mode it lacks, or nvargus-daemon is not running)"]

@@ -61,6 +61,12 @@ class OrtComponent:
         return dict(zip(self._output_names, values))
 
 
+class ProviderUnavailable(BackendError):
+    """backend.providers names only providers this onnxruntime build lacks: the config's
+    to fix (or the install's), like a bad config, so exit code 2."""
+    exit_code = 2
+
+
 class OnnxRuntimeBackend:
     name = "onnxruntime"
 
@@ -74,8 +80,8 @@ class OnnxRuntimeBackend:
         self.providers = [p for p in wanted if p in available]
         self.missing = [p for p in wanted if p not in available]
         if not self.providers:
-            raise BackendError(f"none of the configured providers {providers} is available in this "
-                               f"onnxruntime build (available: {', '.join(sorted(available))})")
+            raise ProviderUnavailable(f"none of backend.providers {providers} is available in this "
+                                      f"onnxruntime build (available: {', '.join(sorted(available))})")
         self.intra_op_threads = intra_op_threads
         self.spin = spin  # False: idle intra-op threads sleep instead of spinning (stages share the cores)
 

@@ -1,0 +1,157 @@
+"""The daemon's streams tell the truth about their sources, against a real daemon on a
+temporary socket (test_server's): a source that has never delivered a frame is
+`retrying` with the last error, never `running`; a source no retry can fix is refused
+by POST /v1/streams with 400, or, named in the config, goes to `failed` with its cause;
+a camera that delivered and then stops is `retrying` until it delivers again. Also: SSE
+events are numbered with SSE's own `id:` field.
+
+Cameras that cannot be on this machine are faked the way tests/test_sources.py fakes
+them (OpenCV without GStreamer, GStreamer without nvarguscamerasrc); the RTSP camera
+that refuses connections is real (127.0.0.1, port 1).
+"""
+from __future__ import annotations
+
+import json
+import threading
+
+import numpy as np
+import pytest
+from test_server import assert_error, metric, raw_client, running, sock_path, synthetic, wait_until
+
+import edgemm.streams
+from edgemm import sources
+from edgemm.config import load_config
+from edgemm.daemon import Daemon
+from edgemm.errors import InputError
+from edgemm.sources import CaptureSource
+
+NEVER_OPENS = "rtsp://127.0.0.1:1/x"  # nothing listens on port 1: every open is refused
+
+
+def stream(stream_id: str, source: str) -> dict:
+    return {"id": stream_id, "source": source, "prompt": "how many shapes are there ?", "tier": "low",
+            "max_new_tokens": 1}
+
+
+@pytest.fixture
+def quiet(monkeypatch):
+    """The sources' and streams' warnings (reconnecting …) stay out of the test output."""
+    for name in ("edgemm.sources", "edgemm"):
+        monkeypatch.setattr(edgemm.streams.logging.getLogger(name), "disabled", True)
+
+
+def test_a_stream_that_never_delivered_is_retrying_with_the_last_error(runtime, quiet):
+    with running(runtime) as d, raw_client(sock_path(d)) as http:
+        created = http.post("/v1/streams", json=stream("gate", NEVER_OPENS))
+        assert created.status_code == 201, created.text
+        wait_until(lambda: http.get("/v1/streams/gate").json()["state"] == "retrying", what="state retrying")
+        figures = http.get("/v1/streams/gate").json()
+        assert figures["frames"] == 0
+        assert figures["last_error"] == ("could not open camera rtsp://127.0.0.1:1/x "
+                                         "(unreachable, refused, or no such stream)")
+        assert metric(http.get("/metrics").text, 'edgemm_stream_running{stream="gate"}') == 0
+        assert http.delete("/v1/streams/gate").status_code == 200
+
+
+@pytest.mark.parametrize("source, message", [
+    ("v4l2:///etc/passwd", "/etc/passwd is not a camera: it is a regular file, not a V4L2 device node"),
+    ("synthetic://?size=10000", "synthetic://?size=10000: size 10000 makes 100000000 pixels per frame, "
+                                "above limits.max_pixels (40000000)"),
+    ("v4l2:///dev/video99", "camera /dev/video99 not found (is it plugged in?)"),
+    ("csi://0", "csi://0 needs OpenCV built with GStreamer (this OpenCV has none; "
+                "on a Jetson use JetPack's python3-opencv)"),
+])
+def test_the_api_refuses_a_source_that_cannot_work_with_400(runtime, monkeypatch, source, message):
+    monkeypatch.setattr(sources, "gstreamer_available", lambda: False)
+    with running(runtime) as d, raw_client(sock_path(d)) as http:
+        error = assert_error(http.post("/v1/streams", json=stream("cam", source)), 400)
+        assert error["message"] == message
+        assert http.get("/v1/streams").json()["data"] == []  # never started
+
+
+def test_the_api_refuses_a_csi_camera_whose_pipeline_cannot_be_built(runtime, monkeypatch):
+    """GStreamer, but no nvarguscamerasrc: accepted with 201 and retried for ever, before."""
+    monkeypatch.setattr(sources, "gstreamer_available", lambda: True)
+    monkeypatch.setattr(sources, "gstreamer_element_exists", lambda name: name != "nvarguscamerasrc")
+    with running(runtime) as d, raw_client(sock_path(d)) as http:
+        error = assert_error(http.post("/v1/streams", json=stream("cam", "csi://0")), 400)
+        assert "GStreamer has no element nvarguscamerasrc" in error["message"]
+
+
+def test_configured_sources_that_can_never_open_fail_and_are_not_retried(runtime, monkeypatch, quiet):
+    monkeypatch.setattr(sources, "gstreamer_available", lambda: False)
+    streams = [stream("passwd", "v4l2:///etc/passwd"), stream("csi", "csi://0"), synthetic("synth")]
+    with running(runtime, {"streams": streams}) as d, raw_client(sock_path(d)) as http:
+        wait_until(lambda: {s["id"]: s["state"] for s in http.get("/v1/streams").json()["data"]}
+                   == {"passwd": "failed", "csi": "failed", "synth": "running"}, what="the failed states")
+        passwd, csi = (http.get(f"/v1/streams/{name}").json() for name in ("passwd", "csi"))
+        assert passwd["last_error"] == "/etc/passwd is not a camera: it is a regular file, not a V4L2 device node"
+        assert "needs OpenCV built with GStreamer" in csi["last_error"]
+        for name in ("passwd", "csi"):  # given up at once: no retry loop goes on
+            thread = d.service.streams.get(name).thread
+            thread.join(10)
+            assert not thread.is_alive()
+        assert (passwd["retries"], csi["retries"]) == (0, 0)
+        text = http.get("/metrics").text
+        assert metric(text, 'edgemm_stream_running{stream="passwd"}') == 0
+        assert metric(text, 'edgemm_stream_running{stream="synth"}') == 1
+
+
+class FlakyCamera(CaptureSource):
+    """A camera that delivers until `unplugged` is set, and again once it is cleared."""
+
+    def __init__(self, uri: str):
+        super().__init__(uri, live=True, max_backoff_s=0.05)
+        self.unplugged = threading.Event()
+        self.paced = threading.Event()  # waited on between frames: about 50 frames a second
+
+    def _open_capture(self):
+        return None if self.unplugged.is_set() else object()
+
+    def _grab(self):
+        self.paced.wait(0.02)
+        return None if self.unplugged.is_set() else np.full((32, 32, 3), 80, np.uint8)
+
+
+def test_a_camera_that_stops_after_delivering_is_retrying_until_it_delivers_again(runtime, monkeypatch, quiet):
+    camera = FlakyCamera("rtsp://flaky/x")
+    monkeypatch.setattr(edgemm.streams, "open_source", lambda uri, **kw: camera)
+    with running(runtime) as d, raw_client(sock_path(d)) as http:
+        assert http.post("/v1/streams", json=stream("flaky", "rtsp://flaky/x")).status_code == 201
+        state = lambda: http.get("/v1/streams/flaky").json()["state"]  # noqa: E731
+        wait_until(lambda: state() == "running" and http.get("/v1/streams/flaky").json()["frames"] > 0,
+                   what="the camera to deliver")
+        camera.unplugged.set()
+        wait_until(lambda: state() == "retrying", what="state retrying after the camera stopped")
+        assert http.get("/v1/streams/flaky").json()["last_error"] in (
+            "camera rtsp://flaky/x delivers no frames",
+            "could not open camera rtsp://flaky/x (unreachable, refused, or no such stream)")
+        camera.unplugged.clear()
+        wait_until(lambda: state() == "running", what="state running once it delivers again")
+        assert http.get("/v1/streams/flaky").json()["source_reconnects"] >= 1
+
+
+def test_stream_events_carry_sse_ids_in_order(runtime):
+    with running(runtime, {"streams": [synthetic("synth")]}) as d, raw_client(sock_path(d), timeout=30) as http:
+        ids, records = [], []
+        with http.stream("GET", "/v1/streams/synth/events") as response:
+            for line in response.iter_lines():
+                if line.startswith("id: "):
+                    ids.append(int(line[4:]))
+                elif line.startswith("data: "):
+                    records.append(json.loads(line[6:]))
+                    if len(records) == 3:
+                        break
+        assert len(ids) == 3 and ids == list(range(ids[0], ids[0] + 3)) and ids[0] >= 1
+        assert all(r["stream"] == "synth" and "frame" in r for r in records)
+
+
+def test_a_configured_synthetic_size_over_the_pixel_limit_fails_the_start(runtime, tmp_path):
+    cfg = load_config({"limits": {"max_pixels": 256 * 256},
+                       "server": {"socket": str(tmp_path / "edgemm.sock")},
+                       "streams": [stream("big", "synthetic://?size=300")]})
+    with pytest.raises(InputError) as info:
+        Daemon(cfg, runtime=runtime).run()
+    assert str(info.value) == ("config: streams[0].source (big): synthetic://?size=300: size 300 makes "
+                               "90000 pixels per frame, above limits.max_pixels (65536)")
+    assert not (tmp_path / "edgemm.sock").exists()  # refused before the socket was made
