@@ -58,14 +58,15 @@ def check_generation(*, max_new_tokens: Any = None, temperature: Any = None, top
         raise LimitError((names or {}).get(option, option), rule + (" or null" if option in nullable else ""),
                          value)
 
+    # `type(…) is` first: every request passes here, and the ABC checks cost microseconds
     def integer(option: str, value: Any, low: int, high: int, rule: str) -> None:
-        if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        if type(value) is not int and (not isinstance(value, numbers.Integral) or isinstance(value, bool)):
             fail(option, "be an integer", value)
         if not low <= value <= high:
             fail(option, rule, value)
 
     def number(option: str, value: Any) -> float:
-        if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        if type(value) is not float and (not isinstance(value, numbers.Real) or isinstance(value, bool)):
             fail(option, "be a number", value)
         try:
             as_float = float(value)
