@@ -306,7 +306,8 @@ def status(config_path, socket_path, root, as_json) -> None:
 @click.option("--root", type=click.Path(file_okay=False),
               help="Look for telemetry, cameras and CUDA under this folder (default: power.root, /).")
 @click.option("--engines", "engines_dir", type=click.Path(file_okay=False),
-              help="Built engines folder (default: engines/ of this installation).")
+              help="Built engines folder (default: $EDGEMM_ENGINES, /var/lib/edgemm/engines for root, "
+                   "else ~/.cache/edgemm/engines).")
 @click.option("--json", "as_json", is_flag=True, help="Print the checks as a JSON list.")
 @reports_errors
 def doctor(config_path, root, engines_dir, as_json) -> None:
@@ -316,10 +317,11 @@ def doctor(config_path, root, engines_dir, as_json) -> None:
     from pathlib import Path
 
     from edgemm.doctor import FAILED_EXIT_CODE, run_checks
+    from edgemm.loading import default_engines_root
     cfg = build_config(config_path)
     if root is not None:
         cfg.power.root = root
-    engines = Path(engines_dir) if engines_dir else Path(__file__).resolve().parent.parent / "engines"
+    engines = Path(engines_dir) if engines_dir else default_engines_root()
     checks = run_checks(cfg, engines)
     click.echo(json.dumps([c.to_dict() for c in checks]) if as_json else "\n".join(c.line() for c in checks))
     if any(c.level == "fail" for c in checks):
