@@ -44,12 +44,14 @@ class InferenceResult:
     prefix_reused: bool = False  # the prompt's image prefix came from the cache (no prefill for it)
     decode_batch: int = 1  # most requests decoded together with this one at once (itself included)
     decoder_steps: int = 0  # decoder calls after the prefill that gave it tokens (beam search: rows stepped)
+    warnings: list[str] = field(default_factory=list)  # one line each: e.g. words the model cannot read
 
     def to_dict(self) -> dict:
         """The result as plain data for JSON. Containers are copied one level deep: asdict's
         full recursion was a noticeable part of the daemon's own time per request."""
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         d.update(tokens=list(self.tokens), devices=dict(self.devices), schedule=dict(self.schedule),
+                 warnings=list(self.warnings),
                  timings_ms={k: round(v, 3) for k, v in self.timings_ms.items()})
         return d
 
@@ -102,7 +104,8 @@ class Answering:
             schedule=schedule,
             prefix_reused=bool(generation.stats.get("prefix_reused")),
             decode_batch=int(generation.stats.get("decode_batch", 1)),
-            decoder_steps=int(generation.stats.get("decoder_rows", 0)))
+            decoder_steps=int(generation.stats.get("decoder_rows", 0)),
+            warnings=list(request.warnings))
 
 
 class RequestBatch:

@@ -2,7 +2,8 @@
 
 Exit codes (every command): 0 ok · 2 bad input, usage, config or model folder
 (one-line message, no traceback) · 1 internal error · 3 `edgemm doctor` found a
-failing check. EDGEMM_DEBUG=1 adds tracebacks.
+failing check. EDGEMM_DEBUG=1 adds tracebacks (and, for infer, stream and serve,
+the image and video libraries' own messages, which are otherwise dropped).
 """
 from __future__ import annotations
 
@@ -11,18 +12,27 @@ import json
 import logging
 import os
 import sys
+import time
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import click
 
 from edgemm.errors import EdgemmError, InputError, internal_message
-from edgemm.generation_limits import MAX_BEAMS, MAX_NEW_TOKENS, MIN_TEMPERATURE, check_generation
+from edgemm.generation_limits import MAX_BEAMS, MAX_NEW_TOKENS, MIN_TEMPERATURE, check_generation, check_text
 
 DEFAULT_PROMPT = "describe the image"
 # the generation options' flags; their values are checked by edgemm.generation_limits, so the
 # limits and messages are the config's and the API's (click only parses the type)
 GENERATION_FLAGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_p": "--top-p",
                     "seed": "--seed", "num_beams": "--beams", "beam_gate": "--beam-gate"}
+
+
+def quiet_libraries() -> None:
+    """libpng's, libjpeg's, OpenCV's and FFmpeg's own lines off stderr (edgemm.library_noise)."""
+    from edgemm.library_noise import quiet_libraries as quiet
+    quiet()
 
 
 def fail(message: str, code: int) -> None:
@@ -54,6 +64,11 @@ def reports_errors(fn):
 def build_config(config_path, model_dir=None, precision=None, threads=None):
     """The config file (or defaults) with command-line options on top, validated as one."""
     from edgemm.config import config_from_dict, config_to_dict, load_config
+    if threads:
+        from edgemm.loading import usable_cpus
+        if threads > usable_cpus():  # more threads than cores only queue up behind each other
+            raise InputError(f"--threads {threads} is more than the {usable_cpus()} cores this process "
+                             "may use (0 lets edgemm choose)")
     data = config_to_dict(load_config(config_path))
     for section, key, value in (("model", "path", model_dir), ("model", "precision", precision),
                                 ("backend", "intra_op_threads", threads)):
@@ -62,20 +77,72 @@ def build_config(config_path, model_dir=None, precision=None, threads=None):
     return config_from_dict(data)
 
 
-def read_image_arg(image: str, max_bytes: int):
-    """`-` reads stdin (bounded); anything else is a path."""
+def read_image_arg(image: str, max_bytes: int, max_pixels: int):
+    """The decoded image: `-` reads stdin (bounded), anything else is a path (a regular
+    file only). Decoded here, before the model loads, so a bad image costs no load."""
+    from edgemm.model.image import load_image
     if image != "-":
-        return image
+        return load_image(image, max_pixels=max_pixels, max_bytes=max_bytes)
     data = sys.stdin.buffer.read(max_bytes + 1)
     if len(data) > max_bytes:
         raise InputError(f"image on stdin is larger than {max_bytes} bytes (limits.max_image_bytes)")
-    return data
+    return load_image(data, max_pixels=max_pixels)
+
+
+@contextmanager
+def progress(what: str, quiet: bool = False) -> Iterator[None]:
+    """`edgemm: loading WHAT … ready in 1.2 s` on stderr (never stdout: --json stays clean).
+    On a terminal the first half shows while loading and is erased if an error follows;
+    elsewhere (scripts, logs) the line comes whole once ready, so an error stays one line."""
+    interactive = not quiet and sys.stderr.isatty()
+    if interactive:
+        click.echo(f"edgemm: loading {what} … ", err=True, nl=False)
+    t0 = time.perf_counter()
+    try:
+        yield
+    except BaseException:
+        if interactive:
+            click.echo("\r\033[K", err=True, nl=False)
+        raise
+    if not quiet:
+        start = "" if interactive else f"edgemm: loading {what} … "
+        click.echo(f"{start}ready in {time.perf_counter() - t0:.1f} s", err=True)
+
+
+def model_label(cfg) -> str:
+    """The model folder's name, for progress lines (before the model is read)."""
+    from pathlib import Path
+
+    from edgemm.runtime import default_model_dir
+    return (Path(cfg.model.path) if cfg.model.path else default_model_dir()).name + f" ({cfg.model.precision})"
+
+
+class TierOption(click.Option):
+    """--tier: its help names the default model's tiers, read only when help is shown."""
+
+    def get_help_record(self, ctx: click.Context):
+        try:
+            from edgemm.model.manifest import load_manifest
+            from edgemm.runtime import default_model_dir
+            manifest = load_manifest(default_model_dir())
+            tiers = f"{manifest.name} has {', '.join(manifest.tiers)}; "
+        except Exception:  # no readable default model: the help is still shown
+            tiers = ""
+        self.help = (f"Pin the resolution tier ({tiers}a wrong name lists the --model's own). "
+                     "Default: the scheduler picks (see --scheduler).")
+        return super().get_help_record(ctx)
 
 
 class EdgemmGroup(click.Group):
     """Usage errors as one line (`edgemm: error: …`, exit 2), like every other error."""
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not (sys.argv[1:] if args is None else args):  # `edgemm` alone: its help, not an error
+            with self.make_context(prog_name or "edgemm", ["--help"], resilient_parsing=True) as ctx:
+                click.echo(self.get_help(ctx))
+            if standalone_mode:
+                sys.exit(0)
+            return 0
         try:
             rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except click.UsageError as e:
@@ -110,9 +177,10 @@ def main() -> None:
 @main.command()
 @click.argument("image")
 @click.option("--prompt", "-p", default=DEFAULT_PROMPT, show_default=True, help="Question about the image.")
-@click.option("--tier", help="Pin the resolution tier (default: the scheduler picks; see --scheduler).")
-@click.option("--scheduler", type=click.Choice(["top", "thresholds", "calibrated"]),
-              help="Tier policy when no tier is pinned (default: scheduler.policy, top).")
+@click.option("--tier", cls=TierOption)
+@click.option("--scheduler", type=click.Choice(["auto", "top", "thresholds", "calibrated"]),
+              help="Tier policy when no tier is pinned (default: scheduler.policy, auto: calibrated when "
+                   "the model folder ships scheduler.yaml, else top).")
 @click.option("--beams", type=int, help=f"Beam search width, 1..{MAX_BEAMS} (1 = greedy).")
 @click.option("--beam-gate", type=float,
               help="Collapse beams once the best next token is this likely (0 = greedy, 1 = plain beams).")
@@ -121,31 +189,52 @@ def main() -> None:
 @click.option("--config", "config_path", type=click.Path(), envvar="EDGEMM_CONFIG",
               help="YAML config file.")
 @click.option("--json", "as_json", is_flag=True, help="Print the answer with timings and metadata as JSON.")
-@click.option("--max-new-tokens", type=int, help=f"Most tokens in the answer, 1..{MAX_NEW_TOKENS}.")
-@click.option("--temperature", type=float, help=f"0 = greedy; sampling needs at least {MIN_TEMPERATURE:g}.")
-@click.option("--top-p", type=float, help="Nucleus sampling mass, in (0, 1].")
-@click.option("--seed", type=int, help="Sampling seed, 0..2**64-1.")
+@click.option("--max-new-tokens", type=int,
+              help=f"Most tokens in the answer, 1..{MAX_NEW_TOKENS} (default: generation.max_new_tokens, 32).")
+@click.option("--temperature", type=float,
+              help=f"0 = greedy (the default); sampling needs at least {MIN_TEMPERATURE:g}.")
+@click.option("--top-p", type=float,
+              help="Sampling keeps the most likely tokens whose probabilities add up to this, in (0, 1] "
+                   "(default: generation.top_p, 1 = all).")
+@click.option("--seed", type=int,
+              help="Sampling seed, 0..2**64-1: the same seed gives the same answer (default: random).")
 @click.option("--threads", type=click.IntRange(0), help="Intra-op threads (0 = onnxruntime decides).")
+@click.option("--quiet", "-q", is_flag=True, help="No progress line on stderr (warnings and errors still).")
 @reports_errors
 def infer(image, prompt, tier, scheduler, beams, beam_gate, precision, model_dir, config_path, as_json,
-          max_new_tokens, temperature, top_p, seed, threads) -> None:
-    """Answer PROMPT about IMAGE (a file, or - for stdin)."""
+          max_new_tokens, temperature, top_p, seed, threads, quiet) -> None:
+    """Answer PROMPT about IMAGE (a file, or - for stdin).
+
+    Loads the model, warms up the one tier this answer uses, answers, exits. A prompt with
+    words the model does not know is answered with a warning (stderr; `warnings` in --json),
+    or refused with limits.unknown_words: refuse."""
+    quiet_libraries()
     check_generation(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
                      num_beams=beams, beam_gate=beam_gate, names=GENERATION_FLAGS)  # before the model loads
+    check_text(prompt, "--prompt")  # a NUL or undecodable bytes: exit 2, not the tokenizer's error
     from edgemm.runtime import Runtime
     cfg = build_config(config_path, model_dir, precision, threads)
     if scheduler is not None:
         cfg.scheduler.policy = scheduler  # a click.Choice, so already valid
-    source = read_image_arg(image, cfg.limits.max_image_bytes)
-    runtime = Runtime(cfg)
-    result = runtime.infer(source, prompt, tier=tier, max_new_tokens=max_new_tokens,
-                           temperature=temperature, top_p=top_p, seed=seed,
-                           num_beams=beams, beam_gate=beam_gate)
+    source = read_image_arg(image, cfg.limits.max_image_bytes, cfg.limits.max_pixels)
+    with progress(model_label(cfg), quiet):
+        runtime = Runtime(cfg, warm_up=False)
+        started = time.perf_counter()
+        request = runtime.prepare(source, prompt, tier=tier, max_new_tokens=max_new_tokens,
+                                  temperature=temperature, top_p=top_p, seed=seed,
+                                  num_beams=beams, beam_gate=beam_gate)
+        if cfg.backend.warmup:  # a one-shot warms only the tier it will use
+            warm_started = time.perf_counter()
+            runtime.warmup(tiers=[request.tier.name], standby=False)
+            started += time.perf_counter() - warm_started  # the answer's total leaves the warm-up out
+    result = runtime.answer(request, started=started)
     if as_json:
         click.echo(json.dumps({"answer": result.text, "prompt": prompt,
                                "image": image if image != "-" else "<stdin>", **result.to_dict()}))
     else:
         click.echo(result.text)
+        for warning in result.warnings:
+            click.echo(f"edgemm: warning: {warning}", err=True)
 
 
 @main.command()
@@ -173,7 +262,9 @@ def stream(source_uri, prompt, fps, every, max_frames, out, change_threshold, ti
     a folder or glob of images, or synthetic://?fps=10. Ctrl-C / SIGTERM stop it
     after the frames in flight are answered; a summary goes to stderr.
     """
+    quiet_libraries()
     check_generation(max_new_tokens=max_new_tokens, names=GENERATION_FLAGS)
+    check_text(prompt, "--prompt")
     import signal
     import threading
 
@@ -215,13 +306,17 @@ def stream(source_uri, prompt, fps, every, max_frames, out, change_threshold, ti
 @click.option("--config", "config_path", type=click.Path(), envvar="EDGEMM_CONFIG",
               help="YAML config file (under systemd: /etc/edgemm/edgemm.yaml).")
 @click.option("--socket", "socket_path", type=click.Path(dir_okay=False),
-              help="UNIX socket path (default: server.socket, /run/edgemm/edgemm.sock).")
+              help="UNIX socket path (default: server.socket, else /run/edgemm/edgemm.sock where systemd "
+                   "made /run/edgemm, else $XDG_RUNTIME_DIR/edgemm.sock; none with --port).")
+@click.option("--port", type=click.IntRange(0, 65535),
+              help="Also serve HTTP on this TCP port (0 = any free one); alone, TCP only (server.tcp_port).")
+@click.option("--host", help="TCP address for --port (default: server.tcp_host, 127.0.0.1: loopback only).")
 @click.option("--precision", type=click.Choice(["fp32", "int8", "fp16"]))
 @click.option("--model", "model_dir", type=click.Path())
 @click.option("--threads", type=click.IntRange(0), help="Intra-op threads (0 = onnxruntime decides).")
 @reports_errors
-def serve(config_path, socket_path, precision, model_dir, threads) -> None:
-    """Serve the OpenAI-compatible HTTP API on a UNIX socket until SIGTERM.
+def serve(config_path, socket_path, port, host, precision, model_dir, threads) -> None:
+    """Serve the OpenAI-compatible HTTP API on a UNIX socket (or --port) until SIGTERM.
 
     Loads and warms up the model once, then answers POST /v1/chat/completions,
     POST /v1/infer, GET /v1/models, /v1/streams, /healthz, /readyz and /metrics,
@@ -229,8 +324,15 @@ def serve(config_path, socket_path, precision, model_dir, threads) -> None:
     and watchdog pings, and takes a socket-activated socket.
     SIGTERM (or Ctrl-C) stops accepting, lets requests in flight finish, exits 0.
     """
+    if host is not None and port is None:
+        raise click.UsageError("--host needs --port (the TCP port to listen on)")
+    quiet_libraries()
     from edgemm.daemon import serve as run_daemon
     cfg = build_config(config_path, model_dir, precision, threads)
+    if port is not None:
+        cfg.server.tcp_port = port
+    if host is not None:
+        cfg.server.tcp_host = host
     log = logging.getLogger("edgemm")
     log.setLevel(logging.INFO)  # a daemon says where it listens and when it drains
     for handler in log.handlers:
@@ -250,7 +352,8 @@ def _tier_list(_ctx, _param, value):
 @engines.command("build")
 @click.argument("model_dir", type=click.Path(file_okay=False))
 @click.option("--out", type=click.Path(file_okay=False),
-              help="Engine folder (default: engines/<model name> in edgemm's source tree, where model.engines: null looks).")
+              help="Engine folder (default: <engines root>/<model name>, where model.engines: null looks; "
+                   "the root is $EDGEMM_ENGINES, /var/lib/edgemm/engines for root, else ~/.cache/edgemm/engines).")
 @click.option("--device", type=click.Choice(["gpu", "dla0", "dla1"]), default="gpu", show_default=True)
 @click.option("--precision", type=click.Choice(["int8", "fp16"]), default="int8", show_default=True)
 @click.option("--tiers", callback=_tier_list, help="Comma-separated tiers (default: all of the model's).")
@@ -285,7 +388,7 @@ def engines_build(model_dir, out, device, precision, tiers, components, timing_c
 @main.command()
 @click.option("--config", "config_path", type=click.Path(), envvar="EDGEMM_CONFIG", help="YAML config file.")
 @click.option("--socket", "socket_path", type=click.Path(dir_okay=False),
-              help="The daemon's socket (default: server.socket).")
+              help="The daemon's socket (default: server.socket, else the one `edgemm serve` picks).")
 @click.option("--root", type=click.Path(file_okay=False), help="Read telemetry under this folder (default: power.root, /).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (the daemon's GET /v1/status).")
 @reports_errors
@@ -306,23 +409,22 @@ def status(config_path, socket_path, root, as_json) -> None:
 @click.option("--root", type=click.Path(file_okay=False),
               help="Look for telemetry, cameras and CUDA under this folder (default: power.root, /).")
 @click.option("--engines", "engines_dir", type=click.Path(file_okay=False),
-              help="Built engines folder (default: $EDGEMM_ENGINES, /var/lib/edgemm/engines for root, "
-                   "else ~/.cache/edgemm/engines).")
+              help="Built engines folder, with manifest.yaml or one folder per model "
+                   "(default: model.engines, else where `edgemm engines build` writes).")
 @click.option("--json", "as_json", is_flag=True, help="Print the checks as a JSON list.")
 @reports_errors
 def doctor(config_path, root, engines_dir, as_json) -> None:
     """Check what this machine can do for edgemm: TensorRT, DLA, CUDA, pycuda, OpenCV's
     GStreamer, cameras, the socket directory, engines and telemetry files. One line each:
-    ok, warn (not needed by this config) or fail (needed). Exit code 3 when any check fails."""
+    ok, warn (not needed by this config) or fail (needed: a gpu/dla placement needs TensorRT,
+    a CUDA device, its DLA core and its engines). Exit code 3 when any check fails."""
     from pathlib import Path
 
     from edgemm.doctor import FAILED_EXIT_CODE, run_checks
-    from edgemm.loading import default_engines_root
     cfg = build_config(config_path)
     if root is not None:
         cfg.power.root = root
-    engines = Path(engines_dir) if engines_dir else default_engines_root()
-    checks = run_checks(cfg, engines)
+    checks = run_checks(cfg, Path(engines_dir) if engines_dir else None)
     click.echo(json.dumps([c.to_dict() for c in checks]) if as_json else "\n".join(c.line() for c in checks))
     if any(c.level == "fail" for c in checks):
         click.get_current_context().exit(FAILED_EXIT_CODE)

@@ -22,6 +22,7 @@ import dataclasses
 import math
 import os
 import re
+import stat
 import types
 import typing
 from collections.abc import Mapping
@@ -32,22 +33,24 @@ from typing import Any
 import yaml
 
 from edgemm.errors import EdgemmError
-from edgemm.generation_limits import FIELDS as GENERATION_FIELDS, LimitError, check_generation
+from edgemm.generation_limits import FIELDS as GENERATION_FIELDS, LimitError, check_generation, check_text
 from edgemm.scheduler import DETAIL_WORDS, STATISTICS
 
 __all__ = [
     "ConfigError", "ModelConfig", "BackendConfig", "LimitsConfig", "GenerationConfig",
     "SchedulerConfig", "CacheConfig", "PlacementConfig", "PowerConfig", "OffloadConfig",
     "ServerConfig", "StreamConfig", "Config", "load_config", "config_from_dict", "config_to_dict",
+    "socket_choices", "creatable_socket", "client_socket",
 ]
 
 PRECISIONS = ("fp32", "int8", "fp16")
-BACKENDS = ("onnxruntime", "tensorrt")
+BACKENDS = ("onnxruntime",)  # backend.name: only kept so older configs load; TensorRT is chosen by placement
 PROVIDERS = ("cpu", "cuda", "tensorrt")
-SCHEDULER_POLICIES = ("top", "thresholds", "calibrated")
+SCHEDULER_POLICIES = ("auto", "top", "thresholds", "calibrated")
 PLACEMENT_DEVICES = ("gpu", "dla0", "dla1", "cpu")
 DEVICES = PLACEMENT_DEVICES
 OFFLOAD_CONDITIONS = ("critical", "slo", "hot", "budget")
+UNKNOWN_WORDS = ("warn", "refuse")  # limits.unknown_words
 
 
 class ConfigError(EdgemmError, ValueError):
@@ -106,7 +109,9 @@ class ModelConfig:
 
 @dataclass
 class BackendConfig:
-    name: str = "onnxruntime"  # onnxruntime | tensorrt
+    # no longer a switch: cpu placements run on onnxruntime, gpu/dla0/dla1 placements on TensorRT
+    # engines. Only `onnxruntime` is accepted, so that configs written before still load.
+    name: str = "onnxruntime"
     providers: list[str] = field(default_factory=lambda: ["cpu"])  # onnxruntime execution providers, most preferred first: cpu | cuda | tensorrt
     # threads per onnxruntime session; 0 = edgemm decides: onnxruntime's default for one request
     # at a time (edgemm infer), half the usable cores each where the encoder and the decoder run
@@ -115,6 +120,10 @@ class BackendConfig:
     warmup: bool = True  # run each graph once at load so the first request isn't slow
 
     def validate(self, path: str) -> None:
+        if self.name == "tensorrt":
+            raise ConfigError(f"'{path}.name: tensorrt' is not a switch any more: TensorRT engines are chosen per "
+                              "component by placement (e.g. placement.vision_encoder: [dla0, gpu, cpu], "
+                              f"decoder: [gpu, cpu]); remove {path}.name")
         _choice(self.name, BACKENDS, f"{path}.name")
         _require(len(self.providers) > 0, f"{path}.providers", "list at least one provider", self.providers)
         for i, provider in enumerate(self.providers):
@@ -128,10 +137,14 @@ class LimitsConfig:
     max_pixels: int = 40_000_000  # images with more pixels (width x height) are refused before decoding
     max_image_bytes: int = 50 * 1024 * 1024  # larger encoded images are refused unread
     max_prompt_chars: int = 4000  # longer prompts are refused
+    # a prompt with words the model's vocabulary lacks (the built-in model's closed world):
+    # warn = answer, with a warning and the questions the model knows; refuse = 400 / exit 2
+    unknown_words: str = "warn"
 
     def validate(self, path: str) -> None:
         for name in ("max_pixels", "max_image_bytes", "max_prompt_chars"):
             _require(getattr(self, name) > 0, f"{path}.{name}", "be > 0", getattr(self, name))
+        _choice(self.unknown_words, UNKNOWN_WORDS, f"{path}.unknown_words")
 
 
 @dataclass
@@ -153,7 +166,10 @@ class GenerationConfig:
 @dataclass
 class SchedulerConfig:
     """Which resolution tier each request is encoded at, when no tier is pinned (edgemm/scheduler.py)."""
-    policy: str = "top"  # top | thresholds | calibrated (top = the model's default tier, its top tier unless model.yaml says otherwise)
+    # auto | top | thresholds | calibrated. auto = calibrated when the model folder ships its
+    # calibration (scheduler.yaml, as models/tiny-vlm does), else top (the model's default
+    # tier, its top tier unless model.yaml says otherwise)
+    policy: str = "auto"
     statistic: str = "edge_density"  # what `thresholds` compare: mean_saliency | salient_fraction | high_freq | edge_density | fine_strokes
     thresholds: list[float] = field(default_factory=lambda: [0.008, 0.014])  # rising, one per tier above the cheapest: reaching the i-th lifts a frame to tier i+1
     detail_words: list[str] = field(default_factory=lambda: list(DETAIL_WORDS))  # prompts with one of these words ask for detail ...
@@ -201,12 +217,46 @@ class PlacementConfig:
 
 
 BATCHING_MODES = ("auto", "on", "off")  # server.encoder_batching, server.continuous_batching
+SYSTEM_SOCKET = "/run/edgemm/edgemm.sock"  # in systemd's RuntimeDirectory=edgemm; edgemm.socket creates it
+
+
+def socket_choices() -> list[str]:
+    """Where the socket goes when server.socket is null, most preferred first: systemd's
+    /run/edgemm, then the user's own $XDG_RUNTIME_DIR (set by a login session)."""
+    choices = [SYSTEM_SOCKET]
+    runtime_dir = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime_dir:
+        choices.append(os.path.join(runtime_dir, "edgemm.sock"))
+    return choices
+
+
+def creatable_socket() -> str | None:
+    """The first of socket_choices() whose folder exists and this user may create files in."""
+    return next((path for path in socket_choices()
+                 if os.access(os.path.dirname(path), os.W_OK | os.X_OK)), None)
+
+
+def client_socket(cfg: "ServerConfig") -> str:
+    """The socket a client tries: server.socket, else the first choice a daemon listens on,
+    else the one a daemon would create (for the message when nothing answers)."""
+    if cfg.socket is not None:
+        return cfg.socket
+    for path in socket_choices():
+        try:
+            if stat.S_ISSOCK(os.stat(path).st_mode):
+                return path
+        except OSError:
+            continue
+    return creatable_socket() or SYSTEM_SOCKET
 
 
 @dataclass
 class ServerConfig:
     """`edgemm serve`: where it listens, how much it admits, what image URLs it follows."""
-    socket: str = "/run/edgemm/edgemm.sock"  # UNIX socket path; unused under socket activation (systemd passes the socket)
+    # UNIX socket path; null = /run/edgemm/edgemm.sock where that folder exists (systemd makes it),
+    # else $XDG_RUNTIME_DIR/edgemm.sock, and none when TCP is on (tcp_port); unused under
+    # socket activation (systemd passes the socket)
+    socket: str | None = None
     socket_mode: str = "0660"  # permissions of the socket file, octal: owner and group may connect
     socket_group: str | None = None  # group owning the socket file (clients in it may connect); null = the daemon's group
     tcp_port: int | None = None  # also listen on TCP at this port; null = no TCP (the default: the API stays off the network)
@@ -217,19 +267,23 @@ class ServerConfig:
     batch_timeout_ms: float = 5.0  # how long the encoder waits for more images to fill a batch
     encoder_batching: str = "auto"  # auto: batch the encoder only at tiers where one call on max_batch images is timed >= 20 % faster per image than single calls (at start-up); on; off
     continuous_batching: str = "auto"  # requests reaching the decoder while a batch runs: on = join it between tokens; off = wait until it ends; auto = join when the rest of the batch is expected to take longer than their prefills delay it (timed as it runs)
-    request_timeout_s: float = 60.0  # a request not answered within this gets 504
+    request_timeout_s: float = 60.0  # a request not answered within this gets 504; its body must arrive within it too, else 408
     stall_s: float = 120.0  # a pipeline stage that makes no progress on its work this long is unhealthy: no WATCHDOG=1, /readyz and /healthz 503
     retry_after_s: int = 1  # the Retry-After header sent with 503
     grace_period_s: float = 10.0  # on SIGTERM: how long requests in flight may take to finish
     max_body_bytes: int = 16 * 1024 * 1024  # larger request bodies get 413 (base64 images are 4/3 of the file)
-    max_connections: int = 64  # open connections at once; beyond it the HTTP server answers 503
+    max_connections: int = 64  # open connections at once; one more closes the longest idle (or still sending its headers), else its request gets 503
+    header_timeout_s: float = 10.0  # a request line and headers not complete this long after their first byte: 408, connection closed
+    idle_timeout_s: float = 5.0  # a connection without a request in progress (new, or kept alive) is closed after this long
+    max_header_bytes: int = 65536  # a request line and headers larger than this: 431, connection closed
     image_dirs: list[str] = field(default_factory=list)  # folders that file:// image URLs may name (relative: to this file)
     remote_images: bool = False  # fetch http(s) image URLs; off = refused with 400
     remote_timeout_s: float = 10.0  # time allowed to fetch one http(s) image
     max_streams: int = 4  # camera streams run by the daemon at once (config and POST /v1/streams)
 
     def validate(self, path: str) -> None:
-        _require(self.socket.strip() != "", f"{path}.socket", "be a path", self.socket)
+        if self.socket is not None:
+            _require(self.socket.strip() != "", f"{path}.socket", "be a path or null", self.socket)
         _require(_octal_mode(self.socket_mode) is not None, f"{path}.socket_mode",
                  "be octal permissions like '0660'", self.socket_mode)
         if self.tcp_port is not None:
@@ -237,10 +291,12 @@ class ServerConfig:
         for name in ("queue_size", "max_batch", "max_decoder_rows", "max_body_bytes", "max_connections", "retry_after_s",
                      "max_streams"):
             _require(getattr(self, name) >= 1, f"{path}.{name}", "be >= 1", getattr(self, name))
-        for name in ("request_timeout_s", "remote_timeout_s", "stall_s"):
+        for name in ("request_timeout_s", "remote_timeout_s", "stall_s", "header_timeout_s", "idle_timeout_s"):
             _require(getattr(self, name) > 0, f"{path}.{name}", "be > 0", getattr(self, name))
         for name in ("batch_timeout_ms", "grace_period_s"):
             _require(getattr(self, name) >= 0, f"{path}.{name}", "be >= 0", getattr(self, name))
+        _require(self.max_header_bytes >= 1024, f"{path}.max_header_bytes", "be >= 1024 (a request's line and "
+                 "headers need room)", self.max_header_bytes)
         _choice(self.encoder_batching, BATCHING_MODES, f"{path}.encoder_batching")
         _choice(self.continuous_batching, BATCHING_MODES, f"{path}.continuous_batching")
 
@@ -278,6 +334,11 @@ class StreamConfig:
         _require(STREAM_ID.fullmatch(self.id) is not None, f"{path}.id",
                  "be a name of letters, digits, '_', '.', '-' (at most 64)", self.id)
         _require(self.source.strip() != "", f"{path}.source", "be a source URI", self.source)
+        for name in ("source", "prompt"):  # a NUL or a lone surrogate: no path, no prompt the tokenizer takes
+            try:
+                check_text(getattr(self, name), f"{path}.{name}")
+            except LimitError as e:
+                raise ConfigError(str(e)) from None
         _require(self.every >= 1, f"{path}.every", "be >= 1", self.every)
         if self.fps is not None:
             _require(self.fps > 0, f"{path}.fps", "be > 0 or null", self.fps)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import uvicorn
 
-from edgemm.config import Config, ServerConfig
+from edgemm.config import Config, ServerConfig, creatable_socket, socket_choices
 from edgemm.errors import EdgemmError
 from edgemm.offload import OffloadClient
 from edgemm.pipeline import Pipeline, encoder_batch_limits
@@ -77,16 +77,27 @@ class Listener:
 
 
 def open_listeners(cfg: ServerConfig, socket_path: str | None = None) -> list[Listener]:
-    """systemd's sockets when socket-activated; else the UNIX socket, plus TCP if configured."""
+    """systemd's sockets when socket-activated; else the UNIX socket, plus TCP if configured
+    (TCP alone when no socket is named: `edgemm serve --port 8080`)."""
     inherited = listen_sockets()
     if inherited:
         return [Listener(s, f"systemd socket {s.getsockname() or 'fd ' + str(s.fileno())}") for s in inherited]
-    listeners = [bind_unix(socket_path or cfg.socket, cfg.mode, cfg.socket_group)]
+    path = socket_path or cfg.socket
+    if path is None and cfg.tcp_port is None:
+        path = creatable_socket()
+        if path is None:
+            folders = [os.path.dirname(p) for p in socket_choices()]
+            why = (f"neither {folders[0]} nor {folders[1]} is a folder this user may write" if len(folders) > 1 else
+                   f"{folders[0]} is not a folder this user may write and $XDG_RUNTIME_DIR is not set")
+            raise ListenError(f"no socket to create: {why} (systemd's edgemm.socket makes /run/edgemm); "
+                              "pass --socket PATH, or --port N for TCP on 127.0.0.1")
+    listeners = [bind_unix(path, cfg.mode, cfg.socket_group)] if path is not None else []
     if cfg.tcp_port is not None:
         try:
             listeners.append(bind_tcp(cfg.tcp_host, cfg.tcp_port))
         except ListenError:
-            listeners[0].close()
+            for listener in listeners:
+                listener.close()
             raise
     return listeners
 
@@ -179,17 +190,22 @@ class Daemon:
         self._server: _UvicornServer | None = None
         self._stop_asked = False
         self._drain_started: float | None = None
+        self._started = time.monotonic()
 
     def run(self) -> None:
         cfg = self.config.server
         check_configured(self.config.streams, cfg.max_streams)  # before the socket and the model
         offload = self.config.offload
         client = OffloadClient.from_config(offload) if offload.enabled else None  # a bad key file: exit 2 now
+        started = time.monotonic()
         self.listeners = open_listeners(cfg, self.socket_path)
+        log.info("listening on %s", ", ".join(listener.name for listener in self.listeners))
+        self._started = started
         router = Router(self.config, Sampler.from_config(self.config.power).start(), client)
         try:
             if self.runtime is None:
                 self.notifier.status("loading and warming up the model")
+                log.info("loading and warming up the model (every tier) …")
                 try:
                     self.runtime = Runtime(self.config, concurrent=True)
                 except Exception as e:
@@ -225,9 +241,8 @@ class Daemon:
         self._loop = asyncio.get_running_loop()
         self._server = _UvicornServer(uvicorn.Config(
             create_app(self.service), lifespan="off", log_config=None, log_level="warning",
-            access_log=False, http="httptools" if HTTPTOOLS else "h11", server_header=False, timeout_keep_alive=5,
-            limit_concurrency=cfg.max_connections + 1,  # uvicorn refuses at >= its limit: let max_connections in
-            timeout_graceful_shutdown=cfg.grace_period_s))
+            access_log=False, server_header=False, timeout_graceful_shutdown=cfg.grace_period_s,
+            **self._connection_limits()))
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._loop.add_signal_handler(sig, self._on_signal, signal.Signals(sig).name)
@@ -241,6 +256,19 @@ class Daemon:
             for task in helpers:
                 task.cancel()
         return self._drain_started or time.monotonic()
+
+    def _connection_limits(self) -> dict:
+        """uvicorn's settings for the server.* connection limits (edgemm.connections)."""
+        cfg = self.config.server
+        if not HTTPTOOLS:  # h11: uvicorn's own limits, which are coarser (a 400 for a large head,
+            # no header timeout, idle connections count against limit_concurrency: a plain-text 503)
+            log.warning("httptools is not installed: the HTTP server runs on h11 with coarser connection limits")
+            return {"http": "h11", "timeout_keep_alive": cfg.idle_timeout_s, "limit_concurrency": cfg.max_connections + 1,
+                    "h11_max_incomplete_event_size": cfg.max_header_bytes}
+        from edgemm.connections import ConnectionLimits, limited_protocol  # it needs httptools
+        limits = ConnectionLimits(cfg.max_connections, cfg.header_timeout_s, cfg.idle_timeout_s, cfg.max_header_bytes,
+                                  cfg.retry_after_s, on_limit=self.service.metrics.connection_limited)
+        return {"http": limited_protocol(limits), "timeout_keep_alive": cfg.idle_timeout_s}
 
     def _on_signal(self, name: str) -> None:
         if self.service is not None and self.service.draining and self._server is not None:
@@ -272,9 +300,9 @@ class Daemon:
         while not self._server.started:
             await asyncio.sleep(0.01)
         names = ", ".join(listener.name for listener in self.listeners)
-        status = f"ready: {self.service.model_id} ({self.runtime.precision}) on {names}"
-        self.notifier.ready(status)
-        log.info("%s", status)
+        serving = f"{self.service.model_id} ({self.runtime.precision}) on {names}"
+        self.notifier.ready(f"ready: {serving}")
+        log.info("ready in %.1f s: %s", time.monotonic() - self._started, serving)
         self.ready.set()
 
     async def _heartbeat(self) -> None:

@@ -30,12 +30,12 @@ exactly once.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from math import isfinite
 from typing import Any
 
 import numpy as np
@@ -51,12 +51,22 @@ Finished = Callable[[Any, "Generation | Exception"], None]  # (the caller's key,
 # an empty batch's arrays, shared: a batch is opened for every request, and each numpy call
 # right after a decoder call runs on cold caches
 _EMPTY_2D = np.zeros((0, 0), np.float32)
-_EMPTY_POSITIONS = np.zeros((0, 1), np.int64)
-_NO_ROWS = np.arange(0)
-for _array in (_EMPTY_2D, _EMPTY_POSITIONS, _NO_ROWS):
-    _array.flags.writeable = False
+_EMPTY_2D.flags.writeable = False
 SPARE_COLUMNS = 32  # mask and position columns made ahead, so that most steps only take a view
-_STEPS: dict = {}  # position dtype → [[0, 1, … SPARE_COLUMNS - 1]]: a position table's columns
+_SHARED: dict = {}  # (kind, dtype) → a read-only table every batch shares (see _shared)
+
+
+def _shared(kind: str, dtype: np.dtype, n: int) -> np.ndarray:
+    """A table of at least `n` columns that every batch shares, read-only: "ones" [1, n] is
+    a lone row's mask, "counting" [n, 1, 1] (0, 1, … n-1) a lone row's position ids. A lone
+    row has no padding, so it takes views of these and allocates nothing."""
+    table = _SHARED.get((kind, dtype))
+    if table is None or table.size < n:
+        size = max(n, 2 * table.size if table is not None else 1024)
+        table = np.ones((1, size), dtype) if kind == "ones" else np.arange(size, dtype=dtype)[:, None, None]
+        table.flags.writeable = False
+        _SHARED[(kind, dtype)] = table  # another thread may make its own: both are right
+    return table
 
 
 class DecodeFailure(RuntimeError):
@@ -74,9 +84,11 @@ class BatchItem:
     cancelled: threading.Event | None = None  # set by the caller: the answer stops at the next step
 
 
-@dataclass
+@dataclass(slots=True)
 class _Answer:
-    """One request in the batch; it holds `width` consecutive decoder rows."""
+    """One request in the batch; it holds `width` consecutive decoder rows. What each step
+    reads is an attribute of its own (slots: the step runs on the caches a decoder call left
+    cold, and each object it touches costs)."""
     key: Any  # the caller's handle for this request
     item: BatchItem
     length: int  # prompt tokens
@@ -84,6 +96,8 @@ class _Answer:
     rng: np.random.Generator | None  # sampling only
     prefill_ms: float
     reused: bool
+    cancelled: threading.Event | None  # the item's
+    on_token: Callable[[int], None] | None  # the item's
     joined: float = 0.0  # perf_counter when it entered the batch: its decode time starts
     peers: int = 1  # most answers it was in a batch with (itself included)
     tokens: list[int] = field(default_factory=list)  # committed (beams: the best, once collapsed)
@@ -110,31 +124,43 @@ class DecodingBatch:
 
     def __init__(self, gen: Generator, finished: Finished, steps_by_rows: Counter | None = None):
         """`steps_by_rows`: where to count decoder calls by rows stepped together (the
-        caller's running tally, so that it is current whenever an answer is handed over)."""
+        caller's running tally). It is brought up to date whenever the rows change and
+        before an answer is handed over, not at every step: a Counter's increment costs
+        more than the rest of a step's bookkeeping for a row."""
         self.gen, self.finished = gen, finished
+        self.stop_ids = gen.stop_ids
         self.answers: list[_Answer] = []
         self.logits = _EMPTY_2D  # [R, V]: each row's next-token logits
         # the decoder's feeds between steps: the KV cache ([R, heads, T, head_dim] per layer,
         # left-padded) and the graph's optional inputs; each step takes the new cache in place
         self.feeds: dict[str, np.ndarray] = {}
-        # [R, capacity]: 0 over each row's padding, 1 after; columns past `width` are
-        # already 1, so a step extends the mask by taking one more column (no copy)
-        self._mask = _EMPTY_2D
+        # each row's cache is left-padded to `width` columns, row j's first `_padding[j]`
+        # being padding (None: a lone row, which has none). From the padding come the mask
+        # and the position table, both with spare columns, so that a step only takes views
+        # (see _lay_out)
+        self.rows = 0  # decoder rows in use: one per answer, a beam search's live beams
         self.width = 0
-        # [R, spare]: row j's position ids from the next step on (a step takes one column:
-        # slicing costs a quarter of an in-place add on the caches a decoder call leaves cold)
-        self._positions = _EMPTY_POSITIONS
-        self._position_col = 0
-        self._rows = _NO_ROWS  # [R]: 0 … R-1, for indexing every row at once
-        self.steps_by_rows: Counter = Counter() if steps_by_rows is None else steps_by_rows
+        self._padding: np.ndarray | None = None
+        self._mask = _EMPTY_2D  # [R, capacity]: 0 over each row's padding, 1 after
+        self._positions = _EMPTY_2D  # [capacity, R, 1]: the position id of a token in each column
+        # the caller's Counter, or a plain dict of its own (a Counter costs more to make)
+        self._steps_by_rows: dict[int, int] = {} if steps_by_rows is None else steps_by_rows
+        self._calls = 0  # decoder calls on the current rows, not yet in _steps_by_rows
 
     def __len__(self) -> int:
         return len(self.answers)
 
     @property
-    def rows(self) -> int:
-        """Decoder rows in use: one per answer, a beam search's live beams."""
-        return len(self._rows)
+    def steps_by_rows(self) -> Counter:
+        """Rows stepped together → decoder calls, so far."""
+        self._count_calls()
+        tally = self._steps_by_rows
+        return tally if isinstance(tally, Counter) else Counter(tally)
+
+    def _count_calls(self) -> None:
+        if self._calls:
+            self._steps_by_rows[self.rows] = self._steps_by_rows.get(self.rows, 0) + self._calls
+            self._calls = 0
 
     @property
     def mask(self) -> np.ndarray:
@@ -164,7 +190,7 @@ class DecodingBatch:
             a.joined = now
             if a.item.options.num_beams > 1:
                 a.beams = Beams([[]], np.zeros(1))
-        self._merge(answers, logits[0][None] if len(logits) == 1 else np.stack(logits), pasts)
+        self._merge(answers, logits[0] if len(logits) == 1 else np.concatenate(logits), pasts)
         for a in self.answers:
             a.peers = max(a.peers, len(self.answers))
 
@@ -174,44 +200,33 @@ class DecodingBatch:
         """Every answer's next token(s) from its rows' logits; answers that end or fail
         leave; one decoder call gives the rows that go on their next logits."""
         # the greedy token of every row in one pass; a row's logits are finite if its top
-        # one is (argmax lands on a NaN or +inf; all -inf stays -inf). Few numpy calls per
-        # step: each one right after a decoder call runs on cold caches.
+        # one is (argmax lands on a NaN or +inf; all -inf stays -inf). Few numpy calls and
+        # few objects per step: each one right after a decoder call runs on cold caches.
         best = self.logits.argmax(axis=-1).tolist()
         top = self.logits.item
-        gather: list[int] = []  # the rows that go on, as indices into the current rows
-        tokens: list[int] = []  # and the token each is fed
-        kept: list[_Answer] = []
-        reordered = False
+        outcomes: list = []  # each answer's: the token its one row is fed, or what _regroup handles
+        regroup = False
         start = 0  # the answer's first row
         for a in self.answers:
             width = a.width
             try:
-                if a.item.cancelled is not None and a.item.cancelled.is_set():
+                if a.cancelled is not None and a.cancelled.is_set():
                     raise Cancelled("cancelled: the client went away or the request timed out")
-                if not (math.isfinite(top(start, best[start])) if width == 1 else
-                        all(math.isfinite(top(j, best[j])) for j in range(start, start + width))):
+                if not (isfinite(top(start, best[start])) if width == 1 else
+                        all(isfinite(top(j, best[j])) for j in range(start, start + width))):
                     raise DecodeFailure("the decoder gave non-finite logits (NaN or inf) for this request")
                 outcome = self._next(a, start, best)
             except Exception as e:  # this answer fails alone; the others go on
                 outcome = e
-            if outcome.__class__ is int:  # the common case: its one row goes on, fed this token
-                gather.append(start)
-                tokens.append(outcome)
-                kept.append(a)
-            elif isinstance(outcome, list):  # a beam search's rows, reordered
-                gather.extend(start + offset for offset, _ in outcome)
-                tokens.extend(token for _, token in outcome)
-                a.width = len(outcome)
-                kept.append(a)
-                reordered = True
-            else:  # ended (a Generation) or failed (its exception)
-                self._hand_over(a.key, outcome)
-                reordered = True
+            if outcome.__class__ is int:  # the common case: its one row goes on
+                a.rows_stepped += 1
+            else:
+                regroup = True
+            outcomes.append(outcome)
             start += width
-        if reordered:
-            self._reindex(gather)
-        self.answers = kept
-        if not kept:
+        # in the common case every row goes on, fed its answer's token
+        tokens = self._regroup(outcomes) if regroup else outcomes
+        if not self.answers:
             return
         try:
             embeds = self.gen.embed_next(tokens)
@@ -219,7 +234,46 @@ class DecodingBatch:
             embeds = self._embed_apart(tokens, e)
             if embeds is None:
                 return
-        self._call_decoder(embeds)
+        # one decoder call for every row; if it fails, so does every answer in it
+        column = self.width  # the new tokens' column
+        if column == self._mask.shape[1]:  # no spare column left
+            self._lay_out(self._padding, column, spare=max(SPARE_COLUMNS, column))
+        self.width = column + 1
+        mask = self._mask[:, :column + 1]
+        if self.rows > 1:  # a view of several rows is strided: the graph wants it packed
+            mask = np.ascontiguousarray(mask)
+        try:
+            self.logits = self.gen.step_in_place(self.feeds, embeds, mask, self._positions[column])
+        except Exception as e:
+            self._fail_all(e)
+            return
+        self._calls += 1
+
+    def _regroup(self, outcomes: list) -> list[int]:
+        """The step changed some answers' rows: those that ended or failed are handed over
+        and leave, a beam search's rows are reordered. The token each row left is fed."""
+        gather: list[int] = []  # the rows that go on, as indices into the current rows
+        tokens: list[int] = []  # and the token each is fed
+        kept: list[_Answer] = []
+        start = 0
+        for a, outcome in zip(self.answers, outcomes):
+            if outcome.__class__ is int:  # its one row goes on, fed this token
+                gather.append(start)
+                tokens.append(outcome)
+                kept.append(a)
+            elif isinstance(outcome, list):  # a beam search's rows: (offset, token) each
+                gather.extend(start + offset for offset, _ in outcome)
+                tokens.extend(token for _, token in outcome)
+                kept.append(a)
+            else:  # ended (a Generation) or failed (its exception)
+                self._hand_over(a.key, outcome)
+            start += a.width
+            if isinstance(outcome, list):
+                a.width = len(outcome)
+                a.rows_stepped += a.width
+        self._reindex(gather)
+        self.answers = kept
+        return tokens
 
     def run_to_end(self) -> None:
         """Step until every answer has ended (nobody joins meanwhile)."""
@@ -238,11 +292,11 @@ class DecodingBatch:
             offset = outcome  # collapsed: that row goes on greedily
         row = start + offset
         token = best[row] if a.rng is None else sample_token(self.logits[row], a.item.options, a.rng)
-        if token in self.gen.stop_ids:
+        if token in self.stop_ids:
             return a.generation(a.tokens, "stop")
         a.tokens.append(token)
-        if a.item.on_token is not None:
-            a.item.on_token(token)
+        if a.on_token is not None:
+            a.on_token(token)
         if len(a.tokens) >= a.budget:
             return a.generation(a.tokens, "length")
         return token if a.width == 1 else [(offset, token)]
@@ -282,9 +336,9 @@ class DecodingBatch:
     def _commit(self, a: _Answer, tokens: list[int]) -> None:
         """The search settled on `tokens`: they become the answer's, and go to its callback."""
         a.tokens = list(tokens)
-        if a.item.on_token is not None:
+        if a.on_token is not None:
             for token in a.tokens:
-                a.item.on_token(token)
+                a.on_token(token)
 
     def _embed_apart(self, tokens: list[int], error: Exception) -> np.ndarray | None:
         """The embedding failed on the rows' next tokens: the answers holding a token it
@@ -304,29 +358,9 @@ class DecodingBatch:
             self._fail_all(e)
             return None
 
-    def _call_decoder(self, embeds: np.ndarray) -> None:
-        """One decoder call for every row; if it fails, so does every answer in it."""
-        self.width += 1
-        if self.width > self._mask.shape[1]:
-            self._grow_mask()
-        if self._position_col == self._positions.shape[1]:
-            self._set_positions(self._positions[:, -1] + 1)
-        col = self._position_col
-        self._position_col += 1
-        mask, positions = self._mask[:, :self.width], self._positions[:, col:col + 1]
-        if len(self._rows) > 1:  # views of several rows are strided: the graph wants them packed
-            mask, positions = np.ascontiguousarray(mask), np.ascontiguousarray(positions)
-        try:
-            self.logits = self.gen.step_in_place(self.feeds, embeds, mask, positions)
-        except Exception as e:
-            self._fail_all(e)
-            return
-        self.steps_by_rows[len(self._rows)] += 1
-        for a in self.answers:
-            a.rows_stepped += a.width
-
     def _hand_over(self, key: Any, outcome: Generation | Exception) -> None:
         """The caller's callback; its own failure must not stop the loop for the others."""
+        self._count_calls()
         try:
             self.finished(key, outcome)
         except Exception:
@@ -361,22 +395,28 @@ class DecodingBatch:
         that are padding for every row left are cut, so that a batch joined again and
         again never grows past its longest live row."""
         if not gather:  # the batch is empty: nothing to copy (no numpy call on the hot path's cold caches)
-            self.feeds, self._mask, self.width, self._rows = {}, _EMPTY_2D, 0, _NO_ROWS
-            self.logits, self._positions, self._position_col = _EMPTY_2D, _EMPTY_POSITIONS, 0
+            self._count_calls()
+            self.feeds, self.rows, self.width, self._padding = {}, 0, 0, None
+            self.logits = self._mask = self._positions = _EMPTY_2D
             return
-        keep = np.asarray(gather)
-        mask = self.mask[keep]
-        start = int(mask.any(axis=0).argmax())  # the first column some row uses
+        if self._padding is None:  # a lone row, e.g. a beam search's first step
+            start, padding = 0, np.zeros(len(gather), self.gen.position_dtype)
+        else:
+            padding = self._padding[gather]
+            start = int(padding.min())  # the columns before are padding for every row left
         for name in self.gen.past_names:
-            self.feeds[name] = self.feeds[name][keep, :, start:]
-        self._set_mask(mask[:, start:])
-        self.logits = self.logits[keep]
-        self._set_positions(self._next_positions()[keep])
+            self.feeds[name] = self.feeds[name][gather, :, start:]
+        self.logits = self.logits[gather]
+        self._lay_out(padding - start if len(gather) > 1 else None, self.width - start)
 
     def _merge(self, answers: list[_Answer], logits: np.ndarray, pasts: list[dict]) -> None:
         """New answers' rows into the batch: one cache per layer for all rows, each row's
         left-padded with zeros to the longest, and the mask that hides the padding."""
-        old_width, old_rows = self.width, len(self._rows)
+        old_width, old_rows = self.width, self.rows
+        if not old_rows and len(answers) == 1:  # a lone request: its cache as the prefill left it
+            self.feeds, self.logits, self.answers = self.gen.step_feeds(pasts[0]), logits, answers
+            self._lay_out(None, answers[0].length)
+            return
         width = max([old_width] + [a.length for a in answers])
 
         def stacked(name: str) -> np.ndarray:
@@ -392,52 +432,29 @@ class DecodingBatch:
                 at += len(kv)
             return out
 
-        if not old_rows and len(answers) == 1:  # a lone request: its cache as the prefill left it
-            self.feeds = self.gen.step_feeds(pasts[0])
-        else:
-            self.feeds = self.gen.step_feeds({name: stacked(name) for name in self.gen.past_names})
-        old_mask = self.mask
-        mask = self._new_mask(old_rows + len(answers), width)
-        if old_rows:
-            mask[:old_rows, :width - old_width] = 0
-            mask[:old_rows, width - old_width:width] = old_mask
-        for j, a in enumerate(answers, start=old_rows):
-            if a.length < width:
-                mask[j, :width - a.length] = 0
-        # a joining row's first generated token goes at the position after its prompt
-        following = [a.length for a in answers]
-        self._set_positions(np.concatenate([self._next_positions(), following]) if old_rows else following)
+        self.feeds = self.gen.step_feeds({name: stacked(name) for name in self.gen.past_names})
+        old = [] if not old_rows else [0] if self._padding is None else self._padding.tolist()
+        self._lay_out(np.array([p + width - old_width for p in old] + [width - a.length for a in answers],
+                               self.gen.position_dtype), width)
         self.logits = np.concatenate([self.logits, logits]) if old_rows else logits
         self.answers = self.answers + answers
 
-    def _set_mask(self, mask: np.ndarray, spare: int = SPARE_COLUMNS) -> None:
-        self._new_mask(mask.shape[0], mask.shape[1], spare)[:, :self.width] = mask
-
-    def _new_mask(self, rows: int, width: int, spare: int = SPARE_COLUMNS) -> np.ndarray:
-        """A mask buffer of `rows` × `width` used columns (all 1: the caller writes the
-        padding's zeros) and `spare` more."""
-        self.width = width
-        if len(self._rows) != rows:
-            self._rows = np.arange(rows)
-        self._mask = np.ones((rows, width + spare), self.gen.mask_dtype)
-        return self._mask
-
-    def _next_positions(self) -> np.ndarray:
-        """[R]: the position id each row's next token gets."""
-        return self._positions[:, self._position_col] if self._position_col < self._positions.shape[1] \
-            else self._positions[:, -1] + 1
-
-    def _set_positions(self, following: np.ndarray | list[int]) -> None:
-        steps = _STEPS.get(self.gen.position_dtype)
-        if steps is None:
-            steps = _STEPS[self.gen.position_dtype] = np.arange(SPARE_COLUMNS, dtype=self.gen.position_dtype)[None]
-        self._positions = np.asarray(following, self.gen.position_dtype)[:, None] + steps
-        self._position_col = 0
-
-    def _grow_mask(self) -> None:
-        used = self._mask[:, :self.width - 1]
-        self._set_mask(used, spare=max(SPARE_COLUMNS, used.shape[1]))
-        self.width += 1
+    def _lay_out(self, padding: np.ndarray | None, width: int, spare: int = SPARE_COLUMNS) -> None:
+        """The mask and the position table of rows with `padding` [R] (None: one row without
+        any), for `width` columns in use and `spare` more: a token in column c of row j
+        has position c - padding[j], and the mask is 1 from there on."""
+        self._count_calls()  # for the rows before
+        self.width, capacity = width, width + spare
+        self._padding = padding
+        if padding is None:  # the shared tables whole: their capacity is at least ours
+            self.rows = 1
+            self._mask = _shared("ones", self.gen.mask_dtype, capacity)
+            self._positions = _shared("counting", self.gen.position_dtype, self._mask.shape[1])
+            return
+        counting = _shared("counting", self.gen.position_dtype, capacity)[:capacity]  # [capacity, 1, 1]
+        self.rows = len(padding)
+        self._positions = counting - padding[:, None]  # [capacity, R, 1]
+        self._mask = (counting[:, 0, 0] >= padding[:, None]).astype(self.gen.mask_dtype)  # [R, capacity]
 
 
 def _embeds(gen: Generator, token: int) -> bool:
@@ -471,7 +488,8 @@ def _prefill(gen: Generator, items: list[tuple[Any, BatchItem]],
     """Every item's prompt through the decoder. A stored prefix is reused item by item;
     the other prompts go through together, one decoder call per prompt length (the same
     question at the same tier has the same length), since a prefill of B short prompts
-    costs less than B prefills where one call's fixed cost dominates."""
+    costs less than B prefills where one call's fixed cost dominates. Each answer comes
+    with its logits [1, V] and its cache."""
     answers, logits, pasts = [], [], []
     fresh: dict[int, list[tuple[Any, BatchItem, np.ndarray, int, bytes | None, float]]] = {}  # length → prompts
     for key, item in items:
@@ -484,7 +502,7 @@ def _prefill(gen: Generator, items: list[tuple[Any, BatchItem]],
                 raise InputError(f"prompt is {length} tokens (image included); the model's "
                                  f"context is {gen.max_context}")
             split, prefix = gen.prefix_key(item.features, item.input_ids, item.image_start, item.reuse)
-            stored = gen.from_stored_prefix(item.input_ids, split, prefix, np.ones((1, length), np.int64), item.reuse)
+            stored = gen.from_stored_prefix(item.input_ids, split, prefix, _ones(gen, 1, length), item.reuse)
             if stored is None:
                 fresh.setdefault(length, []).append(
                     (key, item, gen.embed_prompt(item.input_ids, item.features, item.image_start), split, prefix,
@@ -494,31 +512,44 @@ def _prefill(gen: Generator, items: list[tuple[Any, BatchItem]],
             failed(key, e)
             continue
         answers.append(_answer(gen, key, item, started, reused=True))
-        logits.append(stored[0][0])
+        logits.append(stored[0])
         pasts.append(stored[1])
     for length, group in fresh.items():
         try:
             embeds = group[0][2] if len(group) == 1 else np.concatenate([embeds for _, _, embeds, *_ in group])
-            out, past = gen.step(embeds, np.ones((len(group), length), np.int64), gen.empty_past(len(group)))
+            # no padding: every row's positions are 0 … length - 1 (no cumsum of the mask)
+            positions = _shared("counting", gen.position_dtype, length)[:length, 0, 0][None]
+            if len(group) > 1:
+                positions = np.repeat(positions, len(group), axis=0)
+            out, past = gen.step(embeds, _ones(gen, len(group), length), gen.empty_past(len(group)), positions)
+            # rows whose logits are not finite (NaN and +inf come out on top): one reduction
+            # for the whole group when none is
+            broken = () if isfinite(out.max()) else \
+                [j for j, top in enumerate(out.max(axis=-1).tolist()) if not isfinite(top)]
         except Exception as e:  # the shared call failed: so does each of its requests
             for key, *_ in group:
                 failed(key, e)
             continue
         for j, (key, item, _, split, prefix, started) in enumerate(group):
             own = past if len(group) == 1 else {name: value[j:j + 1] for name, value in past.items()}
-            if np.isfinite(out[j]).all():  # a broken prefix must not be served to the next request
+            if j not in broken:  # a broken prefix must not be served to the next request
                 try:
                     gen.store_prefix(own, split, prefix, item.reuse)
                 except Exception:  # the cache is an optimisation: the answer goes on without it
                     log.exception("keeping a prompt prefix in the cache failed")
             answers.append(_answer(gen, key, item, started, reused=False))
-            logits.append(out[j])
+            logits.append(out if len(group) == 1 else out[j:j + 1])
             pasts.append(own)
     return answers, logits, pasts
+
+
+def _ones(gen: Generator, rows: int, length: int) -> np.ndarray:
+    """A mask without padding: a lone row's is a view of the shared table."""
+    return _shared("ones", gen.mask_dtype, length)[:, :length] if rows == 1 else np.ones((rows, length), gen.mask_dtype)
 
 
 def _answer(gen: Generator, key: Any, item: BatchItem, started: float, reused: bool) -> _Answer:
     length = item.input_ids.shape[1]
     return _Answer(key, item, length, min(item.options.max_new_tokens, gen.max_context - length),
                    np.random.default_rng(item.options.seed) if item.options.temperature > 0 else None,
-                   (time.perf_counter() - started) * 1e3, reused)
+                   (time.perf_counter() - started) * 1e3, reused, item.cancelled, item.on_token)

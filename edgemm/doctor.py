@@ -1,8 +1,11 @@
 """`edgemm doctor`: what this machine can do for edgemm, and what to fix, one line per check.
 
 Each check is ok, warn (missing, but the current config does not need it) or fail
-(the current config needs it). `edgemm doctor` exits 0 without failures, 3 with any.
-It only looks: it never changes the power mode, permissions or anything else.
+(the current config needs it). What the config needs comes from `placement`: a gpu,
+dla0 or dla1 in any list needs TensorRT, pycuda, a CUDA device that initialises and the
+engines for those devices in the engine folder (model.engines); a DLA needs that core.
+`edgemm doctor` exits 0 without failures, 3 with any. It only looks: it never changes
+the power mode, permissions or anything else.
 """
 from __future__ import annotations
 
@@ -17,7 +20,12 @@ from pathlib import Path
 
 import yaml
 
-from edgemm.config import Config
+from edgemm.config import Config, creatable_socket, socket_choices
+from edgemm.engines.manifest import MANIFEST, rebuild_command
+from edgemm.errors import EdgemmError
+from edgemm.loading import default_engines_dir
+from edgemm.model.manifest import COMPONENTS, ModelManifest, load_manifest
+from edgemm.runtime import default_model_dir
 from edgemm.telemetry import Sensors, read_text
 
 FAILED_EXIT_CODE = 3
@@ -36,7 +44,9 @@ class Check:
         return asdict(self)
 
 
-def run_checks(cfg: Config, engines: Path) -> list[Check]:
+def run_checks(cfg: Config, engines: Path | None = None) -> list[Check]:
+    """Every check, in the order shown. `engines`: the engine folder (holding manifest.yaml,
+    or one folder per model); None = model.engines, else where `edgemm engines build` writes."""
     root = Path(cfg.power.root)
     sensors = Sensors.discover(root, cfg.power.nvpmodel_query)
     trt = module_version("tensorrt")
@@ -45,10 +55,27 @@ def run_checks(cfg: Config, engines: Path) -> list[Check]:
             engines_check(cfg, engines, trt), *telemetry_checks(sensors)]
 
 
+def accelerators(cfg: Config) -> dict[str, list[str]]:
+    """component → the TensorRT devices (gpu, dla0, dla1) its placement list names."""
+    return {kind: [d for d in getattr(cfg.placement, kind) if d != "cpu"] for kind in COMPONENTS}
+
+
+def tensorrt_devices(cfg: Config) -> list[str]:
+    """Every gpu/dla device any placement list names: each needs TensorRT engines."""
+    return sorted({d for devices in accelerators(cfg).values() for d in devices})
+
+
+def needs_tensorrt(cfg: Config) -> bool:
+    return bool(tensorrt_devices(cfg))
+
+
 def needs_gpu(cfg: Config) -> bool:
-    placed = cfg.placement.vision_encoder + cfg.placement.embed_tokens + cfg.placement.decoder
-    return cfg.backend.name == "tensorrt" or bool({"cuda", "tensorrt"} & set(cfg.backend.providers)) \
-        or any(device != "cpu" for device in placed)
+    return needs_tensorrt(cfg) or bool({"cuda", "tensorrt"} & set(cfg.backend.providers))
+
+
+def why_needed(cfg: Config) -> str:
+    devices = tensorrt_devices(cfg)
+    return f"placement lists {', '.join(devices)}" if devices else "no placement needs it"
 
 
 def needed(required: bool) -> str:
@@ -74,8 +101,9 @@ def python_check() -> Check:
 def tensorrt_check(cfg: Config, version: str | None) -> Check:
     if version is not None:
         return Check("tensorrt", "ok", version)
-    return Check("tensorrt", needed(cfg.backend.name == "tensorrt"),
-                 "not importable: on JetPack install python3-libnvinfer (needed for backend.name: tensorrt)")
+    return Check("tensorrt", needed(needs_tensorrt(cfg)),
+                 f"not importable: on JetPack install python3-libnvinfer ({why_needed(cfg)}; "
+                 "gpu and dla devices run TensorRT engines)")
 
 
 def dla_check(cfg: Config, cores: int | None) -> Check:
@@ -91,24 +119,79 @@ def dla_check(cfg: Config, cores: int | None) -> Check:
 
 
 def cuda_check(cfg: Config, root: Path) -> Check:
+    """Whether a CUDA device initialises (the driver's cuInit, through pycuda or cuda-python),
+    with the toolkit's version when /usr/local/cuda says it."""
     info = read_text(root / "usr/local/cuda/version.json")
+    toolkit = None
     if info:
         try:
-            return Check("cuda", "ok", json.loads(info)["cuda"]["version"])
+            toolkit = f"CUDA {json.loads(info)['cuda']['version']}"
         except (ValueError, KeyError, TypeError):
-            return Check("cuda", "ok", "installed (/usr/local/cuda, version unreadable)")
-    if ctypes.util.find_library("cudart"):
-        return Check("cuda", "ok", "libcudart found")
-    return Check("cuda", needed(needs_gpu(cfg)), "not found: JetPack installs it at /usr/local/cuda "
-                 "(needed for gpu/dla placement, backend tensorrt, providers cuda/tensorrt)")
+            toolkit = "CUDA at /usr/local/cuda (version unreadable)"
+    elif ctypes.util.find_library("cudart"):
+        toolkit = "libcudart found"
+    level = needed(needs_gpu(cfg))
+    why = "needed for gpu/dla placement and providers cuda/tensorrt"
+    device, error = cuda_device()
+    if device is not None:
+        return Check("cuda", "ok", f"{device}" + (f", {toolkit}" if toolkit else ""))
+    if error is None:  # neither binding is installed: nothing can initialise a device
+        return Check("cuda", level, (f"{toolkit}, but " if toolkit else "not found, and ")
+                     + "no pycuda or cuda-python to initialise a device: pip install 'edgemm[tensorrt]' "
+                     f"({why})")
+    return Check("cuda", level, f"no device initialised: {error}" + (f" ({toolkit}; {why})" if toolkit else
+                                                                     f" ({why})"))
+
+
+def cuda_device() -> tuple[str | None, str | None]:
+    """(GPU 0's name, None) when the CUDA driver initialises and sees a device; else (None,
+    the driver's reason), or (None, None) when neither pycuda nor cuda-python imports."""
+    try:
+        import pycuda.driver as driver
+    except Exception:
+        driver = None
+    if driver is not None:
+        try:
+            driver.init()
+            if driver.Device.count() == 0:
+                return None, "the driver sees no CUDA device"
+            return f"GPU 0 {driver.Device(0).name()}", None
+        except Exception as e:  # pycuda.driver.Error: "cuInit failed: no CUDA-capable device is detected"
+            return None, one_line(e)
+    try:
+        from cuda.bindings import driver as bindings
+    except Exception:
+        try:
+            from cuda import cuda as bindings  # cuda-python before 12.6
+        except Exception:
+            return None, None
+    try:
+        (status,) = bindings.cuInit(0)
+        if status != bindings.CUresult.CUDA_SUCCESS:
+            return None, f"cuInit: {status.name}"
+        status, count = bindings.cuDeviceGetCount()
+        if status != bindings.CUresult.CUDA_SUCCESS or count == 0:
+            return None, "the driver sees no CUDA device"
+        status, name = bindings.cuDeviceGetName(256, 0)
+        return "GPU 0 " + bytes(name).split(b"\0", 1)[0].decode(errors="replace"), None
+    except Exception as e:  # no libcuda.so at all: cuda-python says so when first called
+        return None, one_line(e)
+
+
+def one_line(error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    return (text[:200] + " …") if len(text) > 200 else text or type(error).__name__
 
 
 def pycuda_check(cfg: Config) -> Check:
     version = module_version("pycuda")
     if version is not None:
         return Check("pycuda", "ok", version)
-    return Check("pycuda", needed(cfg.backend.name == "tensorrt"),
-                 "not importable: pip install 'edgemm[tensorrt]' (builds against the local CUDA)")
+    cuda_python = module_version("cuda.bindings")  # edgemm.engines.cuda prefers it to pycuda
+    if cuda_python is not None:
+        return Check("pycuda", "ok", f"not installed; cuda-python {cuda_python} is used instead")
+    return Check("pycuda", needed(needs_tensorrt(cfg)),
+                 f"neither cuda-python nor pycuda is importable: pip install 'edgemm[tensorrt]' ({why_needed(cfg)})")
 
 
 def gstreamer_check(cfg: Config) -> Check:
@@ -143,6 +226,13 @@ def camera_checks(root: Path) -> list[Check]:
 
 
 def socket_check(cfg: Config) -> Check:
+    if cfg.server.socket is None:
+        chosen = creatable_socket()
+        if chosen is None:
+            return Check("socket directory", "warn", f"cannot create {' or '.join(socket_choices())} "
+                                                     "(under systemd, RuntimeDirectory=edgemm creates /run/edgemm; "
+                                                     "else set server.socket, --socket or --port)")
+        return Check("socket directory", "ok", f"{Path(chosen).parent} writable (edgemm serve listens on {chosen})")
     folder = Path(cfg.server.socket).parent
     if not folder.is_dir():
         return Check("socket directory", "warn", f"{folder} does not exist (under systemd, RuntimeDirectory=edgemm "
@@ -152,11 +242,16 @@ def socket_check(cfg: Config) -> Check:
     return Check("socket directory", "ok", f"{folder} writable")
 
 
-def engines_check(cfg: Config, engines: Path, trt: str | None) -> Check:
-    manifests = sorted(engines.glob("*/manifest.yaml"))
-    if not manifests:
-        return Check("engines", needed(cfg.backend.name == "tensorrt"),
-                     f"none built in {engines} (tools/build_engines.py; only backend tensorrt uses them)")
+def engines_check(cfg: Config, engines: Path | None, trt: str | None) -> Check:
+    model_dir, model = model_folder(cfg)
+    name = model.name if model else model_dir.name
+    if engines is None:  # the model's own engine folder, as the runtime looks for it
+        engines = Path(cfg.model.engines) if cfg.model.engines else default_engines_dir(name)
+        model_engines = engines
+    else:  # given: the model's own folder (manifest.yaml in it), or a folder of models
+        model_engines = engines if (engines / MANIFEST).is_file() else engines / name
+    manifests = [engines / MANIFEST] if (engines / MANIFEST).is_file() else sorted(engines.glob(f"*/{MANIFEST}"))
+    entries_by_folder: dict[Path, list[dict]] = {}
     stale = []
     for manifest in manifests:
         try:  # edgemm/engines/manifest.py: each engine records the TensorRT that built it
@@ -164,13 +259,60 @@ def engines_check(cfg: Config, engines: Path, trt: str | None) -> Check:
             built = sorted({str(e["tensorrt"]) for e in entries if e.get("tensorrt")})
         except (OSError, yaml.YAMLError, AttributeError, TypeError):
             return Check("engines", "fail", f"{manifest}: unreadable manifest")
+        entries_by_folder[manifest.parent] = entries
         if trt and any(version != trt for version in built):
             stale.append(f"{manifest.parent.name} (built with {', '.join(built)})")
     if stale:
         return Check("engines", "fail", f"TensorRT here is {trt}; rebuild with tools/build_engines.py: "
                                         + ", ".join(stale))
+    if needs_tensorrt(cfg):
+        missing = missing_engines(cfg, model_dir, model, model_engines, entries_by_folder.get(model_engines, []))
+        if missing:
+            return Check("engines", "fail", missing)
+    if not manifests:
+        return Check("engines", "warn", f"none built in {engines} (edgemm engines build; only gpu/dla "
+                                        "placements use them)")
     return Check("engines", "ok", f"{len(manifests)} model(s) in {engines}"
                  + ("" if trt else " (TensorRT not importable: versions not compared)"))
+
+
+def model_folder(cfg: Config) -> tuple[Path, ModelManifest | None]:
+    """The configured model folder and its manifest (None when it does not read: the
+    runtime reports that itself, with its own message)."""
+    path = Path(cfg.model.path) if cfg.model.path else default_model_dir()
+    try:
+        return path, load_manifest(path)
+    except EdgemmError:
+        return path, None
+
+
+def missing_engines(cfg: Config, model_dir: Path, model: ModelManifest | None, folder: Path,
+                    entries: list[dict]) -> str | None:
+    """What placement asks for that the model's engine folder (its manifest's `entries`)
+    lacks, with the command that builds the first of it; None when every listed gpu/dla
+    device has its engines."""
+    precision = cfg.model.precision
+    if precision == "fp32":
+        return (f"placement lists {', '.join(tensorrt_devices(cfg))} but model.precision is fp32: "
+                "TensorRT engines are int8 or fp16 (set model.precision)")
+    tiers = list(model.tiers) if model else []
+    lacking: list[tuple[str, str, str | None]] = []  # (component, device, tiers or None)
+    for kind, devices in accelerators(cfg).items():
+        for device in devices:
+            built = [e for e in entries if isinstance(e, dict) and (e.get("component"), e.get("device"),
+                                                                    e.get("precision")) == (kind, device, precision)]
+            if not built:
+                lacking.append((kind, device, None))
+            elif device.startswith("dla") and not any(e.get("tier") is None for e in built):
+                absent = [t for t in tiers if t not in {e.get("tier") for e in built}]
+                if absent:
+                    lacking.append((kind, device, ",".join(absent)))
+    if not lacking:
+        return None
+    shown = ", ".join(f"{kind} on {device}" + (f" (tiers {t})" if t else "") for kind, device, t in lacking)
+    kind, device, tier = lacking[0]
+    return (f"placement needs {precision} engines that {folder} lacks: {shown}; build with: "
+            + rebuild_command(model_dir, folder, kind, device, precision, tier))
 
 
 def telemetry_checks(sensors: Sensors) -> list[Check]:

@@ -9,14 +9,17 @@ the options with, so the one-line message names the field the user wrote:
     '--temperature' must be a finite number, got nan
     'generation.seed' must be at most 2**64 - 1, got 18446744073709551616
 
-Values that cannot work are refused before anything runs: NaN and infinities, a
-temperature so small that the logits over it overflow into NaN probabilities, a seed
-numpy's generators do not take.
+Values that cannot work are refused before anything runs: NaN and infinities (an
+integer too large for a float among them), a temperature so small that the logits over
+it overflow into NaN probabilities, a seed numpy's generators do not take. `check_text`
+refuses prompts (and other text) holding a NUL or an unpaired surrogate, which the
+tokenizer cannot encode.
 """
 from __future__ import annotations
 
 import math
 import numbers
+import re
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -37,7 +40,10 @@ class LimitError(InputError):
 
     def __init__(self, field: str, rule: str, value: Any):
         self.field, self.rule, self.value = field, rule, value
-        super().__init__(f"{field!r} must {rule}, got {value!r}")
+        shown = repr(value)
+        if len(shown) > 60:  # a number of 400 digits is not repeated back whole
+            shown = shown[:57] + "..."
+        super().__init__(f"{field!r} must {rule}, got {shown}")
 
 
 def check_generation(*, max_new_tokens: Any = None, temperature: Any = None, top_p: Any = None,
@@ -61,9 +67,13 @@ def check_generation(*, max_new_tokens: Any = None, temperature: Any = None, top
     def number(option: str, value: Any) -> float:
         if not isinstance(value, numbers.Real) or isinstance(value, bool):
             fail(option, "be a number", value)
-        if not math.isfinite(value):
+        try:
+            as_float = float(value)
+        except OverflowError:  # an integer beyond float's range (10**400)
+            as_float = math.inf
+        if not math.isfinite(as_float):
             fail(option, "be a finite number", value)
-        return float(value)
+        return as_float
 
     if max_new_tokens is not None:
         integer("max_new_tokens", max_new_tokens, 1, MAX_NEW_TOKENS, f"be in 1..{MAX_NEW_TOKENS}")
@@ -84,3 +94,16 @@ def check_generation(*, max_new_tokens: Any = None, temperature: Any = None, top
         fail("beam_gate", "be in [0, 1]", beam_gate)
     if num_beams is not None and temperature is not None and num_beams > 1 and temperature > 0:
         fail("num_beams", "be 1 when sampling (beam search is greedy: temperature 0)", num_beams)
+
+
+# NUL and any surrogate code point (a Python str holds a valid pair as one code point, so a
+# surrogate in one is unpaired: JSON's "\ud800", or command-line bytes that are not UTF-8)
+_NOT_TEXT = re.compile("[\x00\ud800-\udfff]")
+
+
+def check_text(text: str, name: str) -> None:
+    """Raise LimitError naming `name` if `text` holds a NUL character or an unpaired surrogate:
+    the tokenizer cannot encode either, and no path or prompt means one."""
+    found = _NOT_TEXT.search(text)
+    if found is not None:
+        raise LimitError(name, "be text without NUL characters or unpaired surrogates", found.group())

@@ -17,8 +17,8 @@ from pathlib import Path
 
 from edgemm.backends.base import Component, LoadedComponents
 from edgemm.backends.onnxruntime import OnnxRuntimeBackend
-from edgemm.config import Config
-from edgemm.errors import BackendError, EdgemmError
+from edgemm.config import Config, ConfigError
+from edgemm.errors import EdgemmError
 from edgemm.generate import Generator
 from edgemm.model.contract import check_component
 from edgemm.model.manifest import COMPONENTS, ModelManifest
@@ -65,9 +65,6 @@ class ModelComponents:
     `serve` and `stream`); backend.intra_op_threads 0 then splits the cores between them."""
 
     def __init__(self, config: Config, manifest: ModelManifest, stop_ids: set[int], concurrent: bool = False):
-        if config.backend.name != "onnxruntime":
-            raise BackendError(f"backend {config.backend.name!r} is not available in this build "
-                               "(TensorRT engines are chosen per component with placement: gpu | dla0 | dla1)")
         self.config, self.manifest, self.stop_ids, self.concurrent = config, manifest, stop_ids, concurrent
         self.precision = config.model.precision
         self._ort: OnnxRuntimeBackend | None = None
@@ -126,6 +123,9 @@ class ModelComponents:
         if self._ort is None:
             cfg = self.config.backend
             threads, spin = cfg.intra_op_threads, True
+            if threads > usable_cpus():  # more threads than cores only queue up behind each other
+                raise ConfigError(f"'backend.intra_op_threads' is {threads}, more than the {usable_cpus()} "
+                                  "cores this process may use (0 lets edgemm choose)")
             if self.concurrent:  # two stages at once: half the cores each, no spinning on the other's cores
                 threads, spin = threads or max(1, usable_cpus() // 2), False
             self._ort = OnnxRuntimeBackend(cfg.providers, threads, spin)

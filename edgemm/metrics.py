@@ -152,6 +152,9 @@ class ServiceMetrics:
         self.stages = r.add(Histogram("edgemm_stage_duration_seconds",
                                       "Time per pipeline stage of answered requests (total = queueing included).",
                                       ("stage",), LATENCY_BUCKETS))
+        self.connections_limited = r.add(Counter(
+            "edgemm_http_connections_limited_total", "Connections the HTTP limits closed or refused, by reason "
+            "(idle_timeout, header_timeout, header_too_large, evicted, over_capacity).", ("reason",)))
         self.tiers = r.add(Counter("edgemm_answers_total", "Answers, by the resolution tier chosen.", ("tier",)))
         self.tokens = r.add(Counter("edgemm_generated_tokens_total", "Tokens generated."))
         r.add(Gauge("edgemm_requests_in_flight", "Requests admitted and not finished (body, queue or running).",
@@ -195,6 +198,9 @@ class ServiceMetrics:
             self.stages.observe(ms / 1e3, stage)
         self.tiers.inc(result.tier)
         self.tokens.inc(amount=len(result.tokens))
+
+    def connection_limited(self, reason: str) -> None:
+        self.connections_limited.inc(reason)
 
     def http(self, endpoint: str, status: int, seconds: float) -> None:
         self.requests.inc(endpoint, str(status))

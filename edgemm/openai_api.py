@@ -13,6 +13,7 @@ messages. System and assistant turns are accepted and not shown to the model.
 from __future__ import annotations
 
 import binascii
+import json
 import os
 import urllib.error
 import urllib.parse
@@ -20,10 +21,11 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import pybase64
 
 from edgemm.errors import EdgemmError
-from edgemm.generation_limits import LimitError, check_generation
+from edgemm.generation_limits import LimitError, check_generation, check_text
 
 DEFAULT_PROMPT = "describe the image"
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -42,6 +44,66 @@ class ApiError(EdgemmError):
 def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
     """OpenAI's error shape."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+# ---- request bodies ---------------------------------------------------------------------
+
+MAX_JSON_DEPTH = 64  # nesting of arrays and objects; a chat request needs 6
+MAX_INTEGER_DIGITS = 100  # longer integers are kept as LongNumber (no field takes one: a seed has 20)
+_BRACKETS = np.zeros(256, np.int8)
+_BRACKETS[[ord("["), ord("{")]], _BRACKETS[[ord("]"), ord("}")]] = 1, -1
+_CHUNK = 1 << 20
+
+
+class LongNumber:
+    """An integer of more than MAX_INTEGER_DIGITS digits in a request body, never converted
+    (Python refuses past 4300 digits, and converting is quadratic): a field given one is
+    refused by name, as a number of the wrong kind."""
+
+    def __init__(self, digits: int):
+        self.digits = digits
+
+    def __repr__(self) -> str:
+        return f"<a number of {self.digits} digits>"
+
+
+def _integer(text: str) -> int | LongNumber:
+    digits = len(text.lstrip("-"))
+    return LongNumber(digits) if digits > MAX_INTEGER_DIGITS else int(text)
+
+
+def parse_json_body(body: bytes) -> Any:
+    """A request body as JSON, or a 400: not JSON, nested deeper than MAX_JSON_DEPTH (checked
+    before decoding, as Python's decoder would recurse), or not UTF-8."""
+    if json_depth_exceeds(body, MAX_JSON_DEPTH):
+        raise ApiError(f"the request body nests arrays and objects more than {MAX_JSON_DEPTH} levels deep")
+    try:
+        return json.loads(body, parse_int=_integer)
+    except UnicodeDecodeError:
+        raise ApiError("the request body is not UTF-8 JSON") from None
+    except json.JSONDecodeError as e:
+        raise ApiError(f"the request body is not valid JSON: {e.msg} (line {e.lineno} column {e.colno})") from None
+
+
+def json_depth_exceeds(body: bytes, limit: int) -> bool:
+    """Whether `body` nests [ and { deeper than `limit`, brackets in strings not counted.
+
+    Linear and in bounded memory: escaped backslashes, then escaped quotes, are dropped, so
+    every quote left opens or closes a string; a bracket counts where the quotes before it
+    are even. A body with no more brackets than `limit` is not scanned at all."""
+    if body.count(b"[") + body.count(b"{") <= limit:
+        return False
+    plain = np.frombuffer(body.replace(b"\\\\", b"").replace(b'\\"', b""), np.uint8)
+    depth, quotes = 0, 0
+    for start in range(0, len(plain), _CHUNK):
+        chunk = plain[start:start + _CHUNK]
+        in_string = (np.cumsum(chunk == ord('"'), dtype=np.int32) + quotes) % 2 == 1
+        steps = np.where(in_string, 0, _BRACKETS[chunk]).astype(np.int32)
+        running = np.cumsum(steps) + depth
+        if running.max(initial=depth) > limit:
+            return True
+        depth, quotes = int(running[-1]), quotes + int(np.count_nonzero(chunk == ord('"')))
+    return False
 
 
 # ---- requests -------------------------------------------------------------------------
@@ -109,7 +171,7 @@ def _parts(content: Any, where: str, role: str) -> tuple[list[str], list[tuple[s
     if content is None and role != "user":
         return [], []
     if isinstance(content, str):
-        return [content], []
+        return [_text(content, where)], []
     if not isinstance(content, list):
         raise ApiError(f"{where} must be a string or a list of content parts", param=where)
     texts, images = [], []
@@ -117,7 +179,7 @@ def _parts(content: Any, where: str, role: str) -> tuple[list[str], list[tuple[s
         at = f"{where}[{j}]"
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "text" and isinstance(part.get("text"), str):
-            texts.append(part["text"])
+            texts.append(_text(part["text"], f"{at}.text"))
         elif kind == "image_url":
             ref = part.get("image_url")
             url = ref.get("url") if isinstance(ref, dict) else None
@@ -168,12 +230,23 @@ def _optional(body: dict, key: str, kind: type, described: str) -> Any:
     return value
 
 
+def _text(value: str, where: str) -> str:
+    """`value`, if the tokenizer (or the OS, for a path) can take it."""
+    try:
+        check_text(value, where)
+    except LimitError as e:
+        raise ApiError(str(e), param=where) from None
+    return value
+
+
 def _check(ok: bool, key: str, must: str, value: Any) -> None:
     if not ok:
         raise ApiError(f"'{key}' {must}, got {value!r}", param=key)
 
 
 def _json_type(value: Any) -> str:
+    if isinstance(value, LongNumber):
+        return f"a number of {value.digits} digits"
     names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean",
              int: "a number", float: "a number", type(None): "null"}
     return names.get(type(value), type(value).__name__)
@@ -196,8 +269,9 @@ def load_image_url(url: str, param: str, policy: ImagePolicy) -> bytes | str:
     if scheme == "data":
         return _data_url(url, param, policy.max_bytes)
     if scheme == "file":
-        return _file_url(url, param, policy.image_dirs)
+        return _file_url(_text(url, param), param, policy.image_dirs)
     if scheme in ("http", "https"):
+        _text(url, param)
         if not policy.remote:
             raise ApiError("http(s) image URLs are disabled on this server (server.remote_images); "
                            "send the image as a data: URL", param=param, code="url_scheme_not_allowed")
@@ -233,7 +307,8 @@ def _file_url(url: str, param: str, image_dirs: list[str]) -> str:
     if parsed.netloc not in ("", "localhost"):
         raise ApiError(f"file URL names another host ({parsed.netloc})", param=param,
                        code="invalid_image_url")
-    path = os.path.realpath(urllib.parse.unquote(parsed.path))  # '..' and symlinks resolved first
+    # '..' and symlinks resolved first; %00 would end the path in the OS's eyes
+    path = os.path.realpath(_text(urllib.parse.unquote(parsed.path), param))
     if not image_dirs:
         raise ApiError("file:// image URLs are not enabled on this server (server.image_dirs)",
                        status=403, kind="permission_error", param=param, code="path_not_allowed")
@@ -241,8 +316,9 @@ def _file_url(url: str, param: str, image_dirs: list[str]) -> str:
     if not any(os.path.commonpath([path, root]) == root for root in roots):
         raise ApiError(f"{path} is not under a folder this server may read (server.image_dirs)",
                        status=403, kind="permission_error", param=param, code="path_not_allowed")
-    if not os.path.isfile(path):
-        raise ApiError(f"no such image file: {path}", param=param, code="invalid_image_url")
+    if not os.path.isfile(path):  # a FIFO, device or socket is refused here, unopened
+        what = "not a regular file" if os.path.exists(path) else "no such image file"
+        raise ApiError(f"{what}: {path}", param=param, code="invalid_image_url")
     return path
 
 

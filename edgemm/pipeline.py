@@ -1,8 +1,17 @@
-"""Staged pipeline: prepare → encode → decode, one thread each, bounded queues between.
+"""Staged pipeline: prepare → encode → decode, bounded queues between.
 
-    requests ─► [prepare] ─q─► [encode] ─q─► [decode] ─► future.set_result
-                 decode image,   vision          prefill + KV-cache decode
-                 tier, prompt    encoder         (the requests waiting, together)
+    requests ─► [prepare ×2] ─q─► [encode] ─q─► [decode] ─► future.set_result
+                 decode image,      vision          prefill + KV-cache decode
+                 tier, prompt       encoder         (the requests waiting, together)
+
+Preparation runs on a small pool of threads (`prepare_workers`, 2 by default): decoding
+an image is the one step whose cost the client chooses (a 40 MP PNG, a progressive
+JPEG at its scan limit), and with one thread every request behind such an image would
+wait for it. With two, an unrelated request is prepared meanwhile (OpenCV releases
+the GIL while it decodes). Requests still reach the encoder in the order they came,
+with one exception: a request whose preparation has run for more than
+PREPARE_OVERTAKE_S is overtaken by those prepared behind it, so a slow image holds
+up others for at most that long. The encoder and the decoder stay one thread each.
 
 While the decoder works on request n, the encoder already runs request n+1, so on
 a Jetson the DLA (encoder) and the GPU (decoder) are busy at once; here two CPU
@@ -53,6 +62,8 @@ ENCODER_BATCH_GAIN = 1.2  # encoder_batching auto: batch a tier only if a batch 
 
 _STOP = object()  # end-of-work marker passed down the stages
 STAGES = ("prepare", "encode", "decode")
+PREPARE_WORKERS = 2  # threads that prepare requests: one slow image holds up one of them
+PREPARE_OVERTAKE_S = 0.25  # a request prepared longer than this is overtaken (a photo takes ~10-100 ms)
 
 
 class Overloaded(EdgemmError):
@@ -124,9 +135,12 @@ class StageStats:
 class Pipeline:
     def __init__(self, runtime: Runtime, queue_size: int = 4, max_batch: int = 1,
                  batch_timeout_ms: float = 0.0, encoder_batch: dict[str, int] | None = None,
-                 decoder_joins: str = "auto", reserved: int = 0, max_rows: int | None = None):
+                 decoder_joins: str = "auto", reserved: int = 0, max_rows: int | None = None,
+                 prepare_workers: int = PREPARE_WORKERS):
         """`max_rows`: most decoder rows stepped together (a request takes one, a beam search
         num_beams; a TensorRT decoder's profile bounds them); None: no bound.
+        `prepare_workers`: threads preparing requests (each holds at most one, plus the one
+        it waits to hand to the encoder).
         `reserved`: inbox places beyond queue_size, for producers that each keep to a
         bounded share of their own (the daemon's streams): with the API admitted up to
         queue_size, the inbox then has room for everything in flight, so nobody's submit
@@ -143,15 +157,32 @@ class Pipeline:
         self.stats = StageStats()
         self._held: deque = deque()  # taken from to_encode but not batchable with the current tier
         self._held_decode: deque = deque()  # taken from to_decode, can't join the running batch: goes next
-        self._preparing = False  # the prepare stage holds a request (written by its thread only)
-        # stage → time.monotonic() of its last progress on the work it holds (None: idle or
-        # waiting for room downstream); written by the stage's own thread, read by health()
-        self._busy: dict[str, float | None] = dict.fromkeys(STAGES)
+        if prepare_workers < 1:
+            raise ValueError(f"prepare_workers must be at least 1, got {prepare_workers}")
+        self.prepare_workers = prepare_workers
+        self._preparing = 0  # requests the prepare workers hold (prepared ones waiting for room too)
+        self._prepare_lock = threading.Lock()  # for _preparing and the workers' end
+        self._prepare_ended = 0  # prepare workers that saw the stop marker
+        # the order requests go on to the encoder in: each taken from the inbox gets the next
+        # ticket; _open maps the tickets not handed on yet to when their preparation started
+        # (None: prepared, handing on, never overtaken)
+        self._take = threading.Lock()  # taking from the inbox and numbering it are one step
+        self._next_ticket = 0
+        self._open: dict[int, float | None] = {}
+        self._order = threading.Condition()
+        self._accounting = threading.Lock()  # the prepare workers add to the same stats
+        # worker → time.monotonic() of its last progress on the work it holds (None: idle or
+        # waiting for room downstream); written by the worker's own thread, read by health().
+        # The prepare workers are "prepare", "prepare#2", …; the other stages have one each.
+        workers = [("prepare" if i == 0 else f"prepare#{i + 1}", self._prepare_loop)
+                   for i in range(prepare_workers)]
+        workers += [("encode", self._encode_loop), ("decode", self._decode_loop)]
+        self._busy: dict[str, float | None] = dict.fromkeys(name for name, _ in workers)
         self._closed = False
         self._admission = threading.Lock()  # no request may slip in behind the stop marker
-        self._stages = {name: threading.Thread(target=fn, name=f"edgemm-{name}", daemon=True)
-                        for name, fn in (("prepare", self._prepare_loop), ("encode", self._encode_loop),
-                                         ("decode", self._decode_loop))}
+        self._stages = {name: threading.Thread(target=fn, args=(name,) if fn == self._prepare_loop else (),
+                                               name=f"edgemm-{name.replace('#', '-')}", daemon=True)
+                        for name, fn in workers}
         self._threads = list(self._stages.values())
         for t in self._threads:
             t.start()
@@ -190,14 +221,14 @@ class Pipeline:
         queue, is not stalled. Once close() was called the threads end on purpose."""
         if self._closed:
             return Health(True)
-        for stage, thread in self._stages.items():
+        for worker, thread in self._stages.items():
             if not thread.is_alive():
-                return Health(False, f"{stage} stage thread died")
+                return Health(False, f"{stage_of(worker)} stage thread died")
         now = time.monotonic()
-        for stage in STAGES:
-            since = self._busy[stage]  # read once: the stage's thread may clear it meanwhile
+        for worker in list(self._busy):
+            since = self._busy[worker]  # read once: the worker's thread may clear it meanwhile
             if since is not None and now - since > stall_s:
-                return Health(False, f"{stage} stage has held one item for {now - since:.0f} s "
+                return Health(False, f"{stage_of(worker)} stage has held one item for {now - since:.0f} s "
                                      f"(server.stall_s {stall_s:g})")
         return Health(True)
 
@@ -221,42 +252,88 @@ class Pipeline:
     # ---- the stages ------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def _working(self, stage: str, held: list) -> Iterator[Work]:
+    def _working(self, worker: str, held: list) -> Iterator[Work]:
         """One iteration of a stage's loop, behind a crash barrier. The stage counts as busy
         from now (health's stall check). An unexpected error is logged once, with its
         traceback, and fails the requests in `held` not answered yet (the list may grow
         while the iteration runs); the stage then goes on with its next work. BaseException
         (SystemExit, KeyboardInterrupt) is not caught: that ends the thread, and health()
-        says so."""
+        says so. `worker`: the stage, or for the prepare pool the worker ("prepare#2")."""
         work = Work()
-        self._busy[stage] = time.monotonic()
+        self._busy[worker] = time.monotonic()
         try:
             yield work
         except Exception as e:
             work.failed = e
             victims = [r for r in held if isinstance(r, Request) and not r.future.done()]
-            log.error("%s stage failed, failing %d request(s): %s: %s", stage, len(victims),
+            log.error("%s stage failed, failing %d request(s): %s: %s", stage_of(worker), len(victims),
                       type(e).__name__, one_line(str(e)), exc_info=e)
             mark_logged(e)
             for r in victims:
                 self._fail(r, e)
         finally:
-            self._busy[stage] = None
+            self._busy[worker] = None
 
     def _progress(self, stage: str) -> None:
         """The stage made progress (a decoder step, a token): its stall clock starts again."""
         if self._busy[stage] is not None:
             self._busy[stage] = time.monotonic()
 
-    def _prepare_loop(self) -> None:
-        while (req := self.inbox.get()) is not _STOP:
+    def _prepare_loop(self, worker: str) -> None:
+        while (taken := self._take_next()) is not None:
+            req, ticket = taken
             ready = False
-            with self._working("prepare", [req]) as work:
-                ready = self._prepare(req)
-            if ready and work.failed is None:
-                self.to_encode.put(req)  # outside the barrier: waiting for room is not a stall
-            self._preparing = False
-        self.to_encode.put(_STOP)
+            self._count_preparing(+1)
+            try:
+                with self._working(worker, [req]) as work:
+                    ready = self._prepare(req)
+                if ready and work.failed is None:
+                    self._hand_on(req, ticket)  # outside the barrier: waiting for room is not a stall
+            finally:
+                with self._order:
+                    self._open.pop(ticket, None)
+                    self._order.notify_all()
+                self._count_preparing(-1)
+        # close() puts one stop marker: each worker passes it on to the next, and the last
+        # one to stop (after every request prepared has gone to the encoder) to the encoder
+        with self._prepare_lock:
+            self._prepare_ended += 1
+            last = self._prepare_ended == self.prepare_workers
+        if last:
+            self.to_encode.put(_STOP)
+        else:
+            self.inbox.put(_STOP)  # room: it was just taken, and nothing is admitted after it
+
+    def _take_next(self) -> tuple[Request, int] | None:
+        """The next request from the inbox with its ticket (None: the stop marker)."""
+        with self._take:
+            req = self.inbox.get()
+            if req is _STOP:
+                return None
+            ticket, self._next_ticket = self._next_ticket, self._next_ticket + 1
+            with self._order:
+                self._open[ticket] = time.monotonic()
+            return req, ticket
+
+    def _hand_on(self, req: Request, ticket: int) -> None:
+        """To the encoder's queue once every request taken before it has gone on, failed,
+        or been preparing for more than PREPARE_OVERTAKE_S (a slow image is overtaken)."""
+        with self._order:
+            self._open[ticket] = None  # prepared: from now on nobody overtakes it
+            while True:
+                now = time.monotonic()
+                waits = [PREPARE_OVERTAKE_S - (now - started) if started is not None else None
+                         for earlier, started in self._open.items()
+                         if earlier < ticket and (started is None or now - started < PREPARE_OVERTAKE_S)]
+                if not waits:
+                    break
+                timed = [w for w in waits if w is not None]
+                self._order.wait(min(timed) if len(timed) == len(waits) else None)
+        self.to_encode.put(req)
+
+    def _count_preparing(self, change: int) -> None:
+        with self._prepare_lock:
+            self._preparing += change
 
     def _prepare(self, req: Request) -> bool:
         """Decode the image, pick the tier, build the prompt; False if the request is done
@@ -268,12 +345,10 @@ class Pipeline:
                                       "the request timed out"))
             return False
         started = time.perf_counter()
-        self._preparing = True
         try:
             req.prepared = self.runtime.prepare(req.image, req.prompt, **req.options)
             req.image = None  # the decoded pixels are all we need from here on
         except Exception as e:  # a bad request fails alone; the pipeline goes on
-            self._preparing = False
             self._fail(req, e)
             return False
         finally:
@@ -443,13 +518,20 @@ class Pipeline:
                 req.future.set_result(outcome)
 
     def _fail(self, req: Request, error: BaseException) -> None:
-        self.stats.failed += 1
+        with self._accounting:  # from any stage's thread
+            self.stats.failed += 1
         if not req.future.done():
             req.future.set_exception(error)
 
     def _account(self, stage: str, started: float, items: int = 1) -> None:
-        self.stats.busy_s[stage] += time.perf_counter() - started
-        self.stats.items[stage] += items
+        with self._accounting:  # the prepare workers count into the same figures
+            self.stats.busy_s[stage] += time.perf_counter() - started
+            self.stats.items[stage] += items
+
+
+def stage_of(worker: str) -> str:
+    """The stage a worker belongs to: "prepare#2" → "prepare"."""
+    return worker.split("#", 1)[0]
 
 
 def rows(request: Request) -> int:

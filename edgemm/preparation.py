@@ -38,22 +38,35 @@ class PreparedRequest:
     decision: Decision | None = None
     cache_key: bytes | None = None  # feature-cache key of the pixels (None with the cache off)
     route: Route | None = None  # where the power policy wants each stage (None: the first device loaded)
+    warnings: list[str] = field(default_factory=list)  # one line each, handed on to the answer
+
+
+def scheduler_policy(config: Config, manifest: ModelManifest) -> tuple[str, str]:
+    """(the policy to run, why): scheduler.policy as configured, or for `auto` the
+    calibration the model folder ships (its scheduler.yaml), else `top`."""
+    policy = config.scheduler.policy
+    if policy != "auto":
+        return policy, f"scheduler.policy: {policy}"
+    if (manifest.path / POLICY_FILE).is_file():
+        return "calibrated", f"scheduler.policy auto: model {manifest.name} ships its calibration ({POLICY_FILE})"
+    return "top", f"scheduler.policy auto: model {manifest.name} ships no calibration ({POLICY_FILE})"
 
 
 def make_scheduler(config: Config, manifest: ModelManifest) -> Scheduler:
-    """The tier scheduler the config asks for (scheduler.policy: top | thresholds | calibrated)."""
+    """The tier scheduler the config asks for (scheduler.policy: auto | top | thresholds | calibrated)."""
     cfg = config.scheduler
     tiers = list(manifest.tiers)
-    if cfg.policy == "top":
-        return Scheduler(tiers, manifest.default_tier)
-    if cfg.policy == "calibrated":
+    name, why = scheduler_policy(config, manifest)
+    if name == "top":
+        return Scheduler(tiers, manifest.default_tier, name=name, why=why)
+    if name == "calibrated":
         policy = TierPolicy.load(manifest.path / POLICY_FILE)
     else:
         policy = TierPolicy(cfg.statistic, list(cfg.thresholds), tuple(cfg.detail_words), cfg.detail_tier)
     try:
-        return Scheduler(tiers, manifest.default_tier, policy)
+        return Scheduler(tiers, manifest.default_tier, policy, name, why)
     except ValueError as e:
-        where = "scheduler" if cfg.policy == "thresholds" else str(manifest.path / POLICY_FILE)
+        where = "scheduler" if name == "thresholds" else str(manifest.path / POLICY_FILE)
         raise ConfigError(f"{where}: {e} (model {manifest.name})") from None
 
 
@@ -81,7 +94,8 @@ class Preparation:
     def load(self, image) -> np.ndarray:
         """A path, encoded bytes or an RGB array → RGB8 array, within the size limits."""
         self.check_size(image)
-        return load_image(image, max_pixels=self.config.limits.max_pixels)
+        limits = self.config.limits
+        return load_image(image, max_pixels=limits.max_pixels, max_bytes=limits.max_image_bytes)
 
     def pixels(self, rgb: np.ndarray, tier: ResolutionTier) -> np.ndarray:
         """[1,3,H,W], or [1,tiles,3,H,W] for a tiled family: the adapter decides."""
@@ -119,11 +133,25 @@ class Preparation:
         chosen = self.manifest.tiers[decision.tier]
         pixel_values = self.pixels(rgb, chosen)
         prompt_ids = self.prompt_ids(prompt, chosen, rgb.shape[:2])
+        # refused here (limits.unknown_words: refuse) before any graph runs; else a warning
+        warnings = [self.unknown_words_message(prompt_ids.unknown_words)] if prompt_ids.unknown_words else []
         key = self.feature_key(pixel_values[0], chosen.name) if self.keyed else None
         timings = {"preprocess": (time.perf_counter() - t0) * 1e3}
         if decision.stats is not None:
             timings["schedule"] = decision.stats.ms
-        return PreparedRequest(pixel_values, chosen, prompt_ids, options, timings, decision, key, route)
+        return PreparedRequest(pixel_values, chosen, prompt_ids, options, timings, decision, key, route, warnings)
+
+    def unknown_words_message(self, words: tuple[str, ...]) -> str:
+        """One line naming the words the model cannot read and the questions it knows; an
+        InputError instead with limits.unknown_words: refuse."""
+        shown = ", ".join(repr(w) for w in words[:8]) + (" …" if len(words) > 8 else "")
+        message = f"the prompt has words model {self.manifest.name} does not know: {shown}"
+        known = self.adapter.known_prompts
+        if known:
+            message += "; it knows: " + " | ".join(known)
+        if self.config.limits.unknown_words == "refuse":
+            raise InputError(message + " (limits.unknown_words: refuse)")
+        return message + " (the answer is a guess)"
 
     def prompt_ids(self, prompt: str, tier: ResolutionTier, image_size: tuple[int, int]) -> Prompt:
         """The adapter's prompt ids, remembered: cameras, kiosks and scripts ask the same few

@@ -53,9 +53,11 @@ def default_model_dir() -> Path:
 
 
 class Runtime:
-    def __init__(self, config: Config | None = None, concurrent: bool = False):
+    def __init__(self, config: Config | None = None, concurrent: bool = False, warm_up: bool | None = None):
         """`concurrent`: the encoder and the decoder will run at the same time (the pipeline
-        of `serve` and `stream`); backend.intra_op_threads 0 then splits the cores between them."""
+        of `serve` and `stream`); backend.intra_op_threads 0 then splits the cores between them.
+        `warm_up`: run every tier once now (None: backend.warmup says); a caller that knows
+        which tier it needs passes False and calls warmup(tiers=…) itself (`edgemm infer`)."""
         self.config = config or load_config(None)
         self.concurrent = concurrent
         if concurrent:
@@ -71,26 +73,36 @@ class Runtime:
         self.preparation = Preparation(self.config, self.manifest, self.adapter)
         self.encoding = Encoding(self.models, self.preparation, self.manifest)
         self.answering = Answering(self.models, self.encoding, self.adapter, self.manifest)
-        if self.config.backend.warmup:
-            self.warmup()
-        if self.config.cache.max_bytes:  # made after the warm-up, so blank frames don't fill it
+        if self.config.cache.max_bytes:
             self.encoding.cache = FeatureCache(self.config.cache.max_bytes)
+        if self.config.backend.warmup if warm_up is None else warm_up:
+            self.warmup()
 
     @classmethod
     def from_config(cls, source=None) -> "Runtime":
         """`source`: a Config, a YAML path, a dict, or None for all defaults."""
         return cls(source if isinstance(source, Config) else load_config(source))
 
-    def warmup(self) -> None:
-        """One tiny request per tier and one look by the scheduler, so the first real
-        request doesn't pay for allocation."""
-        routes = [None] + [Route({kind: device}, "warm-up") for kind, loaded in self.standby.items()
-                           for device in list(loaded)[1:]]  # each standby component once too
-        for route in routes:
-            for tier in self.manifest.tiers.values():
-                blank = np.zeros((tier.height, tier.width, 3), np.uint8)
-                self.infer(blank, "warm up", tier=tier.name, max_new_tokens=1, route=route)
-        self.scheduler.decide(blank, "warm up")
+    def warmup(self, tiers: list[str] | None = None, standby: bool = True) -> None:
+        """One tiny request per tier (`tiers`, default all) and one look by the scheduler, so
+        the first real request doesn't pay for allocation; with `standby`, through each
+        standby component too. The feature cache is left out, so blank frames don't fill it."""
+        routes = [None]
+        if standby:
+            routes += [Route({kind: device}, "warm-up") for kind, loaded in self.standby.items()
+                       for device in list(loaded)[1:]]
+        cache, self.encoding.cache = self.encoding.cache, None
+        # a question the model knows: words it cannot read would be refused (limits.unknown_words)
+        prompt = next(iter(self.adapter.known_prompts), "warm up")
+        try:
+            for route in routes:
+                for name in tiers or list(self.manifest.tiers):
+                    tier = self.manifest.tiers[name]
+                    blank = np.zeros((tier.height, tier.width, 3), np.uint8)
+                    self.infer(blank, prompt, tier=tier.name, max_new_tokens=1, route=route)
+            self.scheduler.decide(blank, prompt)
+        finally:
+            self.encoding.cache = cache
 
     # ---- the three stages (the pipeline calls these, one thread each) ----------------------
 
@@ -151,11 +163,19 @@ class Runtime:
         request = self.prepare(image, prompt, tier=tier, max_new_tokens=max_new_tokens,
                                temperature=temperature, top_p=top_p, seed=seed,
                                num_beams=num_beams, beam_gate=beam_gate, route=route)
+        return self.answer(request, on_token, started=t0)
+
+    def answer(self, request: PreparedRequest, on_token: TextCallback | None = None,
+               started: float | None = None) -> InferenceResult:
+        """Stages 2 and 3 for one prepared request (Runtime.prepare). The total time counts
+        from `started` (a perf_counter reading), else from the request's preparation on."""
         t1 = time.perf_counter()
-        features = self.encode(request.pixel_values, [request.cache_key], route)
+        features = self.encode(request.pixel_values, [request.cache_key], request.route)
         request.timings_ms["encode"] = (time.perf_counter() - t1) * 1e3
         result = self.decode(request, features, on_token)
-        result.timings_ms["total"] = (time.perf_counter() - t0) * 1e3
+        since = (time.perf_counter() - started) * 1e3 if started is not None else \
+            request.timings_ms.get("preprocess", 0.0) + (time.perf_counter() - t1) * 1e3
+        result.timings_ms["total"] = since
         return result
 
     # ---- what the parts know, for callers and tools ----------------------------------------

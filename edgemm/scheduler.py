@@ -14,8 +14,10 @@ part is shrinking a 1080p frame, done by striding first (the top tier sees
 ~256 px anyway, so detail finer than the stride is never encoded).
 
 Policies (`scheduler.policy` in the config):
+  auto         calibrated when the model folder ships its calibration (scheduler.yaml),
+               else top (the default)
   top          always the model's default tier, its top one unless model.yaml says otherwise
-               (the default: edgemm's behaviour before the scheduler)
+               (edgemm's behaviour before the scheduler)
   thresholds   a statistic against rising thresholds from the config: each one reached
                lifts the frame one tier above the cheapest
   calibrated   the same rule with values fitted by tools/calibrate_scheduler.py and
@@ -282,27 +284,37 @@ class Decision:
     tier: str
     reason: str
     stats: SaliencyStats | None = None  # None when no statistics were needed (pinned, top)
+    policy: str = "top"  # the scheduler's policy (a pinned tier bypassed it: reason "pinned")
+    policy_reason: str = ""  # why that policy: the config's choice, or what `auto` found
 
     def to_dict(self) -> dict:
         return {"tier": self.tier, "reason": self.reason,
-                "stats": self.stats.to_dict() if self.stats else None}
+                "stats": self.stats.to_dict() if self.stats else None,
+                "policy": self.policy, "policy_reason": self.policy_reason}
 
 
 class Scheduler:
-    """Picks the tier for each (frame, prompt): pinned > policy; `policy=None` is `top`."""
+    """Picks the tier for each (frame, prompt): pinned > policy; `policy=None` is `top`.
 
-    def __init__(self, tiers: list[str], default_tier: str, policy: TierPolicy | None = None):
+    `name` and `why` say which policy this is and why it was chosen (scheduler.policy, or
+    what `auto` found in the model folder); every Decision carries them."""
+
+    def __init__(self, tiers: list[str], default_tier: str, policy: TierPolicy | None = None,
+                 name: str | None = None, why: str = ""):
         self.tiers = list(tiers)  # cheapest first
         self.default_tier = default_tier
         self.policy = policy
+        self.name = name or ("top" if policy is None else policy.source.split()[0])
+        self.why = why
         if policy is not None:
             policy.check_tiers(self.tiers)
 
     def decide(self, rgb: np.ndarray, prompt: str, pinned: str | None = None) -> Decision:
         if pinned is not None:
-            return Decision(pinned, "pinned")
+            return Decision(pinned, "pinned", policy=self.name, policy_reason=self.why)
         if self.policy is None:
-            return Decision(self.default_tier, "policy top: the model's default tier")
+            return Decision(self.default_tier, "policy top: the model's default tier",
+                            policy=self.name, policy_reason=self.why)
         stats = saliency_stats(rgb) if self.policy.needs_statistics(prompt) else None
         tier, reason = self.policy.choose(stats, prompt, self.tiers)
-        return Decision(tier, reason, stats)
+        return Decision(tier, reason, stats, self.name, self.why)

@@ -1,7 +1,8 @@
 """`edgemm serve`'s HTTP side: the routes and how errors become responses.
 
     client ─► uvicorn (UNIX socket, systemd's socket, or loopback TCP) ─► MeasuredApp (/metrics)
-           ─► a route: body (≤ server.max_body_bytes, else 413) ─► OpenAI schema (edgemm.openai_api)
+           ─► a route: body (≤ server.max_body_bytes, else 413; within the request's
+              server.request_timeout_s, else 408) ─► OpenAI schema (edgemm.openai_api)
            ─► the service (edgemm.service: admission, the pipeline, cancellation, SSE)
            ─► JSON, or server-sent events
 
@@ -12,22 +13,22 @@ be unread. The daemon around it (sockets, systemd, signals, draining) is edgemm.
 from __future__ import annotations
 
 import asyncio
-import json
 import secrets
 import time
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request as HttpRequest
+from starlette.requests import ClientDisconnect, Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from edgemm.errors import EdgemmError
+from edgemm.generation_limits import LimitError, check_text
 from edgemm.metrics import CONTENT_TYPE, MeasuredApp
 from edgemm.openai_api import (DEFAULT_PROMPT, ApiError, completion, error_body, generation_options, load_image_url,
-                               parse_chat_request)
+                               parse_chat_request, parse_json_body)
 from edgemm.pipeline import Overloaded
-from edgemm.service import Service, describe, sse
+from edgemm.service import Service, Ticket, describe, sse
 from edgemm.streams import END, stream_spec
 
 
@@ -41,7 +42,7 @@ class Routes:
 
     async def chat_completions(self, http: HttpRequest) -> Response:
         with self.service.admitted() as ticket:
-            chat = parse_chat_request(await self.read_json(http))
+            chat = parse_chat_request(await self.read_json(http, ticket))
             self.check_model(chat.model)
             if chat.image_url[:5].lower() == "data:":  # in memory: decoding inline (~0.02 ms) beats a thread hop
                 image = load_image_url(chat.image_url, chat.image_param, self.service.images)
@@ -62,7 +63,7 @@ class Routes:
     async def infer(self, http: HttpRequest) -> Response:
         with self.service.admitted() as ticket:
             prompt, options = infer_query(dict(http.query_params))
-            image = await self.read_body(http)
+            image = await self.read_body(http, ticket)
             if not image:
                 raise ApiError("no image: send the image file as the request body "
                                "(curl --data-binary @photo.jpg)", code="missing_image")
@@ -135,28 +136,33 @@ class Routes:
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    async def read_body(self, http: HttpRequest) -> bytes:
-        limit = self.service.server.max_body_bytes
+    async def read_body(self, http: HttpRequest, ticket: Ticket | None = None) -> bytes:
+        """The body, at most server.max_body_bytes (else 413), by the request's deadline (else
+        408): an admitted request's, which its answer shares, or server.request_timeout_s from now."""
+        cfg = self.service.server
+        limit = cfg.max_body_bytes
         too_large = ApiError(f"request body is larger than {limit} bytes (server.max_body_bytes)",
                              status=413, code="request_too_large")
         declared = http.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
             raise too_large  # refused unread
         body = bytearray()
-        async for piece in http.stream():
-            body += piece
-            if len(body) > limit:
-                raise too_large
+        deadline = ticket.deadline if ticket is not None else asyncio.get_running_loop().time() + cfg.request_timeout_s
+        try:
+            async with asyncio.timeout_at(deadline):
+                async for piece in http.stream():
+                    body += piece
+                    if len(body) > limit:
+                        raise too_large
+        except TimeoutError:
+            raise ApiError(f"the request body did not arrive within {cfg.request_timeout_s:g} s "
+                           "(server.request_timeout_s)", status=408, code="timeout") from None
+        except ClientDisconnect:  # the client hung up mid-body: nobody to answer, nothing to log
+            raise ApiError("the client closed the connection", status=499, kind="client_closed") from None
         return bytes(body)
 
-    async def read_json(self, http: HttpRequest) -> object:
-        body = await self.read_body(http)
-        try:
-            return json.loads(body)
-        except UnicodeDecodeError:
-            raise ApiError("the request body is not UTF-8 JSON") from None
-        except json.JSONDecodeError as e:
-            raise ApiError(f"the request body is not valid JSON: {e.msg} (line {e.lineno} column {e.colno})") from None
+    async def read_json(self, http: HttpRequest, ticket: Ticket | None = None) -> object:
+        return parse_json_body(await self.read_body(http, ticket))
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.service.model_id:
@@ -176,6 +182,10 @@ def infer_query(params: dict[str, str]) -> tuple[str, dict]:
     if "tier" in params:
         typed["edgemm"] = {"tier": params.pop("tier")}
     prompt = params.pop("prompt", DEFAULT_PROMPT)
+    try:
+        check_text(prompt, "prompt")  # ?prompt=%00
+    except LimitError as e:
+        raise ApiError(str(e), param="prompt") from None
     if params:
         raise ApiError(f"unknown query parameter {sorted(params)[0]!r} "
                        "(known: prompt, max_tokens, temperature, top_p, seed, tier)", param=sorted(params)[0])
@@ -205,7 +215,7 @@ def create_app(service: Service) -> MeasuredApp:
         headers = {}
         if status == 503:
             headers["Retry-After"] = str(service.server.retry_after_s)
-        if status in (413, 503):
+        if status in (408, 413, 503):
             headers["Connection"] = "close"  # the body may be unread: don't reuse the connection
         return JSONResponse(error_body(message, kind, getattr(error, "param", None), getattr(error, "code", None)),
                             status, headers)

@@ -1,6 +1,7 @@
 """The service behind the HTTP API: admission, jobs in the pipeline, cancellation, SSE.
 
-    admission: at most server.queue_size requests at once; beyond, Overloaded (503 + Retry-After)
+    admission: at most server.queue_size requests at once; beyond, Overloaded (503 + Retry-After);
+      from admission on, server.request_timeout_s covers the body's arrival and the answer
     ─► Router.submit (the power policy: the local pipeline, or the cloud) ─► concurrent Future
     ─► asyncio (wrap_future, shielded) ─► an InferenceResult, or the SSE chunks of one
 
@@ -25,6 +26,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -76,6 +78,7 @@ class Ticket:
     def __init__(self, admission: Admission):
         self._admission, self._held = admission, True
         self._lock = threading.Lock()
+        self.deadline = math.inf  # loop.time() by which the answer is due: reading the body counts too
 
     def release(self, *_: object) -> None:
         with self._lock:
@@ -156,6 +159,7 @@ class Service:
         if self.draining:
             raise Overloaded("the server is shutting down")
         ticket = self.admission.enter(self.server.retry_after_s)
+        ticket.deadline = asyncio.get_running_loop().time() + self.server.request_timeout_s
         try:
             yield ticket
         except BaseException:
@@ -179,7 +183,7 @@ class Service:
         # (and the pipeline can't take that), so the handlers only ever see a shield.
         done = asyncio.shield(asyncio.wrap_future(future))
         done.add_done_callback(lambda f: f.cancelled() or f.exception())  # seen: its client may be gone
-        return Job(future, done, loop.time() + self.server.request_timeout_s, cancelled, feed)
+        return Job(future, done, min(ticket.deadline, loop.time() + self.server.request_timeout_s), cancelled, feed)
 
     async def wait(self, job: Job, http: HttpRequest, event: Awaitable) -> None:
         """Until `event`; on timeout (504) or a client that left (499) the job is cancelled."""
@@ -281,6 +285,7 @@ class Service:
         return {"daemon": "draining" if self.draining else "serving", "model": self.model_id,
                 "health": {**health.to_dict(), "stall_s": self.server.stall_s},
                 "precision": self.runtime.precision,
+                "scheduler": {"policy": self.runtime.scheduler.name, "reason": self.runtime.scheduler.why},
                 "telemetry": telemetry.to_dict() if telemetry else None,
                 "placement": self.router.preview(self.admission.count).to_dict(),
                 "last_placement": self.router.governor.last.to_dict() if self.router.governor.last else None,

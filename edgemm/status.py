@@ -10,7 +10,7 @@ import urllib.parse
 
 import httpx
 
-from edgemm.config import Config
+from edgemm.config import Config, client_socket
 from edgemm.errors import EdgemmError
 from edgemm.offload import read_api_key
 from edgemm.power import Load, PowerPolicy
@@ -18,7 +18,7 @@ from edgemm.telemetry import Sensors
 
 
 def collect(cfg: Config, socket_path: str | None = None, timeout_s: float = 5.0) -> dict:
-    path = socket_path or cfg.server.socket
+    path = socket_path or client_socket(cfg.server)
     report = from_daemon(path, timeout_s)
     if report is not None:
         return {**report, "socket": path}

@@ -148,8 +148,12 @@ def test_cli_scheduler(model_dir, tmp_path, tmp_model):
     sample = model_dir / "samples" / "scene_12.png"
     config = tmp_path / "edgemm.yaml"
     config.write_text("scheduler:\n  thresholds: [1.0, 1.0]\nbackend:\n  warmup: false\n")
-    top = cli_json(sample, "--config", config)
+    default = cli_json(sample, "--config", config)  # the model ships scheduler.yaml: auto runs calibrated
+    assert default["schedule"]["policy"] == "calibrated" and "scheduler.yaml" in default["schedule"]["policy_reason"]
+    assert default["schedule"]["reason"].startswith("calibrated (scheduler.yaml)")
+    top = cli_json(sample, "--config", config, "--scheduler", "top")
     assert top["tier"] == "high" and top["schedule"]["reason"].startswith("policy top")
+    assert top["schedule"]["policy"] == "top" and top["schedule"]["policy_reason"] == "scheduler.policy: top"
     low = cli_json(sample, "--config", config, "--scheduler", "thresholds")
     assert low["tier"] == "low" and low["schedule"]["stats"]["edge_density"] < 1.0
     reading = cli_json(sample, "--config", config, "--scheduler", "thresholds", "--prompt", "read the text")

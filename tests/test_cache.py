@@ -157,7 +157,9 @@ def test_cache_budget_from_the_config(make_runtime):
 
 def test_reused_prefix_gives_the_same_tokens_as_a_full_prefill(make_runtime):
     """The stored KV of `<bos> <image>*N` must continue exactly like a fresh prefill."""
-    cached, plain = make_runtime(), make_runtime(cache={"max_bytes": 0})
+    # one tier for every prompt (policy top), so each question after the first finds the prefix
+    cached = make_runtime(scheduler={"policy": "top"})
+    plain = make_runtime(cache={"max_bytes": 0}, scheduler={"policy": "top"})
     prompts = ["describe the image", "how many shapes are there ?", "what does the text say ?",
                "what color is the circle ?"]
     for seed in (401_200, 401_201):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -37,10 +38,13 @@ def infer_json(*args, **kwargs) -> dict:
 def test_json_output(sample):
     out = infer_json(sample, "--prompt", COUNT_PROMPT)
     assert {"answer", "tier", "precision", "devices", "timings_ms", "tokens"} <= set(out)
-    assert out["tier"] == "high" and out["precision"] == "fp32"
+    assert out["tier"] == out["schedule"]["tier"] and out["precision"] == "fp32"
     assert out["devices"] == {"encode": "cpu", "decode": "cpu"}
     assert {"preprocess", "encode", "prefill", "decode", "total"} <= set(out["timings_ms"])
     assert isinstance(out["answer"], str) and all(isinstance(t, int) for t in out["tokens"])
+
+
+PROGRESS = re.compile(r"edgemm: loading tiny-vlm \(fp32\) … ready in \d+\.\d s\n")
 
 
 def test_plain_output_is_one_line_with_the_answer(sample):
@@ -48,7 +52,94 @@ def test_plain_output_is_one_line_with_the_answer(sample):
     assert result.exit_code == 0, result.output
     assert result.stdout.endswith("\n") and result.stdout.count("\n") == 1
     assert result.stdout[:-1] == infer_json(sample, "--prompt", COUNT_PROMPT)["answer"]
-    assert result.stderr == ""
+    assert PROGRESS.fullmatch(result.stderr), result.stderr  # the progress line, on stderr only
+    assert infer(sample, "--prompt", COUNT_PROMPT, "--quiet").stderr == ""
+
+
+def test_json_stdout_is_only_the_json(sample):
+    result = infer(sample, "--json")
+    assert result.exit_code == 0 and json.loads(result.stdout)["answer"]
+    assert PROGRESS.fullmatch(result.stderr), result.stderr
+
+
+def test_edgemm_alone_prints_its_help_and_exits_0():
+    for args in ([], ["--help"]):
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 0, result.output
+        assert result.stdout.startswith("Usage: ") and "infer" in result.stdout and "serve" in result.stdout
+        assert result.stderr == ""
+
+
+def test_infer_help_describes_every_option_and_lists_the_tiers():
+    text = " ".join(CliRunner().invoke(main, ["infer", "--help"]).stdout.split())
+    assert "tiny-vlm has low, mid, high" in text
+    for flag, words in (("--max-new-tokens", "Most tokens in the answer"), ("--top-p", "probabilities add up"),
+                        ("--seed", "the same seed gives the same answer")):
+        assert flag in text and words in text, flag
+
+
+# ---- prompts the model cannot read ------------------------------------------------------------
+
+UNREADABLE = "What is in this picture?"  # 'this' and 'picture' are not in tiny-vlm's vocabulary
+
+
+def test_unknown_words_are_answered_with_a_warning_on_stderr(sample):
+    result = infer(sample, "--prompt", UNREADABLE, "--quiet")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.count("\n") == 1  # stdout is still just the answer
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("edgemm: warning: "), result.stderr
+    assert "'this', 'picture'" in result.stderr and "describe the image" in result.stderr
+    assert "how many shapes are there ?" in result.stderr
+
+
+def test_unknown_words_in_json_and_a_known_prompt_has_none(sample):
+    out = infer_json(sample, "--prompt", UNREADABLE)
+    assert len(out["warnings"]) == 1 and "'picture'" in out["warnings"][0]
+    assert "what does the text say ?" in out["warnings"][0]
+    assert infer_json(sample, "--prompt", COUNT_PROMPT)["warnings"] == []
+
+
+def test_unknown_words_refused_with_exit_2_when_configured(sample, tmp_path):
+    config = tmp_path / "edgemm.yaml"
+    config.write_text("limits:\n  unknown_words: refuse\n")
+    result = infer(sample, "--prompt", UNREADABLE, "--config", config)
+    assert result.exit_code == 2 and result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("edgemm: error: "), result.stderr
+    assert "'picture'" in lines[0] and "limits.unknown_words: refuse" in lines[0]
+    assert infer(sample, "--prompt", COUNT_PROMPT, "--config", config).exit_code == 0
+
+
+# ---- warm-up: a one-shot warms the tier it uses, a service every tier --------------------------
+
+@pytest.fixture
+def encoded_sizes(monkeypatch) -> list[tuple[int, int]]:
+    """(height, width) of every image the vision encoder runs on, in order."""
+    from edgemm.generate import Generator
+    sizes: list[tuple[int, int]] = []
+    encode = Generator.encode
+
+    def recording(self, pixel_values):
+        sizes.append(tuple(pixel_values.shape[-2:]))
+        return encode(self, pixel_values)
+    monkeypatch.setattr(Generator, "encode", recording)
+    return sizes
+
+
+def test_infer_warms_up_only_the_tier_it_answers_at(sample, encoded_sizes, model_dir):
+    from edgemm.model.manifest import load_manifest
+    tiers = load_manifest(model_dir).tiers
+    out = infer_json(sample, "--tier", "low")
+    low = (tiers["low"].height, tiers["low"].width)
+    assert out["tier"] == "low" and encoded_sizes == [low, low]  # the warm-up, then the answer
+
+
+def test_a_runtime_for_a_service_warms_up_every_tier(encoded_sizes, model_dir):
+    from edgemm.config import load_config
+    from edgemm.runtime import Runtime
+    runtime = Runtime(load_config({"model": {"path": str(model_dir)}, "backend": {"intra_op_threads": 1}}),
+                      concurrent=True)
+    assert set(encoded_sizes) == {(t.height, t.width) for t in runtime.manifest.tiers.values()}
 
 
 def test_stdin(sample):

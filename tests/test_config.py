@@ -21,7 +21,7 @@ model:
   precision: int8
   engines: /opt/engines/my-vlm
 backend:
-  name: tensorrt
+  name: onnxruntime
   providers: [tensorrt, cuda, cpu]
   intra_op_threads: 2
   warmup: false
@@ -29,6 +29,7 @@ limits:
   max_pixels: 12_000_000
   max_image_bytes: 1048576
   max_prompt_chars: 500
+  unknown_words: refuse
 generation:
   max_new_tokens: 64
   temperature: 0.7
@@ -68,6 +69,9 @@ server:
   grace_period_s: 1.0
   max_body_bytes: 1000
   max_connections: 7
+  header_timeout_s: 3.0
+  idle_timeout_s: 2.0
+  max_header_bytes: 8192
   image_dirs: [/srv/edgemm/images]
   remote_images: true
   remote_timeout_s: 2.0
@@ -133,7 +137,7 @@ def test_defaults_match_the_documented_schema():
     assert cfg.limits == LimitsConfig(max_pixels=40_000_000, max_image_bytes=50 * 1024 * 1024, max_prompt_chars=4000)
     assert cfg.generation == GenerationConfig(max_new_tokens=32, temperature=0.0, top_p=1.0, seed=None, tier=None,
                                               num_beams=1, beam_gate=0.85)
-    assert cfg.scheduler.policy == "top" and cfg.scheduler.detail_tier is None
+    assert cfg.scheduler.policy == "auto" and cfg.scheduler.detail_tier is None
     assert cfg.cache == CacheConfig(max_bytes=64 * 1024 * 1024)
 
 
@@ -172,9 +176,9 @@ def test_full_yaml_file_loads_every_field(tmp_path):
     cfg = load_config(write(tmp_path, FULL_YAML))
     assert cfg == Config(
         model=ModelConfig(path="/opt/models/my-vlm", precision="int8", engines="/opt/engines/my-vlm"),
-        backend=BackendConfig(name="tensorrt", providers=["tensorrt", "cuda", "cpu"],
+        backend=BackendConfig(name="onnxruntime", providers=["tensorrt", "cuda", "cpu"],
                               intra_op_threads=2, warmup=False),
-        limits=LimitsConfig(max_pixels=12_000_000, max_image_bytes=1048576, max_prompt_chars=500),
+        limits=LimitsConfig(max_pixels=12_000_000, max_image_bytes=1048576, max_prompt_chars=500, unknown_words="refuse"),
         generation=GenerationConfig(max_new_tokens=64, temperature=0.7, top_p=0.9, seed=1234, tier="low",
                                     num_beams=1, beam_gate=0.9),
         scheduler=SchedulerConfig(policy="thresholds", statistic="high_freq", thresholds=[0.1, 0.25],
@@ -187,7 +191,8 @@ def test_full_yaml_file_loads_every_field(tmp_path):
                             encoder_batching="off",
                             continuous_batching="off",
                             request_timeout_s=5.0, stall_s=30.0, retry_after_s=3, grace_period_s=1.0, max_body_bytes=1000,
-                            max_connections=7, image_dirs=["/srv/edgemm/images"], remote_images=True,
+                            max_connections=7, header_timeout_s=3.0, idle_timeout_s=2.0, max_header_bytes=8192,
+                            image_dirs=["/srv/edgemm/images"], remote_images=True,
                             remote_timeout_s=2.0, max_streams=2),
         streams=[StreamConfig(id="door", source="rtsp://10.0.0.5/stream", prompt="is the door open ?", fps=0.5,
                               every=2, change_threshold=4.0, tier="low", max_new_tokens=8)],
@@ -328,7 +333,7 @@ def test_null_allowed_only_for_optional_fields():
 @pytest.mark.parametrize("data, expected", [
     ({"model": {"precision": "int4"}}, "config: 'model.precision' must be one of fp32, int8, fp16, got 'int4'"),
     ({"model": {"path": ""}}, "config: 'model.path' must be a folder or null, got ''"),
-    ({"backend": {"name": "tflite"}}, "config: 'backend.name' must be one of onnxruntime, tensorrt, got 'tflite'"),
+    ({"backend": {"name": "tflite"}}, "config: 'backend.name' must be one of onnxruntime, got 'tflite'"),
     ({"server": {"encoder_batching": "sometimes"}},
      "config: 'server.encoder_batching' must be one of auto, on, off, got 'sometimes'"),
     ({"server": {"continuous_batching": "always"}},
@@ -354,7 +359,7 @@ def test_null_allowed_only_for_optional_fields():
     ({"generation": {"num_beams": 2, "temperature": 0.5}},
      "config: 'generation.num_beams' must be 1 when sampling (beam search is greedy: temperature 0), got 2"),
     ({"scheduler": {"policy": "fast"}},
-     "config: 'scheduler.policy' must be one of top, thresholds, calibrated, got 'fast'"),
+     "config: 'scheduler.policy' must be one of auto, top, thresholds, calibrated, got 'fast'"),
     ({"scheduler": {"statistic": "blur"}}, "config: 'scheduler.statistic' must be one of mean_saliency, "
                                             "salient_fraction, high_freq, edge_density, fine_strokes, got 'blur'"),
     ({"scheduler": {"thresholds": [0.2, 0.1]}}, "config: 'scheduler.thresholds' must not decrease, got [0.2, 0.1]"),
@@ -362,7 +367,11 @@ def test_null_allowed_only_for_optional_fields():
     ({"server": {"socket_mode": "rw-rw----"}},
      "config: 'server.socket_mode' must be octal permissions like '0660', got 'rw-rw----'"),
     ({"server": {"socket_mode": "1777"}}, "config: 'server.socket_mode' must be octal permissions like '0660', got '1777'"),
-    ({"server": {"socket": " "}}, "config: 'server.socket' must be a path, got ' '"),
+    ({"server": {"socket": " "}}, "config: 'server.socket' must be a path or null, got ' '"),
+    ({"backend": {"name": "tensorrt"}}, "config: 'backend.name: tensorrt' is not a switch any more: TensorRT "
+     "engines are chosen per component by placement (e.g. placement.vision_encoder: [dla0, gpu, cpu], "
+     "decoder: [gpu, cpu]); remove backend.name"),
+    ({"limits": {"unknown_words": "ignore"}}, "config: 'limits.unknown_words' must be one of warn, refuse, got 'ignore'"),
     ({"server": {"tcp_port": 70000}}, "config: 'server.tcp_port' must be in 0..65535 or null, got 70000"),
     ({"server": {"queue_size": 0}}, "config: 'server.queue_size' must be >= 1, got 0"),
     ({"server": {"request_timeout_s": 0}}, "config: 'server.request_timeout_s' must be > 0, got 0.0"),

@@ -133,11 +133,11 @@ def test_decoder_profiles_cover_prefill_and_single_token_decode(model_dir):
     assert prefill["past_key_values.0.key"] == {"min": [1, 4, 0, 48], "opt": [1, 4, 0, 48], "max": [8, 4, 0, 48]}
     assert prefill["inputs_embeds"] == {"min": [1, 1, 192], "opt": [1, 64, 192], "max": [8, 320, 192]}
     assert prefill["attention_mask"]["max"] == [8, 320]
-    # one new token (opt), up to 64 for a question continuing from a cached image prefix
-    assert decode["inputs_embeds"] == {"min": [1, 1, 192], "opt": [1, 1, 192], "max": [8, 64, 192]}
-    assert decode["position_ids"]["max"] == [8, 64]
+    # one new token (opt), up to max_context-1 for the rest of a prompt after a cached image prefix
+    assert decode["inputs_embeds"] == {"min": [1, 1, 192], "opt": [1, 1, 192], "max": [8, 319, 192]}
+    assert decode["position_ids"]["max"] == [8, 319]
     assert decode["past_key_values.3.value"] == {"min": [1, 4, 1, 48], "opt": [1, 4, 160, 48], "max": [8, 4, 319, 48]}
-    assert decode["attention_mask"] == {"min": [1, 2], "opt": [1, 161], "max": [8, 383]}
+    assert decode["attention_mask"] == {"min": [1, 2], "opt": [1, 161], "max": [8, 638]}
 
 
 def test_dla_builds_one_static_encoder_plan_per_tier(model_dir):
@@ -186,14 +186,32 @@ def test_quantization_mode_follows_the_tensorrt_version(device, precision, versi
 
 # ---- on a machine with TensorRT and a GPU -------------------------------------------------------
 
+def _gpu_platform() -> Platform | None:
+    """The platform where TensorRT and a CUDA device actually start (not just an importable module)."""
+    if not HAVE_TENSORRT:
+        return None
+    try:
+        from edgemm.engines.platform import probe
+        return probe()
+    except EngineError:
+        return None
+
+
+GPU = _gpu_platform()
+
+
 @pytest.mark.tensorrt
-@pytest.mark.skipif(not HAVE_TENSORRT, reason="needs TensorRT and an NVIDIA GPU")
-def test_gpu_engines_build_run_and_match_onnxruntime(model_dir, tmp_path, runtime):
+@pytest.mark.skipif(GPU is None, reason="needs TensorRT and a CUDA device that initialises")
+def test_gpu_engines_build_run_and_match_onnxruntime(model_dir, tmp_path):
     from edgemm.config import load_config
     from edgemm.runtime import Runtime
-    result = run_cli(model_dir, "--out", tmp_path, "--device", "gpu", "--precision", "fp16")
+    # a precision the model has on this TensorRT: strongly typed FP16 (11+) needs an _fp16 graph
+    precision = "fp16" if build.version_tuple(GPU.tensorrt) < build.STRONGLY_TYPED else "int8"
+    runtime = Runtime(load_config({"model": {"path": str(model_dir), "precision": "int8" if precision == "int8"
+                                             else "fp32"}, "backend": {"warmup": False}}))
+    result = run_cli(model_dir, "--out", tmp_path, "--device", "gpu", "--precision", precision)
     assert result.exit_code == 0, result.output
-    rt = Runtime(load_config({"model": {"path": str(model_dir), "precision": "fp16", "engines": str(tmp_path)},
+    rt = Runtime(load_config({"model": {"path": str(model_dir), "precision": precision, "engines": str(tmp_path)},
                               "placement": {"vision_encoder": ["gpu"], "embed_tokens": ["gpu"], "decoder": ["gpu"]},
                               "backend": {"warmup": False}}))
     assert rt.devices == {"vision_encoder": "gpu", "embed_tokens": "gpu", "decoder": "gpu"}

@@ -442,11 +442,13 @@ def test_reserved_places_are_inbox_room_beyond_queue_size(runtime, images, block
     queue_size, reserved = 1, 3
     pipeline = Pipeline(runtime, queue_size=queue_size, reserved=reserved)
     accepted = []
+    held = 2 + pipeline.prepare_workers
     try:
-        for i in range(3):  # one in the encoder, one waiting for it, one prepared and waiting behind
+        for i in range(held):  # one in the encoder, one waiting for it, one prepared and waiting per prepare worker
             accepted.append(pipeline.submit(Request(images[i], PROMPT, options("low")), timeout=WAIT_S))
-        wait_until(lambda: blocked.entered.is_set() and pipeline.to_encode.full() and pipeline._preparing
-                   and pipeline.inbox.empty(), "the stages to be full")
+        wait_until(lambda: blocked.entered.is_set() and pipeline.to_encode.full()
+                   and pipeline._preparing == pipeline.prepare_workers and pipeline.inbox.empty(),
+                   "the stages to be full")
         for i in range(queue_size + reserved):
             accepted.append(pipeline.submit(Request(images[i], PROMPT, options("low")), block=False))
         with pytest.raises(Overloaded):
@@ -454,7 +456,7 @@ def test_reserved_places_are_inbox_room_beyond_queue_size(runtime, images, block
     finally:
         blocked.release.set()
         pipeline.close()
-    assert all(f.done() and f.exception() is None for f in accepted) and len(accepted) == 7
+    assert all(f.done() and f.exception() is None for f in accepted) and len(accepted) == held + queue_size + reserved
 
 
 def test_close_finishes_everything_submitted_then_refuses(runtime, images, blocked):

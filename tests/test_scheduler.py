@@ -294,9 +294,22 @@ def sample(model_dir) -> Path:
     return model_dir / "samples" / "scene_12.png"
 
 
-def test_default_policy_is_the_top_tier(runtime, sample):
+def test_default_policy_is_calibrated_when_the_model_ships_a_calibration(runtime, sample, model_dir):
+    assert (model_dir / POLICY_FILE).is_file()
     result = runtime.infer(sample, "how many shapes are there ?")
+    assert result.schedule["policy"] == "calibrated"
+    assert result.schedule["policy_reason"] == "scheduler.policy auto: model tiny-vlm ships its calibration (scheduler.yaml)"
+    assert result.schedule["reason"].startswith("calibrated (scheduler.yaml)")
+    calibrated = TierPolicy.load(model_dir / POLICY_FILE)
+    assert result.tier == calibrated.choose(None, "how many shapes are there ?", list(runtime.manifest.tiers))[0]
+
+
+def test_default_policy_is_the_top_tier_without_a_calibration(make_runtime, tmp_model, sample):
+    (tmp_model / POLICY_FILE).unlink()
+    rt = make_runtime(model={"path": str(tmp_model)})
+    result = rt.infer(sample, "how many shapes are there ?")
     assert result.tier == "high" and result.schedule["stats"] is None
+    assert result.schedule["policy"] == "top" and "ships no calibration" in result.schedule["policy_reason"]
     assert "schedule" not in result.timings_ms
 
 
@@ -312,7 +325,9 @@ def test_thresholds_policy_picks_the_tier_and_says_why(make_runtime, sample, thr
     reading = rt.infer(sample, "what does the text say ?")
     assert reading.tier == "high" and "detail" in reading.schedule["reason"]
     pinned = rt.infer(sample, "what does the text say ?", tier="low")
-    assert pinned.tier == "low" and pinned.schedule == {"tier": "low", "reason": "pinned", "stats": None}
+    assert pinned.tier == "low" and pinned.schedule == {"tier": "low", "reason": "pinned", "stats": None,
+                                                        "policy": "thresholds",
+                                                        "policy_reason": "scheduler.policy: thresholds"}
 
 
 def test_configured_tier_is_a_pin_too(make_runtime, sample):

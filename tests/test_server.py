@@ -166,7 +166,9 @@ def test_openai_client_plain_completion(client, sample):
     assert answer.usage.prompt_tokens > 0
     assert answer.usage.total_tokens == answer.usage.prompt_tokens + answer.usage.completion_tokens
     extras = answer.model_dump()["edgemm"]
-    assert extras["tier"] == "high" and extras["precision"] == "fp32"
+    # the built-in model ships its calibration, so the scheduler's default policy is calibrated
+    assert extras["tier"] == extras["schedule"]["tier"] and extras["schedule"]["policy"] == "calibrated"
+    assert extras["precision"] == "fp32"
     assert {"preprocess", "encode", "prefill", "decode", "total"} <= set(extras["timings_ms"])
 
 
@@ -240,6 +242,7 @@ def test_metrics(http, sample):
     steps_before = metric(http.get("/metrics").text, 'edgemm_decoder_steps_total{rows="1"}', default=0)
     answer = http.post("/v1/infer", params={"max_tokens": 3, "prompt": "describe the image"},
                        content=sample.read_bytes()).json()
+    answered_tier = answer["tier"]
     http.post("/v1/infer", content=b"")  # a 400
     response = http.get("/metrics")
     assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
@@ -248,7 +251,7 @@ def test_metrics(http, sample):
     assert metric(text, 'edgemm_http_requests_total{endpoint="/v1/infer",status="400"}') >= 1
     assert metric(text, 'edgemm_stage_duration_seconds_count{stage="encode"}') >= 1
     assert metric(text, 'edgemm_stage_duration_seconds_bucket{stage="total",le="+Inf"}') >= 1
-    assert metric(text, 'edgemm_answers_total{tier="high"}') >= 1
+    assert metric(text, f'edgemm_answers_total{{tier="{answered_tier}"}}') >= 1
     assert metric(text, 'edgemm_queue_depth{stage="encode"}') == 0
     assert metric(text, "edgemm_requests_in_flight") == 0
     assert metric(text, 'edgemm_encoder_recent_batches{size="1"}') >= 1
@@ -863,9 +866,123 @@ def test_a_model_that_fails_to_load_fails_the_start(folder):
                              "--socket", path, "--model", str(folder / "no-model")],
                             env=child_env(), capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
-    assert result.stderr.startswith("edgemm: error: ") and "no-model" in result.stderr
+    last = result.stderr.splitlines()[-1]  # after serve's progress lines (listening on …)
+    assert last.startswith("edgemm: error: ") and "no-model" in last
     assert "Traceback" not in result.stderr
     assert not os.path.exists(path)
+
+
+# ---- edgemm serve outside systemd: a socket it can create, or TCP ---------------------------
+
+def serve_process(args: list[str], **env: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "edgemm.cli", "serve", *args], env=child_env(**env),
+                            stderr=subprocess.PIPE, text=True)
+
+
+def read_until(proc: subprocess.Popen, pattern: str, timeout: float = 60) -> tuple[re.Match, str]:
+    """Read the daemon's stderr line by line until `pattern` matches; (the match, all read)."""
+    seen = ""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        if not line:
+            raise AssertionError(f"the daemon ended before {pattern!r}: {seen}")
+        seen += line
+        found = re.search(pattern, line)
+        if found:
+            return found, seen
+    raise AssertionError(f"no {pattern!r} in time: {seen}")
+
+
+def stop_process(proc: subprocess.Popen) -> int:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(30)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.skipif(os.path.isdir("/run/edgemm"), reason="/run/edgemm exists here: it is the first choice")
+def test_serve_without_a_socket_configured_uses_xdg_runtime_dir(folder, sample):
+    proc = serve_process(["--config", str(write_config(folder))], XDG_RUNTIME_DIR=str(folder))
+    try:
+        path = str(folder / "edgemm.sock")
+        read_until(proc, rf"edgemm: info: listening on {re.escape(path)}$")
+        read_until(proc, r"edgemm: info: ready in \d+\.\d s: tiny-vlm \(fp32\) on ")
+        with raw_client(path) as http:
+            assert http.get("/readyz").status_code == 200
+            assert http.post("/v1/infer", params={"max_tokens": 1}, content=sample.read_bytes()).status_code == 200
+        status = subprocess.run([sys.executable, "-m", "edgemm.cli", "status", "--json"], capture_output=True,
+                                text=True, env=child_env(XDG_RUNTIME_DIR=str(folder)), timeout=60)
+        assert json.loads(status.stdout)["daemon"] == "serving"  # the client finds the same socket
+        assert stop_process(proc) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.skipif(os.path.isdir("/run/edgemm"), reason="/run/edgemm exists here: it is the first choice")
+def test_serve_with_no_socket_to_create_says_so_in_one_line(folder):
+    env = child_env()
+    env.pop("XDG_RUNTIME_DIR", None)
+    result = subprocess.run([sys.executable, "-m", "edgemm.cli", "serve", "--config", str(write_config(folder))],
+                            env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("edgemm: error: no socket to create: "), result.stderr
+    assert "--socket PATH" in lines[0] and "$XDG_RUNTIME_DIR is not set" in lines[0]
+
+
+def test_serve_on_a_tcp_port_answers_on_loopback_only(folder, sample):
+    proc = serve_process(["--config", str(write_config(folder)), "--port", "0"], XDG_RUNTIME_DIR=str(folder))
+    try:
+        found, _ = read_until(proc, r"listening on http://([\d.]+):(\d+)$")
+        host, port = found.group(1), int(found.group(2))
+        assert host == "127.0.0.1"
+        read_until(proc, r"ready in \d+\.\d s")
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
+            assert http.get("/readyz").status_code == 200
+            answer = http.post("/v1/infer", params={"max_tokens": 2}, content=sample.read_bytes())
+            assert answer.status_code == 200 and answer.json()["tokens"]
+        assert not (folder / "edgemm.sock").exists()  # --port alone: TCP only, no UNIX socket
+        assert stop_process(proc) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_serve_host_without_port_is_a_usage_error(folder):
+    result = subprocess.run([sys.executable, "-m", "edgemm.cli", "serve", "--host", "127.0.0.1"],
+                            env=child_env(), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "--host needs --port" in result.stderr
+
+
+# ---- prompts the model cannot read -----------------------------------------------------------
+
+UNREADABLE = "What is in this picture?"
+
+
+def test_unknown_words_warn_in_the_api_answers(http, client, sample):
+    raw = http.post("/v1/infer", params={"prompt": UNREADABLE, "max_tokens": 2}, content=sample.read_bytes())
+    assert raw.status_code == 200
+    [warning] = raw.json()["warnings"]
+    assert "'this', 'picture'" in warning and "how many shapes are there ?" in warning
+    answer = client.chat.completions.create(model=MODEL, messages=user_message(data_url(sample), UNREADABLE),
+                                            max_tokens=2)
+    assert answer.model_dump()["edgemm"]["warnings"] == [warning]
+    known = client.chat.completions.create(model=MODEL, messages=user_message(data_url(sample)), max_tokens=2)
+    assert known.model_dump()["edgemm"]["warnings"] == []
+
+
+def test_unknown_words_are_a_400_when_refused(make_runtime, sample):
+    with running(make_runtime(limits={"unknown_words": "refuse"})) as daemon, raw_client(sock_path(daemon)) as http:
+        refused = http.post("/v1/infer", params={"prompt": UNREADABLE}, content=sample.read_bytes())
+        assert "limits.unknown_words: refuse" in assert_error(refused, 400)["message"]
+        chatted = http.post("/v1/chat/completions", json=chat(messages=user_message(data_url(sample), UNREADABLE)))
+        assert "'picture'" in assert_error(chatted, 400)["message"]
+        assert http.post("/v1/infer", params={"prompt": PROMPT, "max_tokens": 1},
+                         content=sample.read_bytes()).status_code == 200  # and it keeps serving
 
 
 # ---- the systemd units and the documented config ------------------------------------------

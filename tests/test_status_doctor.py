@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import re
+import sys
+import types
 
 import pytest
 from click.testing import CliRunner
@@ -85,6 +87,8 @@ def test_status_asks_the_running_daemon(runtime, tmp_path):
         assert report["daemon"] == "serving" and report["model"] == "tiny-vlm"
         assert report["components"]["decoder"]["device"] == "cpu"
         assert report["queue"]["limit"] == 8 and report["telemetry"]["total_w"] == 5.0
+        assert report["scheduler"] == {"policy": "calibrated", "reason": "scheduler.policy auto: model tiny-vlm "
+                                                                          "ships its calibration (scheduler.yaml)"}
         text = CliRunner().invoke(main, ["status", "--socket", sock_path(daemon)]).output
         assert "serving tiny-vlm (fp32)" in text and "queue       0 in flight of 8" in text
         assert report["queue"]["continuous_batching"] == "auto"
@@ -158,3 +162,80 @@ def test_doctor_camera_permission(tmp_path, socket_config, monkeypatch):
     monkeypatch.setattr(edgemm.doctor.os, "access", lambda path, mode: "video" not in str(path))
     result = invoke("doctor", "--root", str(tmp_path / "root"), config=socket_config, tmp_path=tmp_path)
     assert result.exit_code == 3 and "fail  camera: /dev/video0: permission denied" in result.output
+
+
+# ---- doctor: what placement needs ---------------------------------------------------------------
+
+README_PLACEMENT = {"model": {"precision": "int8"},
+                    "placement": {"vision_encoder": ["dla0", "gpu", "cpu"], "embed_tokens": ["gpu", "cpu"],
+                                  "decoder": ["gpu", "cpu"]}}
+
+
+def doctor_checks(tmp_path, config: dict, *args: str) -> tuple[int, dict]:
+    result = invoke("doctor", "--json", "--root", str(tmp_path / "root"), *args, config=config, tmp_path=tmp_path)
+    return result.exit_code, {c["name"]: c for c in json.loads(result.output)}
+
+
+@pytest.mark.skipif(edgemm.doctor.module_version("tensorrt") is not None, reason="TensorRT is installed here")
+def test_doctor_fails_a_dla_and_gpu_placement_without_tensorrt(tmp_path, socket_config):
+    agx_orin(tmp_path / "root")  # two DLA cores: only TensorRT, pycuda, the device and the engines are missing
+    code, checks = doctor_checks(tmp_path, {**socket_config, **README_PLACEMENT})
+    assert code == 3
+    assert checks["dla"]["level"] == "ok"
+    assert checks["tensorrt"]["level"] == "fail" and "placement lists dla0, gpu" in checks["tensorrt"]["detail"]
+    assert checks["engines"]["level"] == "fail"
+    assert "vision_encoder on dla0" in checks["engines"]["detail"] and "decoder on gpu" in checks["engines"]["detail"]
+    assert "edgemm engines build" in checks["engines"]["detail"]
+    # the same machine with the default placement (cpu everywhere) needs none of it
+    code, checks = doctor_checks(tmp_path, socket_config)
+    assert code == 0 and checks["tensorrt"]["level"] == "warn" and checks["engines"]["level"] == "warn"
+
+
+def test_doctor_finds_the_engines_placement_needs(tmp_path, socket_config, monkeypatch):
+    agx_orin(tmp_path / "root")
+    folder = tmp_path / "engines"
+    folder.mkdir()
+    entries = [{"component": c, "device": d, "precision": "int8", "tier": t, "tensorrt": "10.3.0"}
+               for c, d, t in (("embed_tokens", "gpu", None), ("decoder", "gpu", None),
+                               ("vision_encoder", "gpu", None), ("vision_encoder", "dla0", "low"),
+                               ("vision_encoder", "dla0", "mid"))]
+    (folder / "manifest.yaml").write_text(json.dumps({"model": "tiny-vlm", "engines": entries}))
+    real = edgemm.doctor.module_version
+    monkeypatch.setattr(edgemm.doctor, "module_version", lambda name: "10.3.0" if name == "tensorrt" else real(name))
+    config = {**socket_config, **README_PLACEMENT, "model": {"precision": "int8", "engines": str(folder)}}
+    code, checks = doctor_checks(tmp_path, config)
+    assert checks["engines"]["level"] == "fail"  # DLA plans are one per tier: high is missing
+    assert "vision_encoder on dla0 (tiers high)" in checks["engines"]["detail"]
+    assert "--tiers high" in checks["engines"]["detail"]
+    entries.append({**entries[-1], "tier": "high"})
+    (folder / "manifest.yaml").write_text(json.dumps({"model": "tiny-vlm", "engines": entries}))
+    code, checks = doctor_checks(tmp_path, config)
+    assert checks["engines"]["level"] == "ok", checks["engines"]
+    fp32 = {**config, "model": {"precision": "fp32", "engines": str(folder)}}
+    assert "TensorRT engines are int8 or fp16" in doctor_checks(tmp_path, fp32)[1]["engines"]["detail"]
+
+
+def test_doctor_cuda_says_whether_a_device_initialised(tmp_path, socket_config, monkeypatch):
+    (tmp_path / "root").mkdir()
+    gpu = {**socket_config, "placement": {"decoder": ["gpu", "cpu"]}}
+    # this machine has no GPU: whatever CUDA libraries are installed, no device initialises
+    code, checks = doctor_checks(tmp_path, gpu)
+    assert checks["cuda"]["level"] == "fail" and code == 3, checks["cuda"]
+    assert "no device initialised" in checks["cuda"]["detail"] or "to initialise a device" in checks["cuda"]["detail"]
+    # what pycuda's driver says without a device is the line's reason
+    driver = types.ModuleType("pycuda.driver")
+
+    class Error(Exception):
+        pass
+
+    def init():
+        raise Error("cuInit failed: no CUDA-capable device is detected")
+    driver.Error, driver.init = Error, init
+    package = types.ModuleType("pycuda")
+    package.driver = driver
+    monkeypatch.setitem(sys.modules, "pycuda", package)
+    monkeypatch.setitem(sys.modules, "pycuda.driver", driver)
+    checks = doctor_checks(tmp_path, gpu)[1]
+    assert checks["cuda"] == {"name": "cuda", "level": "fail", "detail": checks["cuda"]["detail"]}
+    assert checks["cuda"]["detail"].startswith("no device initialised: cuInit failed: no CUDA-capable device")
+    assert doctor_checks(tmp_path, socket_config)[1]["cuda"]["level"] == "warn"  # cpu placement: not needed

@@ -35,8 +35,8 @@ httpx.Client over the UNIX socket, so they share the machine's cores with the da
              of the 503s' response time as each client measured it, and as the daemon's
              /v1/infer duration histogram bounds it; no 5xx other than 503; daemon RSS
              before/after. server.max_connections = burst + 16, so the 503s are the
-             admission's (uvicorn's own concurrency limit answers 503 too; they are told
-             apart by body and counted separately).
+             admission's (the connection cap answers 503 too, code "over_capacity"; they
+             are told apart by body and counted separately).
   idle/api   daemon RSS after warm-up with no request yet (VmRSS of the process), and
              API overhead: per request, the client's round trip minus the pipeline's own
              time (timings_ms.total: submit → answer, in the `edgemm` field of
@@ -47,6 +47,16 @@ httpx.Client over the UNIX socket, so they share the machine's cores with the da
              twice: with httpx (what the openai client uses) and with the standard
              library's http.client on a kept-alive UNIX socket ("infer_raw"), whose own
              Python work is small, so it shows the socket round trip more nearly.
+
+    python tools/bench_serve.py --mode stalled [--stalled 200] [--rounds 3] [--requests 64]
+
+  stalled    valid requests while `stalled` connections stay open without finishing a
+             request (half of them half a request line, half nothing; one the daemon
+             closes is opened again 1 s later): median latency of GET /healthz and POST
+             /v1/infer, each on a fresh connection, against the same daemon unloaded, in
+             alternating rounds; on the shipped defaults (max_connections 64: the cap
+             makes room) and with max_connections 256 (all stalled ones held). Target:
+             median at most 50 ms above unloaded.
 Paste the printed Markdown into docs/BENCHMARKS.md together with the command.
 """
 from __future__ import annotations
@@ -265,12 +275,17 @@ def post_infer(http: httpx.Client, png: bytes, prompt: str = PROMPT) -> dict:
     out = {"status": r.status_code, "ms": ms}
     if r.status_code == 503:
         try:
-            kind = r.json()["error"]["type"]  # edgemm's admission: OpenAI error shape, type "overloaded"
+            kind = refused_by(r.json()["error"])  # edgemm's: OpenAI error shape, type "overloaded"
         except (ValueError, KeyError, TypeError):
             kind = "uvicorn:" + r.text[:40]  # uvicorn's limit_concurrency: plain text
         out["refused_by"] = kind
         out["retry_after"] = r.headers.get("retry-after")
     return out
+
+
+def refused_by(error: dict) -> str:
+    """Who refused: the admission ("overloaded") or the connection cap ("overloaded:over_capacity")."""
+    return error["type"] + (":over_capacity" if error.get("code") == "over_capacity" else "")
 
 
 def launch(threads: list[threading.Thread], start: threading.Barrier, failures: list, who: str) -> None:
@@ -389,7 +404,7 @@ def raw_burst(sock: str, bodies: list[bytes]) -> list[dict]:
                 record = {"status": status, "ms": (time.perf_counter() - t0) * 1e3}
                 if status == 503:
                     try:
-                        record["refused_by"] = json.loads(body)["error"]["type"]
+                        record["refused_by"] = refused_by(json.loads(body)["error"])
                     except (ValueError, KeyError, TypeError):
                         record["refused_by"] = "uvicorn:" + body[:40].decode("latin-1")
                     record["retry_after"] = headers.get("retry-after")
@@ -690,6 +705,176 @@ def bench_overload(model: Path, scenes: Scenes, bursts: int, size: int, threads:
             "rss_growth_mb": round(rss[-1] - rss[0], 1), "daemon_exit_code": d.exit_code}
 
 
+# ---- stalled connections (--mode stalled) --------------------------------------------------
+
+HALF_REQUEST_LINE = b"POST /v1/chat/completions HT"
+
+
+class StallKeeper:
+    """`n` connections that never finish a request: odd ones send half a request line, even
+    ones nothing. One the daemon closes is opened again `reconnect_s` later, as a slowloris
+    client does, so `n` stay open from this side for as long as the keeper runs."""
+
+    def __init__(self, sock: str, n: int, reconnect_s: float = 1.0):
+        self.sock, self.n, self.reconnect_s = sock, n, reconnect_s
+        self.open: dict[int, socket.socket] = {}
+        self.due: dict[int, float] = {i: 0.0 for i in range(n)}  # slot → when to (re)open it
+        self.closed_by_daemon = Counter()  # "408", "431", "silent" (closed without an answer)
+        self.reopened = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stall-keeper", daemon=True)
+
+    def __enter__(self) -> "StallKeeper":
+        self._open_due()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        for s in self.open.values():
+            s.close()
+
+    def _open_due(self) -> None:
+        now = time.monotonic()
+        for slot, when in list(self.due.items()):
+            if when > now:
+                continue
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                s.settimeout(1.0)
+                s.connect(self.sock)
+                if slot % 2:
+                    s.sendall(HALF_REQUEST_LINE)
+                s.setblocking(False)
+            except OSError:
+                s.close()
+                self.due[slot] = now + self.reconnect_s
+                continue
+            self.reopened += when > 0
+            self.open[slot] = s
+            del self.due[slot]
+
+    def _run(self) -> None:
+        import selectors
+        while not self._stop.is_set():
+            with selectors.DefaultSelector() as sel:
+                for slot, s in self.open.items():
+                    sel.register(s, selectors.EVENT_READ, slot)
+                for key, _ in sel.select(0.05):
+                    slot, s = key.data, key.fileobj
+                    try:
+                        data = s.recv(65536)
+                    except OSError:
+                        data = b""
+                    self.closed_by_daemon[data[9:12].decode() if data.startswith(b"HTTP/1.1 ") else "silent"] += 1
+                    s.close()
+                    del self.open[slot]
+                    self.due[slot] = time.monotonic() + self.reconnect_s
+            self._open_due()
+
+
+def open_sockets(pid: int) -> int:
+    """Socket file descriptors the process holds (its listener and every connection)."""
+    fds = Path(f"/proc/{pid}/fd")
+    return sum(1 for fd in fds.iterdir() if os.readlink(fd).startswith("socket:"))
+
+
+def fresh_request(sock: str, kind: str, png: bytes) -> tuple[int, float]:
+    """One request on a new connection, as a new client makes it: (status, ms from connect to
+    the last byte). Raw socket, request bytes built before the clock starts (an httpx.Client
+    per request would time its own set-up, ~20 ms, more than the daemon's part)."""
+    if kind == "healthz":
+        request = b"GET /healthz HTTP/1.1\r\nHost: edgemm\r\nConnection: close\r\n\r\n"
+    else:
+        query = urllib.parse.urlencode({"prompt": PROMPT})
+        request = (f"POST /v1/infer?{query} HTTP/1.1\r\nHost: edgemm\r\nContent-Type: image/png\r\n"
+                   f"Content-Length: {len(png)}\r\nConnection: close\r\n\r\n").encode() + png
+    t0 = time.perf_counter()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(CLIENT_TIMEOUT_S)
+        s.connect(sock)
+        s.sendall(request)
+        reply = b""
+        while chunk := s.recv(65536):
+            reply += chunk
+    ms = (time.perf_counter() - t0) * 1e3
+    return (int(reply.split(b" ", 2)[1]) if reply.startswith(b"HTTP/1.1 ") else 0), ms
+
+
+def bench_stalled(model: Path, scenes: Scenes, rounds: int, n: int, stalled: int, threads: int) -> dict:
+    """Valid requests with and without `stalled` stalled connections open, side by side.
+
+    Two daemons: the shipped defaults (max_connections 64, so most stalled connections are
+    closed to make room and opened again by the keeper) and max_connections 256 (all of them
+    held). Each round, per daemon: `n` GET /healthz and `n` POST /v1/infer, each on a fresh
+    connection, unloaded; then the same with the keeper running; rounds alternate the order."""
+    specs = (("default", {}), ("max_connections_256", {"max_connections": 256}))
+    kinds = ("healthz", "infer")
+    samples = {(name, load, kind): [] for name, _ in specs for load in ("unloaded", "stalled") for kind in kinds}
+    statuses: Counter = Counter()
+    held: dict[str, list[int]] = {name: [] for name, _ in specs}
+    keepers: dict[str, dict] = {}
+    with daemons(*specs, model=model, threads=threads) as running:
+        for d in running:  # warm-up: one of each
+            for kind in kinds:
+                fresh_request(d.sock, kind, scenes.take(1)[0])
+        for r in range(rounds):
+            for (name, _), d in zip(specs, running):
+                for load in (("unloaded", "stalled") if r % 2 == 0 else ("stalled", "unloaded")):
+                    keeper = StallKeeper(d.sock, stalled) if load == "stalled" else contextlib.nullcontext()
+                    with keeper:
+                        if load == "stalled":
+                            time.sleep(1.0)  # all opened, the daemon's cap applied
+                        for _ in range(n):
+                            for kind in kinds:
+                                status, ms = fresh_request(d.sock, kind, scenes.take(1)[0])
+                                statuses[f"{load}:{status}"] += 1
+                                samples[(name, load, kind)].append(ms)
+                            if load == "stalled":
+                                held[name].append(open_sockets(d.proc.pid) - 1)
+                    if load == "stalled":
+                        k = keepers.setdefault(name, {"reopened": 0, "closed_by_daemon": Counter(),
+                                                      "open_client_side_at_end": []})
+                        k["reopened"] += keeper.reopened
+                        k["closed_by_daemon"] += keeper.closed_by_daemon
+                        k["open_client_side_at_end"].append(len(keeper.open))
+        limited = {d.name: {line.split('"')[1]: int(float(line.rsplit(" ", 1)[1]))
+                            for line in d.metrics().splitlines()
+                            if line.startswith("edgemm_http_connections_limited_total{")} for d in running}
+    out: dict = {"stalled": stalled, "rounds": rounds, "requests_per_phase": n, "statuses": dict(statuses),
+                 "limited_by_reason": limited}
+    for name, server in specs:
+        x = out[name] = {"server": server, "daemon_connections_held_median": statistics.median(held[name]),
+                         "keeper": {**keepers[name], "closed_by_daemon": dict(keepers[name]["closed_by_daemon"])}}
+        for kind in kinds:
+            base, loaded = (statistics.median(samples[(name, load, kind)]) for load in ("unloaded", "stalled"))
+            x[kind] = {"unloaded_ms_median": round(base, 2), "stalled_ms_median": round(loaded, 2),
+                       "stalled_ms_p90": round(percentile(samples[(name, "stalled", kind)], 90), 2),
+                       "difference_ms": round(loaded - base, 2), "ratio": round(loaded / base, 2)}
+    return out
+
+
+def stalled_markdown(r: dict) -> str:
+    rows = ["| daemon | request (fresh connection) | unloaded median | with stalled connections: median / P90 | "
+            "difference (target ≤ 50 ms) |", "|---|---|---|---|---|"]
+    for name in ("default", "max_connections_256"):
+        x = r[name]
+        for kind, label in (("healthz", "GET /healthz"), ("infer", "POST /v1/infer")):
+            y = x[kind]
+            rows.append(f"| {name} | {label} | {y['unloaded_ms_median']} ms | {y['stalled_ms_median']} / "
+                        f"{y['stalled_ms_p90']} ms | **{y['difference_ms']:+} ms** ({y['ratio']}×) |")
+    rows.append("")
+    for name in ("default", "max_connections_256"):
+        x = r[name]
+        rows.append(f"- {name}: connections the daemon held while {r['stalled']} were open from the client's side "
+                    f"(median) {x['daemon_connections_held_median']}; the keeper reopened {x['keeper']['reopened']} "
+                    f"the daemon had closed ({x['keeper']['closed_by_daemon']}); daemon's reasons: "
+                    f"{r['limited_by_reason'][name]}")
+    rows.append(f"- statuses: {r['statuses']}")
+    return "\n".join(rows)
+
+
 def serve_section(model: Path, rounds: int, requests: int, *, clients: int = CLIENTS, burst_size: int = BURST,
                   overhead_n: int = OVERHEAD_N, threads: int = 0) -> dict:
     # in this process, before any daemon runs: nothing else competes for the cores
@@ -797,10 +982,20 @@ def main() -> None:
     ap.add_argument("--burst", type=int, default=BURST, help="concurrent requests per overload burst")
     ap.add_argument("--overhead-n", type=int, default=OVERHEAD_N, help="sequential requests per endpoint and daemon")
     ap.add_argument("--threads", type=int, default=0, help="backend.intra_op_threads (0 = onnxruntime decides)")
+    ap.add_argument("--mode", choices=("serve", "stalled"), default="serve",
+                    help="serve: batching, ceiling, overload, idle/api; stalled: valid requests with "
+                         "--stalled connections open that never finish a request")
+    ap.add_argument("--stalled", type=int, default=200, help="stalled connections (--mode stalled)")
     args = ap.parse_args()
-    for name in ("rounds", "requests", "clients", "burst", "overhead_n"):
+    for name in ("rounds", "requests", "clients", "burst", "overhead_n", "stalled"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.mode == "stalled":
+        results = bench_stalled(args.model, Scenes(), args.rounds, args.requests, args.stalled, args.threads)
+        print(json.dumps(results, indent=1))
+        print()
+        print(stalled_markdown(results))
+        return
     results = serve_section(args.model, args.rounds, args.requests, clients=args.clients, burst_size=args.burst,
                             overhead_n=args.overhead_n, threads=args.threads)
     print(json.dumps(results, indent=1))

@@ -10,15 +10,20 @@ as onnxruntime (named numpy inputs → named numpy outputs), so nothing above kn
   caller (a warm-up, a tool) waits instead of corrupting bindings mid-enqueue.
 - `runtime.DLA_core` is set before a DLA plan is deserialised (the plan is bound to a core
   at load time); `deserialize_cuda_engine` returning None becomes a one-line EngineError.
-- Buffers are allocated once per tensor and reused, growing only when a larger shape comes.
-  On Jetson (integrated GPU, DRAM shared with the CPU) they are mapped pinned host memory:
-  the engine reads and writes them in place, no copies. Discrete GPUs keep pinned host
-  buffers plus device buffers and async copies on the engine's stream.
+- Buffers are allocated per tensor and reused; a larger shape grows one to the next power
+  of two, so a KV cache that grows by one position per token reallocates log2(n) times in
+  a request and not at all in the next one at that shape. On Jetson (integrated GPU, DRAM
+  shared with the CPU) they are mapped pinned host memory: the engine reads and writes
+  them in place, no copies. Discrete GPUs keep pinned host buffers plus device buffers,
+  and async copies on the engine's stream move exactly each tensor's bytes.
+- Every CUDA or TensorRT failure to start, deserialise or run is a one-line EngineError,
+  so placement falls back to the next listed device.
 - A DLA encoder has one static-shape plan per tier; the component picks the plan (and on
   the GPU decoder, the optimisation profile: prefill or single-token decode) whose shape
   ranges accept the feeds, and splits a batch larger than the plan takes into rows.
 
-tensorrt and pycuda are imported when a backend is made, never at edgemm import.
+tensorrt and CUDA (edgemm.engines.cuda: cuda-python, else pycuda) are imported when a backend
+is made, never at edgemm import.
 """
 from __future__ import annotations
 
@@ -32,30 +37,36 @@ import numpy as np
 
 from edgemm.backends.base import RunStats, TensorSpec
 from edgemm.engines.manifest import EngineEntry, rebuild_command, select_engines
-from edgemm.engines.platform import Platform, dla_core, import_cuda, import_tensorrt, probe, require_device
+from edgemm.engines.cuda import Cuda, CudaError
+from edgemm.engines.platform import (Platform, dla_core, import_cuda, import_tensorrt, probe, require_device,
+                                     trt_runtime)
 from edgemm.errors import BackendError, EngineError
 
 log = logging.getLogger("edgemm")
 ENGINE_PRECISIONS = ("int8", "fp16")
 
 
+def capacity_for(nbytes: int) -> int:
+    """A buffer's size for `nbytes`: the next power of two, at least 256 (never a null address)."""
+    return max(256, 1 << max(0, nbytes - 1).bit_length())
+
+
 class _Buffer:
     """One tensor's memory: mapped pinned host memory (zero-copy) or pinned host + device."""
 
-    def __init__(self, cuda, nbytes: int, zero_copy: bool):
-        self.capacity = max(nbytes, 256)  # never a null address, even for an empty tensor
+    def __init__(self, cuda: Cuda, nbytes: int, zero_copy: bool):
+        self.capacity = capacity_for(nbytes)
         self.zero_copy = zero_copy
+        self.host = cuda.host_alloc(self.capacity, mapped=zero_copy)
         if zero_copy:
-            self.host = cuda.pagelocked_empty(self.capacity, np.uint8, mem_flags=cuda.host_alloc_flags.DEVICEMAP)
-            self.device_ptr = int(self.host.base.get_device_pointer())
+            self.device_ptr = self.host.device_ptr
         else:
-            self.host = cuda.pagelocked_empty(self.capacity, np.uint8)
-            self.device = cuda.mem_alloc(self.capacity)
-            self.device_ptr = int(self.device)
+            self.device = cuda.device_alloc(self.capacity)
+            self.device_ptr = self.device.ptr
 
     def view(self, shape: tuple, dtype: np.dtype) -> np.ndarray:
         nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        return self.host[:nbytes].view(dtype).reshape(shape)
+        return self.host.array[:nbytes].view(dtype).reshape(shape)
 
 
 @dataclass
@@ -74,13 +85,13 @@ class _Profile:
 class _Engine:
     """One deserialised plan: its context, stream, profiles and reusable buffers."""
 
-    def __init__(self, trt, cuda, engine, runtime, path: Path, zero_copy: bool):
+    def __init__(self, trt, cuda: Cuda, engine, runtime, path: Path, zero_copy: bool):
         self.trt, self.cuda, self.engine, self.path = trt, cuda, engine, path
         self._runtime = runtime  # the engine must not outlive its runtime
         self.context = engine.create_execution_context()
         if self.context is None:
             raise EngineError(f"TensorRT could not create an execution context for {path} (out of memory?)")
-        self.stream = cuda.Stream()
+        self.stream = cuda.stream()
         self.zero_copy = zero_copy
         names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
         self.inputs = [n for n in names if engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
@@ -111,9 +122,10 @@ class _Engine:
     def _buffer(self, name: str, nbytes: int) -> _Buffer:
         buffer = self.buffers.get(name)
         if buffer is None or buffer.capacity < nbytes:
+            nbytes = max(nbytes, 2 * buffer.capacity if buffer is not None else 0)  # grow by doubling at least
             try:
                 buffer = _Buffer(self.cuda, nbytes, self.zero_copy)
-            except self.cuda.Error as e:  # mapping refused: fall back to copies, say so once
+            except CudaError as e:  # mapping refused: fall back to copies, say so once
                 if not self.zero_copy:
                     raise
                 log.warning("zero-copy buffers unavailable (%s); using device copies for %s", e, self.path.name)
@@ -134,7 +146,7 @@ class _Engine:
             buffer = self._buffer(name, value.nbytes)
             np.copyto(buffer.view(value.shape, value.dtype), value)
             if not buffer.zero_copy:
-                self.cuda.memcpy_htod_async(buffer.device, buffer.host, stream)
+                self.cuda.copy_to_device(buffer.device_ptr, buffer.host, value.nbytes, stream)
             ctx.set_tensor_address(name, buffer.device_ptr)
         shapes = {}
         for name in self.outputs:
@@ -142,11 +154,12 @@ class _Engine:
             nbytes = int(np.prod(shapes[name], dtype=np.int64)) * self.dtypes[name].itemsize
             ctx.set_tensor_address(name, self._buffer(name, nbytes).device_ptr)
         if not ctx.execute_async_v3(stream.handle):
-            raise BackendError(f"{self.path.name}: TensorRT execution failed")
+            raise EngineError(f"{self.path.name}: TensorRT execution failed (its log above says why)")
         for name in self.outputs:
             buffer = self.buffers[name]
             if not buffer.zero_copy:
-                self.cuda.memcpy_dtoh_async(buffer.host, buffer.device, stream)
+                nbytes = int(np.prod(shapes[name], dtype=np.int64)) * self.dtypes[name].itemsize
+                self.cuda.copy_to_host(buffer.host, buffer.device_ptr, nbytes, stream)
         stream.synchronize()
         # copies: the buffers are reused by the next call
         return {name: self.buffers[name].view(shapes[name], self.dtypes[name]).copy() for name in self.outputs}
@@ -208,7 +221,7 @@ class TensorRTBackend:
         self.engines_dir, self.model_dir, self.model_name, self.tiers = engines_dir, model_dir, model_name, tiers
         self.logger = self.trt.Logger(self.trt.Logger.WARNING)
         # the primary context is the one TensorRT's runtime API calls use too
-        self.cuda_context = self.cuda.Device(0).retain_primary_context()
+        self.cuda_context = self.cuda.primary_context(0)
 
     @classmethod
     def for_model(cls, manifest, engines_dir: Path) -> "TensorRTBackend":
@@ -235,10 +248,13 @@ class TensorRTBackend:
         core = dla_core(entry.device) if entry is not None else None
         self.cuda_context.push()
         try:
-            runtime = self.trt.Runtime(self.logger)
+            runtime = trt_runtime(self.trt, self.logger)
             if core is not None:
                 runtime.DLA_core = core  # before deserialising: the plan's DLA loadable binds to it
-            engine = runtime.deserialize_cuda_engine(path.read_bytes())
+            try:
+                engine = runtime.deserialize_cuda_engine(path.read_bytes())
+            except (TypeError, RuntimeError):  # some releases raise where others return None
+                engine = None
             if engine is None:
                 again = (rebuild_command(self.model_dir, self.engines_dir, entry.component, entry.device,
                                          entry.precision, entry.tier) if entry else "tools/build_engines.py")

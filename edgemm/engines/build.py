@@ -9,8 +9,8 @@ What gets built, per device and precision:
   FP16 for the layers left in float). GPU FP16: the fp32 graph with BuilderFlag.FP16.
   One plan per component covering every tier with optimisation profiles; the decoder gets
   two: prefill (past length 0, up to max_context tokens) and decode with the KV cache
-  (past length 1 … max_context-1; one new token, or up to 64 for a question that
-  continues from a cached image prefix).
+  (past length 1 … max_context-1; one new token, or up to max_context-1 for the rest of a
+  prompt that continues from a cached image prefix, as ONNX Runtime takes it).
 - DLA (vision encoder only; AGX Orin and Orin NX): static shapes, so one plan per tier,
   with GPU_FALLBACK (the layers that fall back are listed in the manifest).
   INT8 on TensorRT <= 10.7 (JetPack 6): implicit quantisation from the QDQ graph translated
@@ -114,7 +114,7 @@ def embed_profiles(dims: dict[str, list], max_beams: int, max_context: int) -> l
 
 def decoder_profiles(dims: dict[str, list], max_beams: int, max_context: int) -> list[Profile]:
     """Prefill (no past, 1..max_context new tokens) and decode (1..max_context-1 past; one new
-    token, or up to 64 when a question continues from a cached image prefix)."""
+    token, or up to max_context-1: the rest of a prompt after a cached prefix goes in one call)."""
     def ranges(new: tuple[int, int, int], past: tuple[int, int, int]) -> dict:
         batch = (1, 1, max_beams)
         out = {}
@@ -129,7 +129,7 @@ def decoder_profiles(dims: dict[str, list], max_beams: int, max_context: int) ->
                 out[name] = ({}, {}, {})
         return out
     prefill = ranges(new=(1, min(64, max_context), max_context), past=(0, 0, 0))
-    decode = ranges(new=(1, 1, min(64, max_context - 1)), past=(1, max_context // 2, max_context - 1))
+    decode = ranges(new=(1, 1, max_context - 1), past=(1, max_context // 2, max_context - 1))
     return [_profile(dims, prefill), _profile(dims, decode)]
 
 

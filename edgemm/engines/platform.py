@@ -2,17 +2,18 @@
 
 A plan only deserialises on the TensorRT version and GPU architecture that built it, and
 a DLA plan needs its DLA core, so every build records this and every load compares it.
-tensorrt and pycuda are imported here, lazily, only when a probe is asked for.
+tensorrt and CUDA (edgemm.engines.cuda) are imported here, lazily, only when a probe is asked for.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from edgemm.errors import EngineError
+from edgemm.engines.cuda import Cuda, load_cuda
+from edgemm.errors import EngineError, one_line
 
 DEVICES = ("gpu", "dla0", "dla1")
 MISSING = ("TensorRT is not installed here (on a Jetson: JetPack's TensorRT Python bindings, "
-           "then pip install 'edgemm[tensorrt]' for pycuda)")
+           "then pip install 'edgemm[tensorrt]' for cuda-python)")
 
 
 @dataclass(frozen=True)
@@ -50,28 +51,34 @@ def import_tensorrt():
     return trt
 
 
-def import_cuda():
-    """pycuda's driver module, initialised (without pycuda.autoinit: we manage the context)."""
+def import_cuda() -> Cuda:
+    """The CUDA driver, started (cuda-python, else pycuda); a CudaError says why it would not."""
+    return load_cuda()
+
+
+def trt_runtime(trt, logger):
+    """trt.Runtime(logger); TensorRT reports a CUDA that will not start as a TypeError
+    ('factory function returned nullptr'), which becomes a one-line EngineError here."""
     try:
-        import pycuda.driver as cuda
-    except ImportError:
-        raise EngineError("pycuda is not installed here: pip install 'edgemm[tensorrt]' on the Jetson") from None
-    cuda.init()
-    return cuda
+        runtime = trt.Runtime(logger)
+    except (TypeError, RuntimeError) as e:
+        raise EngineError(f"TensorRT {trt.__version__} could not start its runtime (CUDA unusable?): "
+                          f"{one_line(str(e))}") from None
+    if runtime is None:
+        raise EngineError(f"TensorRT {trt.__version__} could not start its runtime (CUDA unusable?)")
+    return runtime
 
 
 def probe() -> Platform:
     """The running TensorRT, GPU 0 and its DLA cores."""
     trt = import_tensorrt()
     cuda = import_cuda()
-    if cuda.Device.count() == 0:
+    if cuda.device_count() == 0:
         raise EngineError("no CUDA device is visible (is this user in the 'video' and 'render' groups?)")
-    device = cuda.Device(0)
-    major, minor = device.compute_capability()
-    runtime = trt.Runtime(trt.Logger(trt.Logger.ERROR))
-    return Platform(tensorrt=trt.__version__, gpu=device.name(), compute_capability=f"{major}.{minor}",
-                    integrated=bool(device.get_attribute(cuda.device_attribute.INTEGRATED)),
-                    dla_cores=int(runtime.num_DLA_cores))
+    device = cuda.device_info(0)
+    runtime = trt_runtime(trt, trt.Logger(trt.Logger.ERROR))
+    return Platform(tensorrt=trt.__version__, gpu=device.name, compute_capability=device.compute_capability,
+                    integrated=device.integrated, dla_cores=int(runtime.num_DLA_cores))
 
 
 def version_tuple(version: str) -> tuple[int, ...]:

@@ -41,7 +41,9 @@ class Prompt:
     input_ids: np.ndarray  # int64 [1, S], image placeholders expanded
     image_start: int  # index of the first image placeholder
     image_tokens: int  # how many placeholders (= encoder output tokens)
-    unknown_words: int  # words the vocabulary does not have
+    # words of the user's text the vocabulary does not have (they read as <unk>), in order;
+    # a byte-level BPE (idefics3) has none
+    unknown_words: tuple[str, ...]
     # where the encoder's output tokens go, in order; one contiguous run unless given
     image_positions: np.ndarray | None = None
 
@@ -57,6 +59,9 @@ class Family(Protocol):
     manifest: ModelManifest
     tokenizer: Tokenizer
     stop_ids: set[int]  # generation ends at any of these
+    # questions the model was trained to answer, shown when a prompt has unknown words
+    # (Prompt.unknown_words); empty when the family cannot say (an open-vocabulary model)
+    known_prompts: tuple[str, ...]
 
     def pixels(self, rgb: np.ndarray, tier: ResolutionTier) -> np.ndarray:
         """RGB8 [H, W, 3] → the vision encoder's pixel_values at `tier` (float32, batch of 1)."""

@@ -7,7 +7,7 @@ Every image a user hands the runtime (a path, raw bytes, or an array) comes thro
 Why it is more than `cv2.imdecode`:
 
 * EXIF orientation.  Phone cameras store the sensor's pixels unrotated and put the
-  rotation in the JPEG's EXIF Orientation tag.  We decode with IMREAD_UNCHANGED (so
+  rotation in the EXIF Orientation tag (JPEG APP1, PNG eXIf chunk, WebP EXIF chunk).  We decode with IMREAD_UNCHANGED (so
   16-bit and alpha survive), which ignores that tag, so we read it ourselves and
   rotate; otherwise a portrait photo reaches the model lying on its side.
 * Size check before decode.  A few kilobytes of PNG or JPEG can declare a
@@ -17,6 +17,16 @@ Why it is more than `cv2.imdecode`:
   parse (JPEG, PNG, BMP, WebP, TIFF, GIF) are accepted: OpenCV's reduced-size probe
   (IMREAD_REDUCED_*) only decodes at reduced scale for JPEG; other formats are decoded
   at full size first, so it is no protection.
+* Work before decode.  The header walk also bounds what decoding costs: a JPEG may
+  have at most MAX_JPEG_SCANS scans (a progressive decoder revisits every block of the
+  image once per scan, so 400 repeats of a tiny scan take seconds) and
+  MAX_JPEG_SEGMENTS marker segments in all (millions of empty comment segments);
+  a TIFF's size is the largest width and height any of its IFDs lists, however often
+  (libtiff and our reader need not agree on which of two repeated tags counts).
+* Only regular files.  A path is `stat`-ed before it is opened: a FIFO, a device or a
+  socket is refused at once (open() on a FIFO blocks, /dev/zero never ends), and so
+  is a file above `max_bytes`; the file is then opened with O_NONBLOCK and read at
+  most `max_bytes` + 1 bytes, so a path swapped in between changes nothing.
 * Truncation.  An upload cut short often still "decodes" (libjpeg pads the missing
   rows with grey).  We refuse a JPEG with no end-of-image marker after its image data
   and a PNG with no IEND chunk, so a half-grey picture never reaches the model.
@@ -30,6 +40,8 @@ arbitrary colour (commonly black), and dark content on a transparent background
 from __future__ import annotations
 
 import os
+import re
+import stat
 import struct
 from dataclasses import dataclass
 from typing import Union
@@ -40,6 +52,15 @@ from edgemm.errors import InputError
 from edgemm.opencv import cv2
 
 DEFAULT_MAX_PIXELS = 40_000_000
+DEFAULT_MAX_BYTES = 50 * 1024 * 1024  # limits.max_image_bytes' default
+
+# Decode-work bounds, checked by walking the file's structure before decoding. A
+# progressive JPEG from libjpeg has 10 scans (6 for grey), mozjpeg's searched scripts
+# about 20; each scan costs a pass over every block (~30 ms at 40 MP here).
+MAX_JPEG_SCANS = 32
+MAX_JPEG_SEGMENTS = 1000  # cameras write a few dozen (APPn, DQT, DHT per scan, SOS)
+MAX_CONTAINER_CHUNKS = 100_000  # PNG and WebP chunks walked; encoders write 8-64 KB IDATs
+MAX_TIFF_IFDS = 64
 
 ImageSource = Union[str, os.PathLike, bytes, bytearray, memoryview, np.ndarray]
 
@@ -52,11 +73,13 @@ class ImageError(InputError):
     """Bad image input; str(e) is a clear one-line message for the user."""
 
 
-def load_image(source: ImageSource, max_pixels: int = DEFAULT_MAX_PIXELS) -> np.ndarray:
+def load_image(source: ImageSource, max_pixels: int = DEFAULT_MAX_PIXELS,
+               max_bytes: int = DEFAULT_MAX_BYTES) -> np.ndarray:
     """Return an RGB uint8 array (H, W, 3), C-contiguous, never a view of `source`.
 
     `source` is a file path, the encoded file's bytes, or a pixel array (arrays are
-    taken as RGB/RGBA, not OpenCV's BGR).  Raises ImageError for anything unusable.
+    taken as RGB/RGBA, not OpenCV's BGR).  A path must name a regular file of at most
+    `max_bytes`.  Raises ImageError for anything unusable.
     """
     if max_pixels < 1:
         raise ValueError(f"max_pixels must be positive, got {max_pixels}")
@@ -65,37 +88,78 @@ def load_image(source: ImageSource, max_pixels: int = DEFAULT_MAX_PIXELS) -> np.
     if isinstance(source, (bytes, bytearray, memoryview)):
         return _from_bytes(bytes(source), max_pixels)
     if isinstance(source, (str, os.PathLike)):
-        return _from_path(source, max_pixels)
+        return _from_path(source, max_pixels, max_bytes)
     raise ImageError(f"unsupported image input of type {type(source).__name__} "
                      "(expected a file path, the file's bytes, or a numpy array)")
 
 
 # --- paths ---------------------------------------------------------------------------
 
-def _from_path(path: str | os.PathLike, max_pixels: int) -> np.ndarray:
+def _from_path(path: str | os.PathLike, max_pixels: int, max_bytes: int) -> np.ndarray:
     shown = os.fsdecode(path)
-    data = _read_file(path, shown)
+    data = read_image_file(path, max_bytes)
     try:
         return _from_bytes(data, max_pixels)
     except ImageError as e:
         raise ImageError(f"{e}: {shown}") from None
 
 
-def _read_file(path: str | os.PathLike, shown: str) -> bytes:
+_NOT_REGULAR = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def check_image_file(path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES) -> int:
+    """The size of the regular file at `path`; ImageError, without opening it, for
+    anything else (missing, a FIFO, a device, a socket, a directory, above `max_bytes`)."""
+    shown = os.fsdecode(path)
     if not shown:
         raise ImageError("image path is empty")
-    if os.path.isdir(path):
-        raise ImageError(f"image path is a directory, not a file: {shown}")
     try:
-        with open(path, "rb") as f:
-            return f.read()
+        info = os.stat(path)
+    except FileNotFoundError:
+        raise ImageError(f"image not found: {shown}") from None
+    except (OSError, ValueError) as e:  # ValueError: e.g. a NUL byte in the path
+        raise ImageError(f"image not readable ({getattr(e, 'strerror', None) or e}): {shown}") from None
+    _check_regular(info, shown, max_bytes)
+    return info.st_size
+
+
+def _check_regular(info: os.stat_result, shown: str, max_bytes: int) -> None:
+    if not stat.S_ISREG(info.st_mode):
+        kind = next((name for test, name in _NOT_REGULAR if test(info.st_mode)), "not a regular file")
+        if kind == "a directory":
+            raise ImageError(f"image path is a directory, not a file: {shown}")
+        raise ImageError(f"image path is {kind}, not a regular file: {shown}")
+    if info.st_size > max_bytes:
+        raise ImageError(f"image is {info.st_size} bytes, above the {max_bytes} byte limit "
+                         f"(limits.max_image_bytes): {shown}")
+
+
+def read_image_file(path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
+    """The bytes of the regular file at `path`, at most `max_bytes` of them (see check_image_file).
+
+    O_NONBLOCK: should the path become a FIFO after the stat, open() does not wait for a writer."""
+    shown = os.fsdecode(path)
+    check_image_file(path, max_bytes)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOCTTY", 0))
     except FileNotFoundError:
         raise ImageError(f"image not found: {shown}") from None
     except PermissionError:
         raise ImageError(f"image not readable (permission denied): {shown}") from None
-    except (OSError, ValueError) as e:  # ValueError: e.g. a NUL byte in the path
-        reason = getattr(e, "strerror", None) or str(e)
-        raise ImageError(f"image not readable ({reason}): {shown}") from None
+    except (OSError, ValueError) as e:
+        raise ImageError(f"image not readable ({getattr(e, 'strerror', None) or e}): {shown}") from None
+    try:
+        _check_regular(os.fstat(fd), shown, max_bytes)  # what was opened, not what was stat-ed
+        with open(fd, "rb", closefd=False) as f:
+            data = f.read(max_bytes + 1)
+    except OSError as e:
+        raise ImageError(f"image not readable ({e.strerror or e}): {shown}") from None
+    finally:
+        os.close(fd)
+    if len(data) > max_bytes:  # it grew after the stat
+        raise ImageError(f"image is more than {max_bytes} bytes (limits.max_image_bytes): {shown}")
+    return data
 
 
 # --- encoded bytes -------------------------------------------------------------------
@@ -170,41 +234,62 @@ def _decode(data: bytes, fmt: str) -> np.ndarray:
 _JPEG_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
 _JPEG_STANDALONE = frozenset(range(0xD0, 0xD8)) | {0x01}  # RSTn, TEM: no length
 _JPEG_SOS, _JPEG_EOI, _JPEG_APP1 = 0xDA, 0xD9, 0xE1
+# After a scan header comes entropy-coded data, in which every 0xFF is followed by 00
+# (stuffing) or a restart marker D0-D7: the next other FFxx is the next marker.
+_JPEG_NEXT_MARKER = re.compile(rb"\xff[\x01-\xcf\xd8-\xfe]")
 
 
 def _jpeg_header(data: bytes) -> _Header:
-    """Walk the marker segments from SOI to the first scan (SOS).
+    """Walk the marker segments from SOI to EOI, skipping each scan's entropy-coded data.
 
-    Segment lengths let us skip APP payloads, so an EXIF thumbnail's own markers
-    are never mistaken for the main image's.
+    Segment lengths let us skip APP payloads, so an EXIF thumbnail's own markers are
+    never mistaken for the main image's. The walk counts scans and segments, and
+    refuses a file with more than the decoder should be asked to work through.
     """
     size: tuple[int, int] | None = None
-    orientation, scan_start, pos = 1, None, 2
-    while scan_start is None and pos + 4 <= len(data) and data[pos] == 0xFF:
-        while pos < len(data) - 1 and data[pos + 1] == 0xFF:  # fill bytes
+    orientation, scans, segments, complete, pos, end = None, 0, 0, False, 2, len(data)
+    while pos < end:
+        if scans:  # past the first scan header: skip entropy-coded data up to the next marker
+            found = _JPEG_NEXT_MARKER.search(data, pos)
+            if found is None:
+                break
+            pos = found.start()
+        elif data[pos] != 0xFF:
+            break  # garbage where a marker belongs
+        while pos + 1 < end and data[pos + 1] == 0xFF:  # fill bytes
             pos += 1
+        if pos + 1 >= end:
+            break
         marker = data[pos + 1]
         pos += 2
         if marker in _JPEG_STANDALONE:
             continue
         if marker == _JPEG_EOI:
+            complete = True
+            break
+        if pos + 2 > end:
             break
         length = int.from_bytes(data[pos:pos + 2], "big")
-        segment = data[pos + 2:pos + length]
-        if marker in _JPEG_SOF and size is None and len(segment) >= 5:
-            height, width = struct.unpack_from(">HH", segment, 1)
+        if length < 2:
+            break  # a length counts its own two bytes: corrupt
+        segments += 1
+        if segments > MAX_JPEG_SEGMENTS:
+            raise ImageError(f"image is refused: JPEG has more than {MAX_JPEG_SEGMENTS} marker segments")
+        if marker in _JPEG_SOF and size is None and length >= 7:
+            height, width = struct.unpack_from(">HH", data, pos + 3) if pos + 7 <= end else (0, 0)
             size = (width, height)
-        elif marker == _JPEG_APP1 and segment.startswith(b"Exif\x00\x00"):
-            orientation = _exif_orientation(segment[6:])
+        elif marker == _JPEG_APP1 and orientation is None and data.startswith(b"Exif\x00\x00", pos + 2):
+            orientation = _exif_orientation(data[pos + 8:pos + length])
         elif marker == _JPEG_SOS:
-            scan_start = pos + length
-        pos += max(length, 2)
+            scans += 1
+            if scans > MAX_JPEG_SCANS:
+                raise ImageError(f"image is refused: JPEG has more than {MAX_JPEG_SCANS} scans "
+                                 "(a progressive JPEG has about 10)")
+        pos += length
     if size is None:
         raise ImageError("image is truncated or corrupt (JPEG has no readable frame header)")
-    # Entropy-coded data escapes every 0xFF, so an FFD9 after the scan starts is the EOI.
-    complete = scan_start is not None and data.find(b"\xff\xd9", scan_start) >= 0
-    truncated = None if complete else "JPEG has no end-of-image marker FFD9"
-    return _Header(size[0], size[1], orientation, truncated)
+    truncated = None if complete and scans else "JPEG has no end-of-image marker FFD9"
+    return _Header(size[0], size[1], orientation or 1, truncated)
 
 
 def _exif_orientation(tiff: bytes) -> int:
@@ -215,38 +300,74 @@ def _exif_orientation(tiff: bytes) -> int:
 
 def _tiff_ifd0(tiff: bytes) -> dict[int, int]:
     """Single SHORT/LONG values of a TIFF structure's first IFD; stops quietly at garbage."""
-    endian = {b"II": "<", b"MM": ">"}.get(tiff[:2])
     values: dict[int, int] = {}
-    if endian is None:
-        return values
-    try:
-        magic, ifd = struct.unpack_from(endian + "HI", tiff, 2)
-        if magic != 42:
-            return values
-        (count,) = struct.unpack_from(endian + "H", tiff, ifd)
-        for entry in range(ifd + 2, ifd + 2 + 12 * count, 12):
-            tag, kind, n = struct.unpack_from(endian + "HHI", tiff, entry)
-            if n == 1 and kind in (3, 4):  # SHORT, LONG: the value sits in the entry
-                value_format = endian + ("H" if kind == 3 else "I")
-                values[tag] = struct.unpack_from(value_format, tiff, entry + 8)[0]
-    except struct.error:
-        pass
+    for ifd in _tiff_ifds(tiff, limit=1):
+        for tag, value in ifd:
+            values[tag] = value
     return values
 
 
+# TIFF field types that hold integers, as struct formats: BYTE, SHORT, LONG, SBYTE,
+# SSHORT, SLONG, LONG8, SLONG8 (libtiff reads a size from any of them)
+_TIFF_INTEGERS = {1: "B", 3: "H", 4: "I", 6: "b", 8: "h", 9: "i", 16: "Q", 17: "q"}
+
+
+def _tiff_ifds(tiff: bytes, limit: int = MAX_TIFF_IFDS) -> list[list[tuple[int, int]]]:
+    """Each IFD of a TIFF structure (the chain from the header, at most `limit`), as its
+    (tag, first integer value) entries in file order, repeated tags included. Stops
+    quietly at garbage or a loop."""
+    endian = {b"II": "<", b"MM": ">"}.get(tiff[:2])
+    ifds: list[list[tuple[int, int]]] = []
+    if endian is None:
+        return ifds
+    try:
+        magic, offset = struct.unpack_from(endian + "HI", tiff, 2)
+        if magic != 42:
+            return ifds
+        seen: set[int] = set()
+        while offset and offset not in seen and len(ifds) < limit:
+            seen.add(offset)
+            entries: list[tuple[int, int]] = []
+            ifds.append(entries)
+            (count,) = struct.unpack_from(endian + "H", tiff, offset)
+            for entry in range(offset + 2, offset + 2 + 12 * count, 12):
+                tag, kind, n = struct.unpack_from(endian + "HHI", tiff, entry)
+                fmt = _TIFF_INTEGERS.get(kind)
+                if fmt is None or n == 0:
+                    continue
+                at = entry + 8  # the value sits in the entry if it fits in 4 bytes, else there is its offset
+                if struct.calcsize(fmt) * n > 4:
+                    (at,) = struct.unpack_from(endian + "I", tiff, at)
+                entries.append((tag, struct.unpack_from(endian + fmt, tiff, at)[0]))
+            (offset,) = struct.unpack_from(endian + "I", tiff, offset + 2 + 12 * count)
+    except struct.error:
+        pass
+    return ifds
+
+
 def _png_header(data: bytes) -> _Header:
-    """Size from IHDR; then walk the chunks to check that IEND is there."""
+    """Size from IHDR; then walk the chunks to check that IEND is there, and read eXIf."""
     if len(data) < 24 or data[12:16] != b"IHDR":
         raise ImageError("image is truncated or corrupt (PNG has no IHDR header)")
     width, height = struct.unpack_from(">II", data, 16)
-    pos = 8
-    while pos + 8 <= len(data):
+    orientation, pos = None, 8
+    for _ in range(MAX_CONTAINER_CHUNKS):
+        if pos + 8 > len(data):
+            return _Header(width, height, orientation or 1, truncated="PNG has no IEND chunk")
         length, kind = struct.unpack_from(">I4s", data, pos)
+        if kind == b"eXIf" and orientation is None:
+            orientation = _exif_orientation(_without_exif_prefix(data[pos + 8:pos + 8 + length]))
         pos += 12 + length  # length, type, payload, CRC
         if kind == b"IEND":
             truncated = None if pos <= len(data) else "PNG IEND chunk is cut short"
-            return _Header(width, height, truncated=truncated)
-    return _Header(width, height, truncated="PNG has no IEND chunk")
+            return _Header(width, height, orientation or 1, truncated=truncated)
+    raise ImageError(f"image is refused: PNG has more than {MAX_CONTAINER_CHUNKS} chunks")
+
+
+def _without_exif_prefix(exif: bytes) -> bytes:
+    """PNG eXIf and WebP EXIF hold the TIFF structure itself; some writers put JPEG's
+    'Exif\\0\\0' before it anyway."""
+    return exif[6:] if exif.startswith(b"Exif\x00\x00") else exif
 
 
 def _bmp_header(data: bytes) -> _Header:
@@ -274,14 +395,37 @@ def _webp_header(data: bytes) -> _Header:
         raise ImageError("image is truncated or corrupt (WebP has no readable size)")
     (riff_size,) = struct.unpack_from("<I", data, 4)
     truncated = "WebP is shorter than its RIFF size" if len(data) < 8 + riff_size else None
-    return _Header(width, height, truncated=truncated)
+    orientation = _webp_orientation(data) if chunk == b"VP8X" else 1  # only the extended format has EXIF
+    return _Header(width, height, orientation, truncated=truncated)
+
+
+def _webp_orientation(data: bytes) -> int:
+    """EXIF Orientation from an extended WebP's EXIF chunk (RIFF chunks: fourcc, size, payload, pad)."""
+    pos = 12
+    for _ in range(MAX_CONTAINER_CHUNKS):
+        if pos + 8 > len(data):
+            break
+        kind, length = data[pos:pos + 4], int.from_bytes(data[pos + 4:pos + 8], "little")
+        if kind == b"EXIF":
+            return _exif_orientation(_without_exif_prefix(data[pos + 8:pos + 8 + length]))
+        pos += 8 + length + (length & 1)
+    return 1
 
 
 def _tiff_header(data: bytes) -> _Header:
-    ifd0 = _tiff_ifd0(data)
-    if 256 not in ifd0 or 257 not in ifd0:  # ImageWidth, ImageLength
+    """The largest width and height any IFD lists, however often it lists them: decoders
+    differ on which of two repeated tags counts, and one may decode the 12000x12000 that
+    a 16x16 listed after it hides. Tiles count too: each is a buffer of its own."""
+    widths, heights = [], []
+    for ifd in _tiff_ifds(data):
+        for tag, value in ifd:
+            if tag in (256, 322):  # ImageWidth, TileWidth
+                widths.append(value)
+            elif tag in (257, 323):  # ImageLength, TileLength
+                heights.append(value)
+    if not widths or not heights:
         raise ImageError("image is truncated or corrupt (TIFF has no readable size)")
-    return _Header(ifd0[256], ifd0[257])
+    return _Header(max(widths), max(heights))
 
 
 def _gif_header(data: bytes) -> _Header:

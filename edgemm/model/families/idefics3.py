@@ -123,6 +123,8 @@ def _compile_template(source: str, where: Path):
 class Idefics3Adapter:
     """Prompt building and pixels for Idefics3 / SmolVLM folders (see the module docstring)."""
 
+    known_prompts: tuple[str, ...] = ()  # an open vocabulary (byte-level BPE): any text reads
+
     def __init__(self, manifest: ModelManifest):
         self.manifest = manifest
         self.cfg = manifest.family_config
@@ -161,7 +163,7 @@ class Idefics3Adapter:
         text = self.chat_text(prompt).replace(IMAGE_TOKEN, expanded)
         ids = np.asarray([self.tokenizer.encode(text).ids], np.int64)
         positions = np.flatnonzero(ids[0] == self.image_id)
-        return Prompt(ids, int(positions[0]), len(positions), 0, positions)
+        return Prompt(ids, int(positions[0]), len(positions), (), positions)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode([i for i in ids if i not in self.stop_ids], skip_special_tokens=True)

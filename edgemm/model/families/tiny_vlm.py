@@ -2,6 +2,9 @@
 
 The prompt format's `{prompt}` gets the user's text; its single image token expands to
 one placeholder per image feature of the tier; the image is stretched to the tier's size.
+The tokenizer is word-level over a closed world (edgemm/scenes.py): a word outside it
+reads as <unk>, so build_prompt reports such words and the family knows the questions
+the model was trained on.
 """
 from __future__ import annotations
 
@@ -12,11 +15,18 @@ from edgemm.model.family import Prompt, register
 from edgemm.model.manifest_types import ModelManifest, ResolutionTier
 from edgemm.model.preprocess import to_pixel_values
 from edgemm.model.tokenizer import load_tokenizer, token_id
+from edgemm.scenes import PROMPTS, SHAPES
+
+# the first phrasing of each task it was trained on (edgemm/scenes.py), for the hint
+# given with a prompt that has unknown words
+KNOWN_PROMPTS = tuple(phrasings[0].replace("{shape}", "|".join(SHAPES)) for phrasings in PROMPTS.values())
 
 
 @register("tiny-vlm")
 class TinyVLMAdapter:
     """Prompt format with one `<image>` token, expanded to N for the tier."""
+
+    known_prompts = KNOWN_PROMPTS
 
     def __init__(self, manifest: ModelManifest):
         self.manifest = manifest
@@ -36,12 +46,14 @@ class TinyVLMAdapter:
     def build_prompt(self, prompt: str, tier: ResolutionTier, image_size: tuple[int, int] | None = None) -> Prompt:
         """`image_size` is unused: every image gives the tier's number of placeholders."""
         text = self.manifest.prompt_format.replace("{prompt}", " ".join(prompt.split()))
-        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        encoding = self.tokenizer.encode(text, add_special_tokens=False)
+        ids = encoding.ids
         if ids.count(self.image_id) != 1:
             raise InputError(f"the prompt must not contain the image token {self.manifest.image_token}")
+        # the words that read as <unk>, as the user wrote them (the offsets point into `text`)
+        unknown = tuple(dict.fromkeys(text[a:b] for i, (a, b) in zip(ids, encoding.offsets) if i == self.unk_id))
         start = ids.index(self.image_id)
         ids[start:start + 1] = [self.image_id] * tier.image_tokens
-        unknown = sum(1 for i in ids if i == self.unk_id) if self.unk_id is not None else 0
         return Prompt(np.asarray([ids], np.int64), start, tier.image_tokens, unknown)
 
     def decode(self, ids: list[int]) -> str:

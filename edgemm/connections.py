@@ -1,0 +1,221 @@
+"""The limits of one HTTP connection, enforced before any route runs.
+
+uvicorn's httptools protocol, with what it lacks for clients that are slow, stalled or
+hostile. A connection is always in one of three phases:
+
+    connect ─► idle  no byte of a request yet (new, or kept alive between requests):
+                     closed after server.idle_timeout_s
+            ─► head  its request line and headers are arriving: 408 unless complete within
+                     server.header_timeout_s of their first byte; 431 once they pass
+                     server.max_header_bytes (counted as bytes arrive, so a header line
+                     that never ends is not buffered whole)
+            ─► busy  the request is in the app (its body is read within
+                     server.request_timeout_s: edgemm.server) ─► idle again (keep-alive)
+
+At most server.max_connections connections are open. One more closes the connection that
+has been idle or sending its head the longest, so stalled and idle clients cannot lock
+newcomers out. If every other connection is busy, the newcomer's request is answered 503
+with Retry-After and its connection closed. Every refusal is OpenAI's error shape.
+
+uvicorn's own limit_concurrency is not used: it counts idle connections too, and answers
+503 in plain text without Retry-After.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from http import HTTPStatus
+
+from starlette.responses import JSONResponse
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from edgemm.openai_api import error_body
+
+IDLE, HEAD, BUSY = "idle", "head", "busy"
+LINGER_S = 2.0  # after a refusal: how long the rest of the client's request is read and dropped
+
+
+@dataclass
+class ConnectionLimits:
+    """server.* limits of a connection, and where the refusals are counted."""
+    max_connections: int
+    header_timeout_s: float
+    idle_timeout_s: float
+    max_header_bytes: int
+    retry_after_s: int
+    # called with the reason each time the limits close or refuse a connection:
+    # idle_timeout, header_timeout, header_too_large, evicted, over_capacity
+    on_limit: Callable[[str], None] = field(default=lambda reason: None)
+
+
+def limited_protocol(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
+    """The protocol class to give uvicorn (`http=`), bound to these limits."""
+    return type("EdgemmHttpProtocol", (LimitedHttpProtocol,), {"limits": limits})
+
+
+def response_bytes(status: int, body: dict, headers: dict[str, str]) -> bytes:
+    """A whole HTTP/1.1 response that closes the connection, for refusals made while a
+    request's head is still incomplete (there is no request for the app to answer)."""
+    payload = json.dumps(body).encode()
+    lines = [f"HTTP/1.1 {status} {HTTPStatus(status).phrase}", "content-type: application/json",
+             f"content-length: {len(payload)}", *(f"{k}: {v}" for k, v in headers.items()), "connection: close"]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + payload
+
+
+class LimitedHttpProtocol(HttpToolsProtocol):
+    limits: ConnectionLimits
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.phase = IDLE
+        self.since = 0.0  # loop time the phase began: the oldest idle or head connection goes first
+        self.deadline: asyncio.TimerHandle | None = None  # the idle or the head timeout
+        self.head_bytes = 0  # bytes received outside a body since the last complete head
+        self.head_size = 0  # the current request's line and headers, as parsed
+        self.reading_body = False
+        self.over_capacity = False  # opened while every other connection was busy
+        self.refused = False  # answered by the limits: whatever else arrives is ignored
+
+    # -- the connection --
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._enter(IDLE)
+        if len(self.connections) > self.limits.max_connections:
+            self._make_room()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_deadline()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self.refused:
+            return
+        if self.phase == IDLE:
+            self._enter(HEAD)
+        if not self.reading_body:
+            self.head_bytes += len(data)
+        super().data_received(data)
+        # still no complete head, and already more than a head may be: refused before
+        # httptools buffers more (it keeps a header line whole until its end arrives)
+        if not self.reading_body and self.head_bytes > self.limits.max_header_bytes:
+            self._refuse_unparsed(431, f"request line and headers are larger than {self.limits.max_header_bytes} "
+                                  "bytes (server.max_header_bytes)", "header_too_large")
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self.timeout_keep_alive_task is not None:  # no pipelined request waits: the connection is idle
+            self._unset_keepalive_if_required()  # our own idle timer instead of uvicorn's
+            self._enter(IDLE)
+
+    def timeout_keep_alive_handler(self) -> None:  # not armed (see above); kept for uvicorn's sake
+        self._idle_expired()
+
+    # -- parser callbacks: the size of a head, and its end --
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self.head_size = 0
+
+    def on_url(self, url: bytes) -> None:
+        super().on_url(url)
+        self.head_size += len(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        super().on_header(name, value)
+        self.head_size += len(name) + len(value) + 4  # ": " and CRLF
+
+    def on_headers_complete(self) -> None:
+        self._cancel_deadline()
+        self.phase, self.since = BUSY, self.loop.time()
+        self.reading_body, self.head_bytes = True, 0
+        refusal = None
+        if self.head_size > self.limits.max_header_bytes:
+            refusal = self._refusal(431, f"request line and headers are larger than {self.limits.max_header_bytes} "
+                                    "bytes (server.max_header_bytes)", "header_too_large")
+        elif self.over_capacity:
+            refusal = self._refusal(503, f"server busy: {self.limits.max_connections} connections have requests "
+                                    f"in progress (server.max_connections); retry in {self.limits.retry_after_s} s",
+                                    "over_capacity")
+        if refusal is None:
+            return super().on_headers_complete()
+        app, self.app = self.app, refusal  # as uvicorn answers its own limit: this request only
+        try:
+            super().on_headers_complete()
+        finally:
+            self.app = app
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self.reading_body = False
+
+    # -- the limits --
+
+    def _enter(self, phase: str) -> None:
+        self._cancel_deadline()
+        self.phase, self.since = phase, self.loop.time()
+        if phase == IDLE:
+            self.head_bytes = 0
+            self.deadline = self.loop.call_later(self.limits.idle_timeout_s, self._idle_expired)
+        else:
+            self.deadline = self.loop.call_later(self.limits.header_timeout_s, self._head_expired)
+
+    def _cancel_deadline(self) -> None:
+        if self.deadline is not None:
+            self.deadline.cancel()
+            self.deadline = None
+
+    def _idle_expired(self) -> None:
+        self._close("idle_timeout")
+
+    def _head_expired(self) -> None:
+        if self.phase == HEAD:
+            self._refuse_unparsed(408, f"the request line and headers did not arrive within "
+                                  f"{self.limits.header_timeout_s:g} s (server.header_timeout_s)", "header_timeout")
+
+    def _close(self, reason: str) -> None:
+        self._cancel_deadline()
+        if not self.transport.is_closing():
+            self.refused = True
+            self.limits.on_limit(reason)
+            self.transport.close()
+
+    def _refuse_unparsed(self, status: int, message: str, reason: str) -> None:
+        """Answer a connection whose request head is incomplete, and close it.
+
+        The client may still be sending: closing a socket with unread data resets the
+        connection, and the client would lose the answer. So the writing side is shut, what
+        still arrives is dropped unread by the parser for up to LINGER_S, and the connection
+        is the first to go when room is needed."""
+        if self.transport.is_closing():
+            return
+        kind = "timeout" if status == 408 else "invalid_request_error"
+        self.transport.write(response_bytes(status, error_body(message, kind, code=reason), {}))
+        self.refused = True
+        self.limits.on_limit(reason)
+        self._cancel_deadline()
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.phase, self.since = IDLE, 0.0
+        self.deadline = self.loop.call_later(LINGER_S, self.transport.close)
+
+    def _refusal(self, status: int, message: str, reason: str) -> JSONResponse:
+        """The app for a request refused once its head is complete (uvicorn runs it and closes)."""
+        self.limits.on_limit(reason)
+        headers = {"Connection": "close"}
+        if status == 503:
+            headers["Retry-After"] = str(self.limits.retry_after_s)
+        kind = "overloaded" if status == 503 else "invalid_request_error"
+        return JSONResponse(error_body(message, kind, code=reason), status, headers)
+
+    def _make_room(self) -> None:
+        """Over the cap: close the connection idle or sending its head the longest; if every
+        other connection is busy, this one's request is refused (503) once its head is in."""
+        waiting = [c for c in self.connections if c is not self and isinstance(c, LimitedHttpProtocol)
+                   and c.phase in (IDLE, HEAD) and not c.transport.is_closing()]
+        if waiting:
+            min(waiting, key=lambda c: c.since)._close("evicted")
+        else:
+            self.over_capacity = True

@@ -1,0 +1,284 @@
+"""The TensorRT path executed against the fake tensorrt module and fake CUDA drivers:
+builds, loads, answers, buffer reuse, profile selection, DLA cores, failures → fallback,
+and the component lock."""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import trt_harness as h
+from edgemm.backends.tensorrt import TensorRTBackend, capacity_for, _Profile
+from edgemm.config import load_config
+from edgemm.engines.build import decoder_profiles, _input_dims
+from edgemm.engines.cuda import CudaError, load_cuda
+from edgemm.engines.manifest import read_manifest
+from edgemm.engines.platform import probe
+from edgemm.errors import EngineError
+from edgemm.model.manifest import load_manifest
+from edgemm.runtime import Runtime
+from fake_cuda import CUresult
+
+QUESTION = "how many shapes are there ?"
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """ONNX Runtime CPU on the int8 graphs: what the fake TensorRT must answer too."""
+    return Runtime(load_config({"model": {"path": str(h.MODEL_DIR), "precision": "int8"},
+                                "backend": {"warmup": False, "intra_op_threads": 1}}))
+
+
+@pytest.mark.parametrize("version", ["8.6.1", "10.3.0", "11.4.1"])
+@pytest.mark.parametrize("cuda", ["cuda-python", "pycuda"])
+def test_engines_build_load_and_answer_like_onnxruntime(monkeypatch, tmp_path, reference, version, cuda):
+    fakes = h.install(monkeypatch, version, cuda=cuda)
+    h.build(tmp_path)
+    rt = h.runtime(tmp_path, vision_encoder=["gpu"], embed_tokens=["gpu"], decoder=["gpu"])
+    assert rt.devices == {"vision_encoder": "gpu", "embed_tokens": "gpu", "decoder": "gpu"}
+    assert rt.placement_report()["decoder"]["provider"] == f"TensorRT {version} GPU"
+    for tier in ("low", "high"):
+        ours = rt.infer(h.SAMPLE, QUESTION, tier=tier, max_new_tokens=6)
+        assert ours.text == reference.infer(h.SAMPLE, QUESTION, tier=tier, max_new_tokens=6).text
+    plans = fakes.trt._built
+    if version.startswith("11"):
+        assert all(p["strongly_typed"] and p["flags"] == [] for p in plans)
+    else:
+        assert all(not p["strongly_typed"] and p["flags"] == ["FP16", "INT8"] for p in plans)
+    if version == "8.6.1":  # no INT64 tensors before TensorRT 10: the ids go in as int32
+        assert plans[1]["inputs"]["input_ids"]["dtype"] == "INT32"
+
+
+@pytest.mark.parametrize("integrated", [True, False])
+def test_no_allocation_per_token_after_the_first_request_at_a_shape(monkeypatch, tmp_path, integrated):
+    fakes = h.install(monkeypatch, "10.3.0", integrated=integrated)
+    h.build(tmp_path)
+    rt = h.runtime(tmp_path)
+    first = rt.infer(h.SAMPLE, "describe the image", tier="low", max_new_tokens=12)
+    after_first = fakes.memory.total()
+    assert after_first > 0
+    assert set(fakes.memory.allocations) == ({"mapped"} if integrated else {"host", "device"})
+    second = rt.infer(h.SAMPLE, "describe the image", tier="low", max_new_tokens=12)
+    assert second.text == first.text and len(second.tokens) > 1
+    assert fakes.memory.total() == after_first  # 0 allocations for the whole second request
+
+
+def test_discrete_copies_move_exactly_each_tensors_bytes(monkeypatch, tmp_path):
+    fakes = h.install(monkeypatch, "10.3.0", integrated=False)
+    h.build(tmp_path, components=["embed_tokens"])
+    backend = TensorRTBackend.for_model(load_manifest(h.MODEL_DIR), tmp_path)
+    embed = backend.load_component("embed_tokens", "gpu", "int8")
+    ids = np.arange(7, dtype=np.int64).reshape(1, 7)
+    out = embed.run({"input_ids": ids})["inputs_embeds"]
+    assert fakes.memory.copies == [("htod", ids.nbytes), ("dtoh", out.nbytes)]
+    assert capacity_for(ids.nbytes) == 64 * 4 and capacity_for(300) == 512 and capacity_for(0) == 256
+
+
+def test_decoder_switches_profiles_between_prefill_and_decode(monkeypatch, tmp_path):
+    fakes = h.install(monkeypatch, "10.3.0")
+    h.build(tmp_path, components=["decoder"])
+    backend = TensorRTBackend.for_model(load_manifest(h.MODEL_DIR), tmp_path)
+    decoder = backend.load_component("decoder", "gpu", "int8")
+    engine = decoder.engines[0]
+    assert [p.index for p in engine.profiles] == [0, 1]
+    dims = {n: s.shape for n, s in decoder.inputs.items()}
+    past_names = [n for n in dims if n.startswith("past_key_values.")]
+
+    def feeds(new: int, past: int) -> dict:
+        out = {"inputs_embeds": np.zeros((1, new, 192), np.float32),
+               "attention_mask": np.ones((1, past + new), np.int64),
+               "position_ids": np.arange(past, past + new, dtype=np.int64).reshape(1, new)}
+        out.update({n: np.zeros((1, 4, past, 48), np.float32) for n in past_names})
+        return {k: v for k, v in out.items() if k in dims}
+    decoder.run(feeds(5, 0))
+    assert engine.context._profile == 0 and engine.active_profile == 0
+    decoder.run(feeds(1, 5))
+    assert engine.context._profile == 1
+    decoder.run(feeds(200, 10))  # the rest of a long prompt after a cached image prefix
+    assert engine.context._profile == 1
+    assert fakes.trt._loaded[0]._plan["profiles"][1]["inputs_embeds"][2][1] == 319
+
+
+def test_decode_profile_takes_what_onnxruntime_answers_after_a_cached_prefix():
+    model = load_manifest(h.MODEL_DIR)
+    dims = _input_dims(model.graph_path("decoder", "int8"))
+    prefill, decode = decoder_profiles(dims, 16, model.max_context)
+    ranges = {n: (tuple(p["min"]), tuple(p["max"])) for n, p in decode.items()}
+    cached, rest = 80, model.max_context - 1 - 80  # a cached image prefix, then the longest question
+    shapes = {"inputs_embeds": (1, rest, 192), "attention_mask": (1, cached + rest), "position_ids": (1, rest),
+              **{n: (1, 4, cached, 48) for n in dims if n.startswith("past_key_values.")}}
+    assert _Profile(1, ranges).accepts({n: s for n, s in shapes.items() if n in ranges})
+    assert not _Profile(1, ranges).accepts({**shapes, "position_ids": (1, model.max_context)})
+
+
+def test_dla_core_is_set_before_the_plan_is_deserialised(monkeypatch, tmp_path):
+    fakes = h.install(monkeypatch, "10.3.0")
+    h.build(tmp_path, device="dla1", tiers=["low", "mid", "high"])
+    backend = TensorRTBackend.for_model(load_manifest(h.MODEL_DIR), tmp_path)
+    encoder = backend.load_component("vision_encoder", "dla1", "int8")
+    assert [e._dla_core_at_load for e in fakes.trt._loaded] == [1, 1, 1]
+    assert encoder.provider == "TensorRT 10.3.0 DLA1"
+    pixels = np.zeros((3, 3, 96, 96), np.float32)  # three images on a batch-1 static plan: row by row
+    assert encoder.run({"pixel_values": pixels})["image_features"].shape[0] == 3
+
+
+def test_dla_int8_up_to_10_7_uses_the_calibration_cache(monkeypatch, tmp_path):
+    fakes = h.install(monkeypatch, "10.3.0")
+    h.build(tmp_path, device="dla0", tiers=["low"])
+    plan = fakes.trt._built[0]
+    assert plan["calibration_cache"].startswith("TRT-")  # the translated scales, in TensorRT's format
+    assert plan["flags"] == ["FP16", "GPU_FALLBACK", "INT8"] and plan["dla_core"] == 0
+    entry = read_manifest(tmp_path, "").engines[0]
+    assert entry.quantization == "calibration-cache" and entry.gpu_fallback  # the fake's GPU-only ops
+
+
+def test_dla_int8_on_11_4_1_is_strongly_typed(monkeypatch, tmp_path):
+    fakes = h.install(monkeypatch, "11.4.1")
+    h.build(tmp_path, device="dla0", tiers=["low"])
+    plan = fakes.trt._built[0]
+    assert plan["strongly_typed"] and plan["calibration_cache"] is None and plan["flags"] == ["GPU_FALLBACK"]
+    assert read_manifest(tmp_path, "").engines[0].quantization == "strongly-typed"
+
+
+# ---- failures ---------------------------------------------------------------------------------
+
+def test_cuda_without_a_driver_falls_back_to_the_cpu(monkeypatch, tmp_path):
+    h.install(monkeypatch, "10.3.0", raise_on_init=RuntimeError('"cuda" is an NVIDIA driver library and can '
+                                                                'only be found via system search.\nEnsure …'))
+    rt = h.runtime(tmp_path)
+    assert rt.devices == {"vision_encoder": "cpu", "embed_tokens": "cpu", "decoder": "cpu"}
+    reason = rt.placement_report()["decoder"]["skipped"][0]["reason"]
+    assert reason.startswith("CUDA did not start (cuInit): \"cuda\" is an NVIDIA driver library") and "\n" not in reason
+
+
+def test_no_visible_device_is_said_in_one_line(monkeypatch):
+    h.install(monkeypatch, "10.3.0", devices=0)
+    with pytest.raises(EngineError, match=r"^no CUDA device is visible"):
+        probe()
+
+
+def test_pycuda_without_a_device_is_a_cuda_error(monkeypatch):
+    h.install(monkeypatch, "10.3.0", cuda="pycuda", devices=0)
+    with pytest.raises(CudaError, match=r"^CUDA \(pycuda\) init failed: cuInit failed: no CUDA-capable device"):
+        load_cuda()
+
+
+def test_tensorrt_runtime_that_will_not_start_falls_back(monkeypatch, tmp_path):
+    fakes = h.install(monkeypatch, "10.3.0")
+    h.build(tmp_path)
+    fakes.trt._runtime_fails = True
+    rt = h.runtime(tmp_path, decoder=["gpu", "cpu"])
+    assert rt.devices["decoder"] == "cpu"
+    assert rt.placement_report()["decoder"]["skipped"] == [{"device": "gpu", "reason": (
+        "TensorRT 10.3.0 could not start its runtime (CUDA unusable?): "
+        "pybind11::init(): factory function returned nullptr")}]
+
+
+def test_out_of_device_memory_is_an_engine_error(monkeypatch, tmp_path):
+    h.install(monkeypatch, "10.3.0", integrated=False, fail={"cuMemAlloc": CUresult.CUDA_ERROR_OUT_OF_MEMORY})
+    h.build(tmp_path, components=["embed_tokens"])
+    embed = TensorRTBackend.for_model(load_manifest(h.MODEL_DIR), tmp_path).load_component("embed_tokens", "gpu",
+                                                                                           "int8")
+    with pytest.raises(EngineError, match=r"^CUDA cuMemAlloc failed: CUDA_ERROR_OUT_OF_MEMORY \(out of memory\)$"):
+        embed.run({"input_ids": np.ones((1, 3), np.int64)})
+
+
+def test_mapping_refused_falls_back_to_device_copies(monkeypatch, tmp_path):
+    fakes = h.install(monkeypatch, "10.3.0", fail={"cuMemHostGetDevicePointer": CUresult.CUDA_ERROR_INVALID_VALUE})
+    h.build(tmp_path, components=["embed_tokens"])
+    embed = TensorRTBackend.for_model(load_manifest(h.MODEL_DIR), tmp_path).load_component("embed_tokens", "gpu",
+                                                                                           "int8")
+    out = embed.run({"input_ids": np.ones((1, 3), np.int64)})["inputs_embeds"]
+    assert out.shape == (1, 3, 192) and embed.engines[0].zero_copy is False
+    assert fakes.memory.allocations["device"] == 2
+
+
+def test_failed_execution_context_and_execution_are_engine_errors(monkeypatch, tmp_path):
+    fakes = h.install(monkeypatch, "10.3.0")
+    h.build(tmp_path, components=["embed_tokens"])
+    backend = TensorRTBackend.for_model(load_manifest(h.MODEL_DIR), tmp_path)
+    embed = backend.load_component("embed_tokens", "gpu", "int8")
+    fakes.trt._execute_fails = True
+    with pytest.raises(EngineError, match=r"^embed_tokens\.gpu\.int8\.plan: TensorRT execution failed"):
+        embed.run({"input_ids": np.ones((1, 3), np.int64)})
+    monkeypatch.setattr(fakes.trt.ICudaEngine, "create_execution_context", lambda self: None)
+    with pytest.raises(EngineError, match=r"could not create an execution context"):
+        backend.load_component("embed_tokens", "gpu", "int8")
+
+
+def test_a_plan_of_another_release_is_refused_with_the_rebuild_command(monkeypatch, tmp_path):
+    h.install(monkeypatch, "10.3.0")
+    h.build(tmp_path, components=["embed_tokens"])
+    fakes = h.install(monkeypatch, "10.3.0")
+    fakes.trt.__version__ = "10.3.1"  # same manifest check, but the plan itself says 10.3.0
+    backend = TensorRTBackend(dataclasses.replace(probe(), tensorrt="10.3.0"), tmp_path, h.MODEL_DIR, "tiny-vlm",
+                              ["low", "mid", "high"])
+    with pytest.raises(EngineError, match=r"could not deserialise .*embed_tokens\.gpu\.int8\.plan .*rebuild with: "
+                                          r"edgemm engines build"):
+        backend.load_component("embed_tokens", "gpu", "int8")
+
+
+def test_a_shape_no_engine_accepts_is_refused(monkeypatch, tmp_path):
+    h.install(monkeypatch, "10.3.0")
+    h.build(tmp_path, components=["embed_tokens"])
+    embed = TensorRTBackend.for_model(load_manifest(h.MODEL_DIR), tmp_path).load_component("embed_tokens", "gpu",
+                                                                                           "int8")
+    with pytest.raises(Exception, match=r"no engine accepts input shapes \{'input_ids': \(1, 321\)\}"):
+        embed.run({"input_ids": np.ones((1, 321), np.int64)})
+
+
+def test_one_component_called_from_two_threads_runs_one_call_at_a_time(monkeypatch, tmp_path):
+    fakes = h.install(monkeypatch, "10.3.0")
+    h.build(tmp_path, components=["embed_tokens"])
+    embed = TensorRTBackend.for_model(load_manifest(h.MODEL_DIR), tmp_path).load_component("embed_tokens", "gpu",
+                                                                                           "int8")
+    inside, most = [0], [0]
+    execute = fakes.trt.IExecutionContext.execute_async_v3
+
+    def slow_execute(self, stream_handle):
+        inside[0] += 1
+        most[0] = max(most[0], inside[0])
+        time.sleep(0.02)  # long enough for the other thread to arrive mid-run
+        try:
+            return execute(self, stream_handle)
+        finally:
+            inside[0] -= 1
+    monkeypatch.setattr(fakes.trt.IExecutionContext, "execute_async_v3", slow_execute)
+    results = {}
+
+    def call(n):
+        ids = np.full((1, n), n, np.int64)
+        results[n] = [embed.run({"input_ids": ids})["inputs_embeds"] for _ in range(5)]
+    threads = [threading.Thread(target=call, args=(n,)) for n in (3, 9)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert most[0] == 1
+    for n in (3, 9):  # each thread got its own rows back, never the other's
+        assert all(r.shape == (1, n, 192) and np.array_equal(r, results[n][0]) for r in results[n])
+    assert not np.array_equal(results[3][0][0, 0], np.zeros(192))
+    assert fakes.driver.context_stack == []  # every push popped
+
+
+# ---- the fake driver's names are cuda-python's ---------------------------------------------------
+
+@pytest.mark.skipif(importlib.util.find_spec("cuda") is None, reason="cuda-bindings not installed (the tensorrt extra)")
+def test_fake_cuda_python_driver_has_the_real_names(monkeypatch):
+    import importlib as il
+    real = il.import_module("cuda.bindings.driver")
+    fake = h.fake_cuda.cuda_python(h.fake_cuda.Memory())
+    for name in [n for n in vars(fake) if n.startswith("cu")]:
+        assert hasattr(real, name), name
+        ours = getattr(fake, name).__code__.co_varnames[:getattr(fake, name).__code__.co_argcount]
+        theirs = getattr(real, name).__doc__.splitlines()[0].split("(", 1)[1].rstrip(")")
+        assert [p.split(":")[0].split()[-1] for p in theirs.split(", ") if p] == list(ours), name
+    for member in ("CUDA_SUCCESS", "CUDA_ERROR_OUT_OF_MEMORY", "CUDA_ERROR_NO_DEVICE", "CUDA_ERROR_INVALID_VALUE"):
+        assert int(getattr(real.CUresult, member)) == int(getattr(CUresult, member))
+    for member in h.fake_cuda.CUdevice_attribute:
+        assert int(getattr(real.CUdevice_attribute, member.name)) == int(member)
+    assert real.CU_MEMHOSTALLOC_DEVICEMAP == fake.CU_MEMHOSTALLOC_DEVICEMAP
