@@ -393,7 +393,8 @@ def _tier_list(_ctx, _param, value):
 @engines.command("build")
 @click.argument("model_dir", type=click.Path(file_okay=False))
 @click.option("--out", type=click.Path(file_okay=False),
-              help="Engine folder (default: engines/<model name> in edgemm's source tree, where model.engines: null looks).")
+              help="Engine folder (default: <engines root>/<model name>, where model.engines: null looks; "
+                   "the root is $EDGEMM_ENGINES, /var/lib/edgemm/engines for root, else ~/.cache/edgemm/engines).")
 @click.option("--device", type=click.Choice(["gpu", "dla0", "dla1"]), default="gpu", show_default=True)
 @click.option("--precision", type=click.Choice(["int8", "fp16"]), default="int8", show_default=True)
 @click.option("--tiers", callback=_tier_list, help="Comma-separated tiers (default: all of the model's).")

@@ -95,9 +95,9 @@ def _generation_limits(path: str, nullable: tuple[str, ...] = (), **values: Any)
 
 @dataclass
 class ModelConfig:
-    path: str | None = None  # model folder; null = the built-in models/tiny-vlm shipped with edgemm
+    path: str | None = None  # model folder; null = the built-in tiny-vlm shipped inside the package (edgemm/builtin/tiny-vlm)
     precision: str = "fp32"  # fp32 | int8 | fp16 (int8/fp16 load the *_int8.onnx / *_fp16.onnx variants, or int8/fp16 TensorRT engines)
-    engines: str | None = None  # TensorRT engine folder (with manifest.yaml); null = engines/<model name> in edgemm's source tree
+    engines: str | None = None  # TensorRT engine folder (with manifest.yaml); null = <engines root>/<model name>: $EDGEMM_ENGINES, /var/lib/edgemm/engines for root, else ~/.cache/edgemm/engines
 
     def validate(self, path: str) -> None:
         if self.path is not None:

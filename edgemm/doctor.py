@@ -196,10 +196,10 @@ def pycuda_check(cfg: Config) -> Check:
 
 def gstreamer_check(cfg: Config) -> Check:
     try:
-        import cv2
+        from edgemm.opencv import cv2
         info = cv2.getBuildInformation()
-    except Exception as e:
-        return Check("opencv", "fail", f"cannot import cv2: {e}")
+    except Exception as e:  # OpenCVUnavailable's message says what to install
+        return Check("opencv", "fail", str(e))
     match = re.search(r"GStreamer:\s*(.+)", info)
     answer = match.group(1).strip() if match else "NO"
     if answer.upper().startswith("YES"):
@@ -207,7 +207,8 @@ def gstreamer_check(cfg: Config) -> Check:
     uses_csi = any(s.source.startswith("csi://") for s in cfg.streams)
     return Check("opencv gstreamer", needed(uses_csi),
                  f"OpenCV {cv2.__version__} lacks GStreamer, so csi:// cameras cannot open: use JetPack's "
-                 "python3-opencv instead of the pip wheel")
+                 "python3-opencv instead of the pip wheel (pip uninstall opencv-python-headless; "
+                 "install with the jetson extra: README, 'Install as a service on a Jetson')")
 
 
 def camera_checks(root: Path) -> list[Check]:

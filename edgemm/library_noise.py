@@ -27,7 +27,7 @@ import io
 import os
 import sys
 
-import cv2
+from edgemm.opencv import cv2
 
 _AV_LOG_QUIET = "-8"
 _quieted = False
@@ -39,10 +39,20 @@ def quiet_libraries() -> None:
     if _quieted or os.environ.get("EDGEMM_DEBUG"):
         return
     _quieted = True
-    cv2.utils.logging.setLogLevel(cv2.utils.logging.LOG_LEVEL_SILENT)
+    _silence_opencv()
     os.environ.setdefault("OPENCV_LOG_LEVEL", "SILENT")  # for OpenCV code that reads it late
     os.environ.setdefault("OPENCV_FFMPEG_LOGLEVEL", _AV_LOG_QUIET)
     _drop_fd2()
+
+
+def _silence_opencv() -> None:
+    # PyPI's wheels have cv2.utils.logging; a cv2 built from OpenCV's sources without its Python
+    # loader (Debian's, and so the Jetson install's) has only cv2.setLogLevel.
+    logging = getattr(getattr(cv2, "utils", None), "logging", None)
+    if logging is not None:
+        logging.setLogLevel(logging.LOG_LEVEL_SILENT)
+    elif hasattr(cv2, "setLogLevel"):
+        cv2.setLogLevel(0)  # cv::utils::logging::LOG_LEVEL_SILENT
 
 
 def _drop_fd2() -> None:

@@ -27,7 +27,10 @@ from edgemm.power import Route, reachable_devices
 
 log = logging.getLogger("edgemm")
 
-SOURCE_TREE = Path(__file__).resolve().parent.parent
+# Where built engines go when neither --out nor model.engines names a folder. For root (who
+# builds them for the service on a Jetson) the system's state folder; edgemm.service reads it
+# through $EDGEMM_ENGINES. Everyone else: their own cache, since site-packages may be read-only.
+SYSTEM_ENGINES = Path("/var/lib/edgemm/engines")
 
 
 def usable_cpus() -> int:
@@ -38,9 +41,20 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
+def default_engines_root() -> Path:
+    """$EDGEMM_ENGINES; else /var/lib/edgemm/engines for root; else $XDG_CACHE_HOME/edgemm/engines
+    (~/.cache/edgemm/engines)."""
+    if os.environ.get("EDGEMM_ENGINES"):
+        return Path(os.environ["EDGEMM_ENGINES"])
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        return SYSTEM_ENGINES
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "edgemm" / "engines"
+
+
 def default_engines_dir(model_name: str) -> Path:
-    """engines/<model name> in edgemm's source tree, where `edgemm engines build` writes by default."""
-    return SOURCE_TREE / "engines" / model_name
+    """<engines root>/<model name>: where `edgemm engines build` writes and `model.engines: null` looks."""
+    return default_engines_root() / model_name
 
 
 class ModelComponents:

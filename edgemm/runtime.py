@@ -15,6 +15,7 @@ It is a thin facade over the four parts that do the work (docs/ARCHITECTURE.md):
 """
 from __future__ import annotations
 
+import importlib.resources
 import logging
 import os
 import threading
@@ -22,7 +23,6 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import cv2
 import numpy as np
 
 from edgemm.answering import Answered, Answering, InferenceResult, RequestBatch
@@ -33,6 +33,7 @@ from edgemm.encoding import Encoding
 from edgemm.loading import ModelComponents, default_engines_dir, usable_cpus
 from edgemm.model.family import adapter_for
 from edgemm.model.manifest import ModelManifest, ResolutionTier, load_manifest
+from edgemm.opencv import cv2
 from edgemm.power import Route
 from edgemm.preparation import PreparedRequest, Preparation
 
@@ -41,11 +42,13 @@ __all__ = ["Runtime", "InferenceResult", "PreparedRequest", "default_engines_dir
 
 log = logging.getLogger("edgemm")
 
-BUILTIN_MODEL = Path(__file__).resolve().parent.parent / "models" / "tiny-vlm"
+# Package data (pyproject.toml), so every install has it: editable, `pip install .`, a wheel.
+# The clone's models/tiny-vlm is a symlink to it.
+BUILTIN_MODEL = Path(str(importlib.resources.files("edgemm").joinpath("builtin", "tiny-vlm")))
 
 
 def default_model_dir() -> Path:
-    """$EDGEMM_MODEL, else the built-in tiny VLM next to the package."""
+    """$EDGEMM_MODEL, else the built-in tiny VLM inside the package."""
     return Path(os.environ.get("EDGEMM_MODEL", BUILTIN_MODEL))
 
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-import cv2
 import numpy as np
+
+from edgemm.opencv import cv2
 
 SHAPES = ("circle", "square", "triangle", "diamond")
 COLOURS = {  # RGB, saturated so colour survives the lowest tier and noise

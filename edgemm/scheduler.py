@@ -34,11 +34,11 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
 
-import cv2
 import numpy as np
 import yaml
 
 from edgemm.errors import ModelError
+from edgemm.opencv import cv2
 
 POLICY_FILE = "scheduler.yaml"  # in the model folder, written by tools/calibrate_scheduler.py
 SALIENCY_WIDTH = 64  # the frame size spectral residual was designed for

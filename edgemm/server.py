@@ -150,14 +150,20 @@ class Routes:
         if declared.isdigit() and int(declared) > limit:
             raise too_large  # refused unread
         body = bytearray()
-        deadline = ticket.deadline if ticket is not None else asyncio.get_running_loop().time() + cfg.request_timeout_s
+        loop = asyncio.get_running_loop()
+        deadline = ticket.deadline if ticket is not None else loop.time() + cfg.request_timeout_s
+
+        async def receive() -> None:
+            async for piece in http.stream():
+                body.extend(piece)
+                if len(body) > limit:
+                    raise too_large
+
         try:
-            async with asyncio.timeout_at(deadline):
-                async for piece in http.stream():
-                    body += piece
-                    if len(body) > limit:
-                        raise too_large
-        except TimeoutError:
+            # wait_for, not asyncio.timeout_at: Python 3.10 (JetPack 6's) has no timeout_at, and
+            # its wait_for raises asyncio.TimeoutError, which is not yet the builtin TimeoutError
+            await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+        except (TimeoutError, asyncio.TimeoutError):
             raise ApiError(f"the request body did not arrive within {cfg.request_timeout_s:g} s "
                            "(server.request_timeout_s)", status=408, code="timeout") from None
         except ClientDisconnect:  # the client hung up mid-body: nobody to answer, nothing to log

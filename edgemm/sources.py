@@ -48,12 +48,12 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
-import cv2
 import numpy as np
 
 from edgemm.backoff import Backoff
 from edgemm.errors import InputError
 from edgemm.model.image import DEFAULT_MAX_PIXELS, load_image
+from edgemm.opencv import cv2
 
 __all__ = [
     "SourceError", "SourceUnusable", "Frame", "SourceSpec", "SourceStats", "Source", "CaptureSource",

@@ -29,10 +29,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-import cv2
 import numpy as np
 
 from edgemm.errors import InputError
+from edgemm.opencv import cv2
 from edgemm.pipeline import Pipeline, Request
 from edgemm.sources import Frame, Source
 

@@ -10,13 +10,15 @@ import pytest
 from edgemm.config import load_config
 from edgemm.runtime import Runtime
 
+# the clone's symlink to edgemm/builtin/tiny-vlm (tests/test_packaging.py checks it): unresolved,
+# so model_dir.parent.parent is the repository
 MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "tiny-vlm"
 
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch):
     """Tests must not pick up the developer's EDGEMM_* settings."""
-    for name in ("EDGEMM_CONFIG", "EDGEMM_MODEL", "EDGEMM_DEBUG"):
+    for name in ("EDGEMM_CONFIG", "EDGEMM_MODEL", "EDGEMM_DEBUG", "EDGEMM_ENGINES"):
         monkeypatch.delenv(name, raising=False)
 
 

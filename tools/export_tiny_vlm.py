@@ -17,8 +17,14 @@ from pathlib import Path
 
 import cv2
 import onnx
-import torch
 import yaml
+
+try:
+    import torch
+except ImportError as missing:  # the runtime's install has no torch: name the extra, not a traceback
+    print(f"error: tools/export_tiny_vlm.py needs {missing.name or 'torch'}, which the train extra installs: "
+          "pip install -e '.[train]'", file=sys.stderr)
+    sys.exit(2)
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))

@@ -145,14 +145,18 @@ def quantize_graph(src: Path, dst: Path, feeds: list[dict], method: str, moving_
             extra_options={"ActivationSymmetric": True, "WeightSymmetric": True,
                            "QuantizeBias": False, "CalibMovingAverage": moving_average,
                            "TensorQuantOverrides": overrides})
-    drop_unused_opsets(dst)
+    drop_unused_opsets(dst, ir_version=onnx.load(str(src), load_external_data=False).ir_version)
     onnx.checker.check_model(str(dst))
     return excluded
 
 
-def drop_unused_opsets(path: Path) -> None:
-    """ORT's optimiser declares its private domains; keep only those a node uses."""
+def drop_unused_opsets(path: Path, ir_version: int | None = None) -> None:
+    """ORT's optimiser declares its private domains; keep only those a node uses. The graph
+    keeps the IR version of its source (`ir_version`), never a newer one: an onnxruntime
+    older than the onnx package (the newest for Python 3.10 reads IR <= 11) refuses a newer IR."""
     model = onnx.load(str(path))
+    if ir_version is not None:
+        model.ir_version = min(model.ir_version, ir_version)
     used = {n.domain for n in model.graph.node} | {""}
     keep = [o for o in model.opset_import if o.domain in used or o.domain == "ai.onnx"]
     del model.opset_import[:]

@@ -18,10 +18,16 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
-import torch.nn.functional as F
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
-from tqdm import tqdm
+
+try:
+    import torch
+    import torch.nn.functional as F
+    from tqdm import tqdm
+except ImportError as missing:  # the runtime's install has no torch: name the extra, not a traceback
+    print(f"error: tools/train_tiny_vlm.py needs {missing.name or 'torch'}, which the train extra installs: "
+          "pip install -e '.[train]'", file=sys.stderr)
+    sys.exit(2)
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))

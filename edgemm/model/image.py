@@ -46,10 +46,10 @@ import struct
 from dataclasses import dataclass
 from typing import Union
 
-import cv2
 import numpy as np
 
 from edgemm.errors import InputError
+from edgemm.opencv import cv2
 
 DEFAULT_MAX_PIXELS = 40_000_000
 DEFAULT_MAX_BYTES = 50 * 1024 * 1024  # limits.max_image_bytes' default

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import cv2
 import numpy as np
+
+from edgemm.opencv import cv2
 
 
 def resize_rgb(rgb: np.ndarray, height: int, width: int) -> np.ndarray:
