@@ -350,7 +350,7 @@ def stream(source_uri, prompt, fps, every, max_frames, out, change_threshold, ti
               help="UNIX socket path (default: server.socket, else /run/edgemm/edgemm.sock where systemd "
                    "made /run/edgemm, else $XDG_RUNTIME_DIR/edgemm.sock; none with --port).")
 @click.option("--port", type=click.IntRange(0, 65535),
-              help="Also serve HTTP on this TCP port (0 = any free one); alone, TCP only (server.tcp_port).")
+              help="Serve HTTP on this TCP port (0 = any free one), as well as the socket when one is named, else TCP only (server.tcp_port).")
 @click.option("--host", help="TCP address for --port (default: server.tcp_host, 127.0.0.1: loopback only).")
 @click.option("--precision", type=click.Choice(["fp32", "int8", "fp16"]))
 @click.option("--model", "model_dir", type=click.Path())

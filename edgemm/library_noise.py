@@ -14,6 +14,8 @@ once when `edgemm infer`, `stream` or `serve` starts:
   good, and Python's `sys.stderr` is moved to a copy of the original descriptor first:
   everything edgemm (and Python: logging, tracebacks, warnings) writes still reaches
   the terminal or the journal, in order; only what C code writes to fd 2 is dropped.
+  (`sys.__stderr__` stays the original object, now writing to /dev/null: code that writes
+  there explicitly, rather than to `sys.stderr`, is silenced too.)
   A crash in C code (a segfault in a decoder or a provider) would then leave no trace,
   so `faulthandler` is enabled on the kept descriptor: its traceback still reaches the
   journal.

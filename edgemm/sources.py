@@ -52,7 +52,7 @@ import numpy as np
 
 from edgemm.backoff import Backoff
 from edgemm.errors import InputError
-from edgemm.model.image import DEFAULT_MAX_PIXELS, load_image
+from edgemm.model.image import DEFAULT_MAX_PIXELS, file_kind, load_image
 from edgemm.opencv import cv2
 
 __all__ = [
@@ -694,7 +694,7 @@ class V4l2Source(CaptureSource):
         except OSError as e:
             raise SourceUnusable(f"camera {self.device}: {e.strerror}") from None
         if not stat.S_ISCHR(mode.st_mode):
-            raise SourceUnusable(f"{self.device} is not a camera: it is {_file_kind(mode.st_mode)}, "
+            raise SourceUnusable(f"{self.device} is not a camera: it is {file_kind(mode.st_mode)}, "
                                  "not a V4L2 device node")
         if sys.platform.startswith("linux") and os.major(mode.st_rdev) != V4L2_MAJOR:
             raise SourceUnusable(f"{self.device} is not a camera: character device "
@@ -778,16 +778,7 @@ def _require_regular_file(path: str) -> None:
         raise SourceError(f"cannot read {path}: {e.strerror}") from None
     if not stat.S_ISREG(mode):
         hint = f"; for a camera use v4l2://{path}" if stat.S_ISCHR(mode) else ""
-        raise SourceUnusable(f"{path} is not a regular file: it is {_file_kind(mode)}{hint}")
-
-
-def _file_kind(mode: int) -> str:
-    for test, kind in ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a folder"),
-                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
-        if test(mode):
-            return kind
-    return "not a regular file"
+        raise SourceUnusable(f"{path} is not a regular file: it is {file_kind(mode)}{hint}")
 
 
 def _video_capture(target: str, api: int, params: list[int] | None = None) -> Any | None:

@@ -2,7 +2,8 @@
 fake while those paths run, exists in that release's real bindings with the fake's parameter
 names and enum values (tools/trt_surface.py fetches them from PyPI into a cache:
 $EDGEMM_TRT_BINDINGS, else ~/.cache/edgemm-trt-bindings). Skipped, with the reason, where
-PyPI or a C compiler is unavailable."""
+PyPI or a C compiler is unavailable, unless EDGEMM_REQUIRE_TRT_SURFACE is set (as .ci/run does):
+then that is a failure, so CI cannot go green without the check."""
 from __future__ import annotations
 
 import importlib.util
@@ -33,6 +34,8 @@ def real_surfaces():
         try:
             surfaces[version] = trt_surface.real_surface(version, CACHE)
         except trt_surface.Unavailable as e:
+            if os.environ.get("EDGEMM_REQUIRE_TRT_SURFACE"):  # CI: a check that cannot run is a failure
+                pytest.fail(f"real TensorRT bindings unavailable (EDGEMM_REQUIRE_TRT_SURFACE is set): {e}")
             pytest.skip(f"real TensorRT bindings unavailable: {e}")
     return surfaces
 

@@ -19,16 +19,16 @@ import cv2
 import onnx
 import yaml
 
-try:
-    import torch
-except ImportError as missing:  # the runtime's install has no torch: name the extra, not a traceback
-    print(f"error: tools/export_tiny_vlm.py needs {missing.name or 'torch'}, which the train extra installs: "
-          "pip install -e '.[train]'", file=sys.stderr)
-    sys.exit(2)
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
+
+try:
+    import torch
+except ImportError as missing:  # the runtime's install has no torch: name the extra, not a traceback
+    from extras import missing_extra
+    missing_extra(__file__, "train", missing)
+
 
 from edgemm.scenes import make_scene, questions_for  # noqa: E402
 from tiny_vlm_model import (EmbedTokens, MergedDecoder, TinyVLM, TinyVLMConfig,  # noqa: E402

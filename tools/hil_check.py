@@ -52,7 +52,7 @@ def devices(text: str) -> list[str]:
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model_dir", nargs="?", type=Path, default=ROOT / "models" / "tiny-vlm")
-    ap.add_argument("--engines", type=Path, help="engine folder (default: engines/<model name>)")
+    ap.add_argument("--engines", type=Path, help="engine folder (default: the engines root's <model name>: $EDGEMM_ENGINES, /var/lib/edgemm/engines as root, else ~/.cache/edgemm/engines)")
     ap.add_argument("--precision", choices=["int8", "fp16"], default="int8")
     ap.add_argument("--encoder", type=devices, default=["dla0", "gpu"], help="vision encoder devices, in order")
     ap.add_argument("--embed", type=devices, default=["gpu"], help="embed_tokens devices, in order")

@@ -20,18 +20,18 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
+
 try:
     import torch
     import torch.nn.functional as F
     from tqdm import tqdm
 except ImportError as missing:  # the runtime's install has no torch: name the extra, not a traceback
-    print(f"error: tools/train_tiny_vlm.py needs {missing.name or 'torch'}, which the train extra installs: "
-          "pip install -e '.[train]'", file=sys.stderr)
-    sys.exit(2)
+    from extras import missing_extra
+    missing_extra(__file__, "train", missing)
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tools"))
 
 from edgemm.model.preprocess import to_pixel_values  # noqa: E402
 from edgemm.scenes import (COLOURS, PROMPTS, SHAPES, TASKS, Question, make_scene,  # noqa: E402

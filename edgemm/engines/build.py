@@ -1,6 +1,6 @@
 """Build TensorRT engines for a model folder: `edgemm engines build` / tools/build_engines.py.
 
-    edgemm engines build models/tiny-vlm --out engines/tiny-vlm --device gpu --precision int8
+    edgemm engines build models/tiny-vlm --device gpu --precision int8   # into the engines root (loading.default_engines_dir)
     edgemm engines build models/tiny-vlm --device dla0 --precision int8 --tiers low,mid,high
 
 What gets built, per device and precision:

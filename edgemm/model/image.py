@@ -104,8 +104,13 @@ def _from_path(path: str | os.PathLike, max_pixels: int, max_bytes: int) -> np.n
         raise ImageError(f"{e}: {shown}") from None
 
 
-_NOT_REGULAR = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
-                (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+_FILE_KINDS = ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"),
+               (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+
+
+def file_kind(mode: int) -> str:
+    """What a `stat` mode names, for messages: "a FIFO", "a folder", "a character device" …"""
+    return next((name for test, name in _FILE_KINDS if test(mode)), "not a regular file")
 
 
 def check_image_file(path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES) -> int:
@@ -126,8 +131,8 @@ def check_image_file(path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES
 
 def _check_regular(info: os.stat_result, shown: str, max_bytes: int) -> None:
     if not stat.S_ISREG(info.st_mode):
-        kind = next((name for test, name in _NOT_REGULAR if test(info.st_mode)), "not a regular file")
-        if kind == "a directory":
+        kind = file_kind(info.st_mode)
+        if kind == "a folder":
             raise ImageError(f"image path is a directory, not a file: {shown}")
         raise ImageError(f"image path is {kind}, not a regular file: {shown}")
     if info.st_size > max_bytes:
