@@ -7,6 +7,7 @@ import dataclasses
 import importlib.util
 import itertools
 import re
+import sys
 import threading
 import time
 
@@ -207,7 +208,8 @@ def test_cuda_without_a_driver_falls_back_to_the_cpu(monkeypatch, tmp_path):
     rt = h.runtime(tmp_path)
     assert rt.devices == {"vision_encoder": "cpu", "embed_tokens": "cpu", "decoder": "cpu"}
     reason = rt.placement_report()["decoder"]["skipped"][0]["reason"]
-    assert reason.startswith("CUDA did not start (cuInit): \"cuda\" is an NVIDIA driver library") and "\n" not in reason
+    assert reason.startswith("cuda-python 12.9.fake: CUDA did not start (cuInit): \"cuda\" is an NVIDIA driver library")
+    assert reason.endswith("; pycuda: not installed") and "\n" not in reason
 
 
 def test_no_visible_device_is_said_in_one_line(monkeypatch):
@@ -220,6 +222,28 @@ def test_pycuda_without_a_device_is_a_cuda_error(monkeypatch):
     h.install(monkeypatch, "10.3.0", cuda="pycuda", devices=0)
     with pytest.raises(CudaError, match=r"^CUDA \(pycuda\) init failed: cuInit failed: no CUDA-capable device"):
         load_cuda()
+
+
+def test_cuda_python_that_cannot_start_the_driver_falls_back_to_pycuda(monkeypatch):
+    # e.g. cuda-bindings 13 on JetPack 6's CUDA 12 driver, where JetPack's pycuda works
+    h.install(monkeypatch, "10.3.0", cuda="both", fail={"cuInit": CUresult.CUDA_ERROR_SYSTEM_DRIVER_MISMATCH})
+    cuda = load_cuda()
+    assert cuda.name == "pycuda 2024.1.fake" and cuda.device_info(0).name == "Orin"
+
+
+@pytest.mark.parametrize("pycuda, its_reason", [
+    ("installed", "pycuda: CUDA (pycuda) init failed: cuInit failed: no CUDA-capable device is detected"),
+    ("missing", "pycuda: not installed")])
+def test_when_neither_binding_starts_cuda_one_line_names_both_reasons(monkeypatch, pycuda, its_reason):
+    h.install(monkeypatch, "10.3.0", cuda="both", pycuda_devices=0,
+              fail={"cuInit": CUresult.CUDA_ERROR_SYSTEM_DRIVER_MISMATCH})
+    if pycuda == "missing":
+        monkeypatch.setitem(sys.modules, "pycuda", None)
+        monkeypatch.setitem(sys.modules, "pycuda.driver", None)
+    with pytest.raises(CudaError) as raised:
+        load_cuda()
+    assert str(raised.value) == ("cuda-python 12.9.fake: CUDA cuInit failed: "
+                                 f"CUDA_ERROR_SYSTEM_DRIVER_MISMATCH (system driver mismatch); {its_reason}")
 
 
 def test_tensorrt_runtime_that_will_not_start_falls_back(monkeypatch, tmp_path):
@@ -332,7 +356,7 @@ def test_fake_cuda_python_driver_has_the_real_names(monkeypatch):
         ours = getattr(fake, name).__code__.co_varnames[:getattr(fake, name).__code__.co_argcount]
         theirs = getattr(real, name).__doc__.splitlines()[0].split("(", 1)[1].rstrip(")")
         assert [p.split(":")[0].split()[-1] for p in theirs.split(", ") if p] == list(ours), name
-    for member in ("CUDA_SUCCESS", "CUDA_ERROR_OUT_OF_MEMORY", "CUDA_ERROR_NO_DEVICE", "CUDA_ERROR_INVALID_VALUE"):
+    for member in CUresult.__members__:
         assert int(getattr(real.CUresult, member)) == int(getattr(CUresult, member))
     for member in h.fake_cuda.CUdevice_attribute:
         assert int(getattr(real.CUdevice_attribute, member.name)) == int(member)
@@ -384,7 +408,7 @@ def test_infer_and_status_json_say_why_a_gpu_placement_answered_on_the_cpu(monke
     assert result.exit_code == 0, result.output
     answer = json.loads(result.stdout)
     assert answer["devices"] == {"encode": "cpu", "decode": "cpu"} and answer["answer"]
-    why = "gpu: CUDA did not start (cuInit): cuInit: no CUDA driver"
+    why = "gpu: cuda-python 12.9.fake: CUDA did not start (cuInit): cuInit: no CUDA driver; pycuda: not installed"
     assert answer["schedule"]["placement"] == f"vision_encoder on cpu ({why}); decoder on cpu ({why})"
     rt = h.runtime(tmp_path / "engines", embed_tokens=["cpu"])
     report = components(rt)
@@ -415,9 +439,11 @@ def test_hil_check_reports_cuda_that_will_not_start(monkeypatch, tmp_path, capsy
     code = _hil_check().main([str(h.MODEL_DIR), "--engines", str(tmp_path), *HIL_ARGS])
     report = json.loads(capsys.readouterr().out)
     assert code == 1 and report["ok"] is False
-    assert report["platform"] == {"error": "CUDA did not start (cuInit): cuInit: no CUDA driver"}
+    assert report["platform"] == {"error": "cuda-python 12.9.fake: CUDA did not start (cuInit): cuInit: no CUDA driver; "
+                                           "pycuda: not installed"}
     assert report["placement"]["decoder"]["device"] == "cpu"
-    assert report["placement"]["decoder"]["skipped"][0]["reason"].startswith("CUDA did not start (cuInit)")
+    assert report["placement"]["decoder"]["skipped"][0]["reason"].startswith(
+        "cuda-python 12.9.fake: CUDA did not start (cuInit)")
     assert report["kv_memory"] == {"skipped": "the decoder runs on cpu (CPUExecutionProvider), not on TensorRT"}
 
 
