@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import itertools
+import logging
 import re
 import sys
 import threading
@@ -21,6 +22,7 @@ from edgemm.config import load_config
 from edgemm.engines.build import BuildRequest, build_engines, decoder_profiles, _input_dims
 from edgemm.engines.cuda import CudaError, load_cuda
 from edgemm.engines.manifest import read_manifest
+import edgemm.engines.build
 from edgemm.engines.platform import probe
 from edgemm.errors import EngineError
 from edgemm.model.manifest import load_manifest
@@ -252,9 +254,9 @@ def test_tensorrt_runtime_that_will_not_start_falls_back(monkeypatch, tmp_path):
     fakes.trt._runtime_fails = True
     rt = h.runtime(tmp_path, decoder=["gpu", "cpu"])
     assert rt.devices["decoder"] == "cpu"
-    assert rt.placement_report()["decoder"]["skipped"] == [{"device": "gpu", "reason": (
-        "TensorRT 10.3.0 could not start its runtime (CUDA unusable?): "
-        "pybind11::init(): factory function returned nullptr")}]
+    assert rt.placement_report()["decoder"]["skipped"] == [{"device": "gpu", "reason": (  # what TensorRT logged
+        "TensorRT 10.3.0 could not start its runtime: 6: CUDA initialization failure with error: 35. "
+        "Please check your CUDA installation.")}]
 
 
 def test_out_of_device_memory_is_an_engine_error(monkeypatch, tmp_path):
@@ -296,9 +298,61 @@ def test_a_plan_of_another_release_is_refused_with_the_rebuild_command(monkeypat
     fakes.trt.__version__ = "10.3.1"  # same manifest check, but the plan itself says 10.3.0
     backend = TensorRTBackend(dataclasses.replace(probe(), tensorrt="10.3.0"), tmp_path, h.MODEL_DIR, "tiny-vlm",
                               ["low", "mid", "high"])
-    with pytest.raises(EngineError, match=r"could not deserialise .*embed_tokens\.gpu\.int8\.plan .*rebuild with: "
+    with pytest.raises(EngineError, match=r"could not deserialise .*embed_tokens\.gpu\.int8\.plan: .*rebuild with: "
                                           r"edgemm engines build"):
         backend.load_component("embed_tokens", "gpu", "int8")
+
+
+def test_tensorrts_own_reason_is_in_the_engine_error_and_in_the_edgemm_log(monkeypatch, tmp_path, caplog):
+    # its stock trt.Logger writes to fd 2, which infer, stream and serve point at /dev/null
+    h.install(monkeypatch, "10.3.0")
+    h.build(tmp_path, components=["embed_tokens"])
+    fakes = h.install(monkeypatch, "10.3.0")
+    fakes.trt.__version__ = "10.3.1"
+    backend = TensorRTBackend(dataclasses.replace(probe(), tensorrt="10.3.0"), tmp_path, h.MODEL_DIR, "tiny-vlm",
+                              ["low", "mid", "high"])
+    theirs = ("IRuntime::deserializeCudaEngine: Error Code 1: Serialization (Serialization assertion "
+              "stdVersionRead == kSERIALIZATION_VERSION failed.Version tag does not match. Note: Current Version: "
+              "10.3.1, Serialized Engine Version: 10.3.0)")
+    with caplog.at_level(logging.WARNING, logger="edgemm"):
+        with pytest.raises(EngineError) as raised:
+            backend.load_component("embed_tokens", "gpu", "int8")
+    assert str(raised.value) == (f"TensorRT 10.3.0 could not deserialise {tmp_path / 'embed_tokens.gpu.int8.plan'}: "
+                                 f"{theirs}; rebuild with: {raised.value.args[0].split('rebuild with: ')[1]}")
+    assert "\n" not in str(raised.value)
+    assert [(r.name, r.levelno, r.getMessage()) for r in caplog.records] == [
+        ("edgemm", logging.ERROR, f"TensorRT: {theirs}")]
+
+
+def test_a_failed_execution_says_tensorrts_reason(monkeypatch, tmp_path, caplog):
+    fakes = h.install(monkeypatch, "10.3.0")
+    h.build(tmp_path, components=["embed_tokens"])
+    embed = TensorRTBackend.for_model(load_manifest(h.MODEL_DIR), tmp_path).load_component("embed_tokens", "gpu",
+                                                                                           "int8")
+    fakes.trt._execute_fails = True
+    with pytest.raises(EngineError) as raised:
+        embed.run({"input_ids": np.ones((1, 3), np.int64)})
+    assert str(raised.value) == ("embed_tokens.gpu.int8.plan: TensorRT execution failed: IExecutionContext::enqueueV3: "
+                                 "Error Code 1: Cuda Runtime (an illegal memory access was encountered)")
+    fakes.trt._execute_fails = False  # the reason is the last error of this call, not a stale one
+    embed.run({"input_ids": np.ones((1, 3), np.int64)})
+    monkeypatch.setattr(fakes.trt.IExecutionContext, "execute_async_v3", lambda self, stream_handle: False)
+    with pytest.raises(EngineError, match=r"execution failed \(TensorRT logged no reason\)$"):
+        embed.run({"input_ids": np.ones((1, 3), np.int64)})
+
+
+def test_dla_fallback_warnings_and_build_errors_reach_the_edgemm_log(monkeypatch, tmp_path, caplog):
+    h.install(monkeypatch, "10.3.0")
+    with caplog.at_level(logging.WARNING, logger="edgemm"):
+        h.build(tmp_path, "dla0", components=["vision_encoder"], tiers=["low"])
+    assert any(r.levelno == logging.WARNING and "Unsupported on DLA. Switching this layer's device type to GPU"
+               in r.getMessage() for r in caplog.records), caplog.records
+    monkeypatch.setattr(edgemm.engines.build, "decoder_profiles", lambda *a, **k: [])
+    with pytest.raises(EngineError) as raised:
+        h.build(tmp_path, "gpu", components=["decoder"])
+    assert str(raised.value) == ("TensorRT could not build decoder.gpu.int8.plan: IBuilder::buildSerializedNetwork: "
+                                 "Error Code 4: Network has dynamic or shape inputs, but no optimization profile has "
+                                 "been defined.")
 
 
 def test_a_shape_no_engine_accepts_is_refused(monkeypatch, tmp_path):
