@@ -26,6 +26,10 @@ class CudaError(EngineError):
     """CUDA refused: the driver did not start, no device, or an allocation or copy failed."""
 
 
+class CudaMissing(CudaError):
+    """Neither cuda-python nor pycuda imports: nothing here could start the driver."""
+
+
 @dataclass(frozen=True)
 class DeviceInfo:
     name: str  # e.g. "Orin"
@@ -225,7 +229,7 @@ def load_cuda() -> Cuda:
         driver = importlib.import_module("pycuda.driver")
     except ImportError:
         if first is None:
-            raise CudaError(NO_CUDA) from None
+            raise CudaMissing(NO_CUDA) from None
         raise CudaError(f"{first}; pycuda: not installed") from None
     try:
         return PyCuda(driver, _version("pycuda"))
@@ -233,6 +237,19 @@ def load_cuda() -> Cuda:
         if first is None:
             raise
         raise CudaError(f"{first}; pycuda: {e}") from None
+
+
+def installed_bindings() -> list[str]:
+    """The bindings that import here, in the order load_cuda tries them: ['cuda-python 12.9.0', …]."""
+    found = []
+    for name, driver, package in (("cuda-python", "cuda.bindings.driver", "cuda.bindings"),
+                                  ("pycuda", "pycuda.driver", "pycuda")):
+        try:
+            importlib.import_module(driver)
+        except ImportError:
+            continue
+        found.append(f"{name} {_version(package)}")
+    return found
 
 
 def _version(package: str) -> str:
