@@ -2,8 +2,9 @@
 
 Each check is ok, warn (missing, but the current config does not need it) or fail
 (the current config needs it). What the config needs comes from `placement`: a gpu,
-dla0 or dla1 in any list needs TensorRT, pycuda, a CUDA device that initialises and the
-engines for those devices in the engine folder (model.engines); a DLA needs that core.
+dla0 or dla1 in any list needs TensorRT, a CUDA binding (cuda-python or pycuda), a CUDA
+device that initialises and the engines for those devices in the engine folder
+(model.engines); a DLA needs that core.
 `edgemm doctor` exits 0 without failures, 3 with any. It only looks: it never changes
 the power mode, permissions or anything else.
 """
@@ -22,7 +23,8 @@ import yaml
 
 from edgemm.config import Config, creatable_socket, socket_choices
 from edgemm.engines.manifest import MANIFEST, rebuild_command
-from edgemm.errors import EdgemmError
+from edgemm.engines.cuda import CudaError, CudaMissing, installed_bindings, load_cuda
+from edgemm.errors import EdgemmError, one_line
 from edgemm.loading import default_engines_dir
 from edgemm.model.manifest import COMPONENTS, ModelManifest, load_manifest
 from edgemm.runtime import default_model_dir
@@ -50,8 +52,8 @@ def run_checks(cfg: Config, engines: Path | None = None) -> list[Check]:
     root = Path(cfg.power.root)
     sensors = Sensors.discover(root, cfg.power.nvpmodel_query)
     trt = module_version("tensorrt")
-    return [python_check(), tensorrt_check(cfg, trt), dla_check(cfg, sensors.dla_cores), cuda_check(cfg, root),
-            pycuda_check(cfg), gstreamer_check(cfg), *camera_checks(root), socket_check(cfg),
+    return [python_check(), tensorrt_check(cfg, trt), dla_check(cfg, sensors.dla_cores), *cuda_checks(cfg, root),
+            gstreamer_check(cfg), *camera_checks(root), socket_check(cfg),
             engines_check(cfg, engines, trt), *telemetry_checks(sensors)]
 
 
@@ -118,9 +120,11 @@ def dla_check(cfg: Config, cores: int | None) -> Check:
     return Check("dla", "ok", f"{cores} cores" if cores else "none on this module (not used by placement)")
 
 
-def cuda_check(cfg: Config, root: Path) -> Check:
-    """Whether a CUDA device initialises (the driver's cuInit, through pycuda or cuda-python),
-    with the toolkit's version when /usr/local/cuda says it."""
+def cuda_checks(cfg: Config, root: Path) -> list[Check]:
+    """`cuda`: whether a CUDA device initialises, started by the runtime's own code
+    (edgemm.engines.cuda.load_cuda: cuda-python, else pycuda), so that doctor and the runtime
+    cannot disagree; with the toolkit's version when /usr/local/cuda says it. `cuda binding`:
+    which binding started it, or which are installed and failed."""
     info = read_text(root / "usr/local/cuda/version.json")
     toolkit = None
     if info:
@@ -130,68 +134,29 @@ def cuda_check(cfg: Config, root: Path) -> Check:
             toolkit = "CUDA at /usr/local/cuda (version unreadable)"
     elif ctypes.util.find_library("cudart"):
         toolkit = "libcudart found"
-    level = needed(needs_gpu(cfg))
+    level, binding_level = needed(needs_gpu(cfg)), needed(needs_tensorrt(cfg))
     why = "needed for gpu/dla placement and providers cuda/tensorrt"
-    device, error = cuda_device()
-    if device is not None:
-        return Check("cuda", "ok", f"{device}" + (f", {toolkit}" if toolkit else ""))
-    if error is None:  # neither binding is installed: nothing can initialise a device
-        return Check("cuda", level, (f"{toolkit}, but " if toolkit else "not found, and ")
-                     + "no pycuda or cuda-python to initialise a device: pip install 'edgemm[tensorrt]' "
-                     f"({why})")
-    return Check("cuda", level, f"no device initialised: {error}" + (f" ({toolkit}; {why})" if toolkit else
-                                                                     f" ({why})"))
-
-
-def cuda_device() -> tuple[str | None, str | None]:
-    """(GPU 0's name, None) when the CUDA driver initialises and sees a device; else (None,
-    the driver's reason), or (None, None) when neither pycuda nor cuda-python imports."""
     try:
-        import pycuda.driver as driver
-    except Exception:
-        driver = None
-    if driver is not None:
-        try:
-            driver.init()
-            if driver.Device.count() == 0:
-                return None, "the driver sees no CUDA device"
-            return f"GPU 0 {driver.Device(0).name()}", None
-        except Exception as e:  # pycuda.driver.Error: "cuInit failed: no CUDA-capable device is detected"
-            return None, one_line(e)
-    try:
-        from cuda.bindings import driver as bindings
-    except Exception:
-        try:
-            from cuda import cuda as bindings  # cuda-python before 12.6
-        except Exception:
-            return None, None
-    try:
-        (status,) = bindings.cuInit(0)
-        if status != bindings.CUresult.CUDA_SUCCESS:
-            return None, f"cuInit: {status.name}"
-        status, count = bindings.cuDeviceGetCount()
-        if status != bindings.CUresult.CUDA_SUCCESS or count == 0:
-            return None, "the driver sees no CUDA device"
-        status, name = bindings.cuDeviceGetName(256, 0)
-        return "GPU 0 " + bytes(name).split(b"\0", 1)[0].decode(errors="replace"), None
-    except Exception as e:  # no libcuda.so at all: cuda-python says so when first called
-        return None, one_line(e)
-
-
-def one_line(error: BaseException) -> str:
-    text = " ".join(str(error).split())
-    return (text[:200] + " …") if len(text) > 200 else text or type(error).__name__
-
-
-def pycuda_check(cfg: Config) -> Check:
-    version = module_version("pycuda")
-    if version is not None:
-        return Check("pycuda", "ok", version)
-    cuda_python = module_version("cuda.bindings")  # edgemm.engines.cuda prefers it to pycuda
-    if cuda_python is not None:
-        return Check("pycuda", "ok", f"not installed; cuda-python {cuda_python} is used instead")
-    return Check("pycuda", needed(needs_tensorrt(cfg)),
-                 f"neither cuda-python nor pycuda is importable: pip install 'edgemm[tensorrt]' ({why_needed(cfg)})")
+        cuda = load_cuda()
+        device = cuda.device_info(0) if cuda.device_count() > 0 else None
+    except CudaMissing as e:  # neither binding is installed: nothing can initialise a device
+        return [Check("cuda", level, (f"{toolkit}, but " if toolkit else "not found, and ")
+                      + f"no cuda-python or pycuda to initialise a device ({why})"),
+                Check("cuda binding", binding_level, f"{e} ({why_needed(cfg)})")]
+    except CudaError as e:
+        installed = installed_bindings()
+        return [Check("cuda", level, f"no device initialised: {one_line(str(e))}"
+                      + (f" ({toolkit}; {why})" if toolkit else f" ({why})")),
+                Check("cuda binding", binding_level,
+                      f"{', '.join(installed)} installed, but "
+                      + ("neither started" if len(installed) > 1 else "it did not start")
+                      + f" CUDA (the cuda line says why; {why_needed(cfg)})")]
+    binding = Check("cuda binding", "ok", f"{cuda.name} started CUDA")
+    if device is None:
+        return [Check("cuda", level, f"the driver sees no CUDA device through {cuda.name} ({why})"), binding]
+    kind = "integrated" if device.integrated else "discrete"
+    return [Check("cuda", "ok", f"GPU 0 {device.name} (compute {device.compute_capability}, {kind}) through "
+                                f"{cuda.name}" + (f", {toolkit}" if toolkit else "")), binding]
 
 
 def gstreamer_check(cfg: Config) -> Check:

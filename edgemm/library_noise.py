@@ -20,6 +20,10 @@ once when `edgemm infer`, `stream` or `serve` starts:
   so `faulthandler` is enabled on the kept descriptor: its traceback still reaches the
   journal.
 
+TensorRT would lose its messages here too (its stock trt.Logger writes to fd 2), so edgemm
+gives it a logger of its own (edgemm.engines.platform.trt_log) that writes them through
+Python's `edgemm` logger instead.
+
 With EDGEMM_DEBUG=1 none of this happens: the libraries say everything they say.
 """
 from __future__ import annotations

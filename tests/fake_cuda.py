@@ -49,6 +49,7 @@ class CUresult(enum.IntEnum):
     CUDA_ERROR_NOT_INITIALIZED = 3
     CUDA_ERROR_NO_DEVICE = 100
     CUDA_ERROR_INVALID_VALUE = 1
+    CUDA_ERROR_SYSTEM_DRIVER_MISMATCH = 803  # the binding and the driver are of different CUDA majors
 
 
 class CUdevice_attribute(enum.IntEnum):

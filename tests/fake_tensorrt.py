@@ -7,7 +7,9 @@ It builds and runs for real, in its own way: the parser reads the ONNX graph's i
 outputs and nodes; the builder checks the optimisation profiles as TensorRT does (every
 dynamic input profiled, min <= opt <= max, static on a DLA) and writes a JSON "plan"; an
 execution context runs the graph with onnxruntime on the bytes at the addresses it was
-given (tests/fake_cuda.Memory), so an answer through the fake is an answer.
+given (tests/fake_cuda.Memory), so an answer through the fake is an answer. Where TensorRT
+logs, the fake logs to the ILogger it was given, as TensorRT does: errors when a build,
+deserialisation or execution fails, warnings for layers that fall back from a DLA to the GPU.
 
 Every public attribute read on the module, a class or an instance is recorded in `used`
 as (class name, attribute) — ('', name) for the module — so the surface check knows what
@@ -19,6 +21,7 @@ import base64
 import enum
 import hashlib
 import json
+import os
 import types
 from pathlib import Path
 
@@ -101,10 +104,12 @@ class FakeTensorRT(types.ModuleType):
         self.DeviceType = _enum("DeviceType", {"GPU": 0, "DLA": 1})
         self.MemoryPoolType = _enum("MemoryPoolType", {"WORKSPACE": 0})
         severity = _enum("Severity", {"INTERNAL_ERROR": 0, "ERROR": 1, "WARNING": 2, "INFO": 3, "VERBOSE": 4})
-        for cls in (Logger, Runtime, Builder, OnnxParser, IBuilderConfig, INetworkDefinition, ILayer, ITensor,
+        for cls in (ILogger, Logger, Runtime, Builder, OnnxParser, IBuilderConfig, INetworkDefinition, ILayer, ITensor,
                     IOptimizationProfile, ITimingCache, IHostMemory, ICudaEngine, IExecutionContext):
             setattr(self, cls.__name__, type(cls.__name__, (cls,), {"_trt": fake}))
-        for level in severity:
+        self._severity = severity  # for the fake's own logging: item access is not recorded as a use
+        for level in severity:  # ILogger.WARNING … as the real bindings have them (Logger inherits them)
+            setattr(self.ILogger, level.name, level)
             setattr(self.Logger, level.name, level)
         if major < 11:  # TensorRT 11 removed implicit quantisation and its calibrators
             self.IInt8EntropyCalibrator2 = type("IInt8EntropyCalibrator2", (IInt8EntropyCalibrator2,), {})
@@ -120,9 +125,40 @@ class FakeTensorRT(types.ModuleType):
         return table[trt_type.name]
 
 
-class Logger(_Object):
+class ILogger(_Object):
+    """The interface TensorRT logs through; a Python subclass overrides log() and, like any
+    pybind11 subclass, must call ILogger.__init__ for the C++ half to exist."""
+
+    def __init__(self):
+        self._constructed = True
+
+    def log(self, severity, msg):
+        raise RuntimeError('Tried to call pure virtual function "ILogger::log"')
+
+
+def _logger(logger) -> "ILogger":
+    """What pybind11 does with a logger argument: refuse anything but a constructed ILogger."""
+    if not isinstance(logger, ILogger):
+        raise TypeError("__init__(): incompatible constructor arguments (a tensorrt.ILogger is expected)")
+    if not object.__getattribute__(logger, "__dict__").get("_constructed"):
+        raise TypeError(f"{type(logger).__name__}.__init__() must be called when overriding __init__")
+    return logger
+
+
+def _say(trt, logger, severity: str, msg: str) -> None:
+    logger.log(trt._severity[severity], msg)
+
+
+class Logger(ILogger):
+    """TensorRT's own logger: it writes from C++ to file descriptor 2."""
+
     def __init__(self, min_severity=None):
+        super().__init__()
         self.min_severity = min_severity
+
+    def log(self, severity, msg):
+        if self.min_severity is None or int(severity) <= int(self.min_severity):
+            os.write(2, f"[TRT] {msg}\n".encode())
 
 
 class IInt8EntropyCalibrator2(_Object):
@@ -195,6 +231,7 @@ class ITensor(_Object):
 class OnnxParser(_Object):
     def __init__(self, network, logger):
         self._network, self._errors, self._flags = network, [], set()
+        self._logger = _logger(logger)
 
     def set_flag(self, flag):
         self._flags.add(flag.name)
@@ -296,7 +333,12 @@ class IBuilderConfig(_Object):
 
 class Builder(_Object):
     def __init__(self, logger):
-        self._log: list[str] = []
+        self._logger = _logger(logger)
+
+    def _error(self, msg: str):
+        """What TensorRT does where a build fails: log the reason, return None."""
+        _say(self._trt, self._logger, "ERROR", f"IBuilder::buildSerializedNetwork: Error Code 4: {msg}")
+        return None
 
     def create_network(self, flags=0):
         return self._trt.INetworkDefinition(flags)
@@ -313,31 +355,37 @@ class Builder(_Object):
         typed = "STRONGLY_TYPED" in trt.NetworkDefinitionCreationFlag.__members__ and \
             network._flags & (1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
         if typed and config._flags & {"FP16", "INT8"}:
-            return None  # precision flags are an error on a strongly typed network
+            return self._error("precision flags are not allowed on a strongly typed network")
         on_dla = config._device_type is not None and config._device_type.name == "DLA"
         if on_dla and config._dla_core < 0:
-            return None
+            return self._error("the default device is the DLA, but no DLA core is set")
         if on_dla and "INT8" in config._flags and not _has_qdq(network) and config._calibrator is None:
-            return None  # implicit INT8 on a DLA without scales
+            return self._error("INT8 on the DLA needs scales: no Q/DQ nodes and no calibrator")
         profiles = []
         for profile in config._profiles:
             for name, spec in network._inputs.items():
                 if name not in profile._shapes:
                     if any(d < 0 for d in spec["shape"]):
-                        return None  # a dynamic input without a profile
+                        return self._error(f"Network has dynamic or shape inputs, but no optimization profile "
+                                           f"has been defined for {name}.")
                     continue
                 low, opt, high = profile._shapes[name]
                 if not (len(low) == len(opt) == len(high) == len(spec["shape"])):
-                    return None
+                    return self._error(f"{name}: the profile's dimensions do not match the input's rank")
                 if any(not (a <= b <= c) for a, b, c in zip(low, opt, high)):
-                    return None
+                    return self._error(f"{name}: the profile's dimensions are not min <= opt <= max")
                 if any(d >= 0 and not (a == b == c == d) for d, a, b, c in zip(spec["shape"], low, opt, high)):
-                    return None
+                    return self._error(f"{name}: the profile's dimensions differ from the input's static ones")
                 if on_dla and low != high:
-                    return None  # a DLA takes static shapes only
+                    return self._error(f"{name}: DLA only supports static shapes: min, opt and max must be equal")
             profiles.append({n: list(s) for n, s in profile._shapes.items()})
         if not profiles and any(d < 0 for s in network._inputs.values() for d in s["shape"]):
-            return None
+            return self._error("Network has dynamic or shape inputs, but no optimization profile has been defined.")
+        if on_dla:
+            for layer in network._layers:
+                if layer._op == "Gather":  # what can_run_on_DLA refuses; with GPU_FALLBACK, TensorRT says so
+                    _say(trt, self._logger, "WARNING", f"Layer '{layer.name}' ({layer._op.upper()}): Unsupported "
+                                                       "on DLA. Switching this layer's device type to GPU.")
         if on_dla:  # a static plan: the profile's shapes are the tensors' shapes
             inputs = {n: {**s, "shape": profiles[0][n][0] if n in profiles[0] else s["shape"]}
                       for n, s in network._inputs.items()}
@@ -361,7 +409,10 @@ def _has_qdq(network) -> bool:
 
 class Runtime(_Object):
     def __init__(self, logger):
+        self._logger = _logger(logger)
         if self._trt._runtime_fails:
+            _say(self._trt, logger, "ERROR", "6: CUDA initialization failure with error: 35. Please check your "
+                                             "CUDA installation.")
             raise TypeError("pybind11::init(): factory function returned nullptr")
         self._dla_core = -1
 
@@ -373,22 +424,31 @@ class Runtime(_Object):
 
     def deserialize_cuda_engine(self, serialized_engine):
         """None, like TensorRT, for another release's plan, or a DLA plan without its core."""
+        trt = self._trt
         try:
             plan = json.loads(bytes(serialized_engine))
         except ValueError:
-            return None
-        if plan["version"] != self._trt.__version__:
-            return None
-        if plan["dla_core"] is not None and self._dla_core >= self._trt._dla_cores:
-            return None
-        engine = self._trt.ICudaEngine(plan, self._dla_core)
+            return self._error("Serialization (Serialization assertion magicTagRead == kMAGIC_TAG failed.Magic tag "
+                               "does not match)")
+        if plan["version"] != trt.__version__:
+            return self._error(f"Serialization (Serialization assertion stdVersionRead == kSERIALIZATION_VERSION "
+                               f"failed.Version tag does not match. Note: Current Version: {trt.__version__}, "
+                               f"Serialized Engine Version: {plan['version']})")
+        if plan["dla_core"] is not None and self._dla_core >= trt._dla_cores:
+            return self._error(f"Internal Error (DLA core {self._dla_core} is not available: "
+                               f"the device has {trt._dla_cores})")
+        engine = self._trt.ICudaEngine(plan, self._dla_core, self._logger)
         self._trt._loaded.append(engine)
         return engine
 
+    def _error(self, msg: str):
+        _say(self._trt, self._logger, "ERROR", f"IRuntime::deserializeCudaEngine: Error Code 1: {msg}")
+        return None
+
 
 class ICudaEngine(_Object):
-    def __init__(self, plan: dict, dla_core: int):
-        self._plan, self._dla_core_at_load = plan, dla_core
+    def __init__(self, plan: dict, dla_core: int, logger):
+        self._plan, self._dla_core_at_load, self._logger = plan, dla_core, logger
         self._names = list(plan["inputs"]) + list(plan["outputs"])
         self._fail_context = False
 
@@ -482,6 +542,8 @@ class IExecutionContext(_Object):
     def execute_async_v3(self, stream_handle):
         trt = self._engine._trt
         if trt._execute_fails:
+            _say(trt, self._engine._logger, "ERROR", "IExecutionContext::enqueueV3: Error Code 1: Cuda Runtime "
+                                                     "(an illegal memory access was encountered)")
             return False
         results = self._compute()
         for name, value in results.items():

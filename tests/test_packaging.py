@@ -173,6 +173,20 @@ def test_with_a_gstreamer_opencv_a_csi_pipeline_gets_past_the_check_and_runs():
 
 # ---- onnx and onnxruntime agree on the IR version --------------------------------------
 
+@pytest.mark.parametrize("extras, admitted, refused", [
+    (("jetson", "tensorrt"), "12.9.0", "13.0.0"),  # JetPack 6: cuda-bindings 13 needs a CUDA 13 driver
+    (("jetpack7", "tensorrt"), "13.0.0", "12.9.0")])
+def test_each_jetpacks_install_gets_the_cuda_bindings_of_its_driver(extras, admitted, refused):
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    from packaging.requirements import Requirement
+    optional = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    specifiers = [Requirement(r).specifier for extra in extras for r in optional[extra]
+                  if Requirement(r).name == "cuda-bindings"]
+    assert specifiers and all(s.contains(admitted) for s in specifiers)
+    assert not all(s.contains(refused) for s in specifiers)
+    assert f"[{','.join(extras)}]" in (REPO / "README.md").read_text()  # the install steps name these extras
+
+
 def test_the_installed_onnx_writes_an_ir_version_the_installed_onnxruntime_reads(tmp_path):
     """The tools save graphs with this onnx; onnxruntime must load them. pyproject.toml bounds onnx
     where the newest onnxruntime is older (Python 3.10: onnxruntime 1.23 reads IR <= 11)."""

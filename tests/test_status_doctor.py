@@ -111,7 +111,7 @@ def test_doctor_on_an_orin_nx(tmp_path, socket_config):
     for name in ("python", "dla", "power rails", "thermal zones", "GPU load", "power mode", "camera",
                  "socket directory"):
         assert checks[name] == "ok", (name, result.output)
-    assert {"tensorrt", "cuda", "pycuda", "opencv gstreamer", "engines"} <= set(checks)
+    assert {"tensorrt", "cuda", "cuda binding", "opencv gstreamer", "engines"} <= set(checks)
     assert "ok    dla: 2 cores" in lines
 
 
@@ -178,7 +178,7 @@ def doctor_checks(tmp_path, config: dict, *args: str) -> tuple[int, dict]:
 
 @pytest.mark.skipif(edgemm.doctor.module_version("tensorrt") is not None, reason="TensorRT is installed here")
 def test_doctor_fails_a_dla_and_gpu_placement_without_tensorrt(tmp_path, socket_config):
-    agx_orin(tmp_path / "root")  # two DLA cores: only TensorRT, pycuda, the device and the engines are missing
+    agx_orin(tmp_path / "root")  # two DLA cores: only TensorRT, CUDA, the device and the engines are missing
     code, checks = doctor_checks(tmp_path, {**socket_config, **README_PLACEMENT})
     assert code == 3
     assert checks["dla"]["level"] == "ok"
@@ -215,6 +215,36 @@ def test_doctor_finds_the_engines_placement_needs(tmp_path, socket_config, monke
     assert "TensorRT engines are int8 or fp16" in doctor_checks(tmp_path, fp32)[1]["engines"]["detail"]
 
 
+def test_doctor_starts_cuda_as_the_runtime_does(tmp_path, socket_config, monkeypatch):
+    import trt_harness
+    (tmp_path / "root").mkdir()
+    gpu = {**socket_config, "placement": {"decoder": ["gpu", "cpu"]}}
+    # both bindings installed, pycuda sees no device: the runtime uses cuda-python, which does
+    monkeypatch.setattr(edgemm.doctor.ctypes.util, "find_library", lambda name: None)  # no toolkit either
+    trt_harness.install(monkeypatch, "10.3.0", cuda="both", pycuda_devices=0)
+    code, checks = doctor_checks(tmp_path, gpu)
+    assert checks["cuda"]["level"] == "ok" and checks["cuda"]["detail"].startswith(
+        "GPU 0 Orin (compute 8.7, integrated) through cuda-python 12.9.fake"), checks["cuda"]
+    assert checks["cuda binding"] == {"name": "cuda binding", "level": "ok",
+                                      "detail": "cuda-python 12.9.fake started CUDA"}
+    # a cuda-python that cannot start the driver: the runtime falls back to pycuda, and so does doctor
+    trt_harness.install(monkeypatch, "10.3.0", cuda="both",
+                        fail={"cuInit": trt_harness.fake_cuda.CUresult.CUDA_ERROR_SYSTEM_DRIVER_MISMATCH})
+    checks = doctor_checks(tmp_path, gpu)[1]
+    assert checks["cuda"]["level"] == "ok" and "through pycuda 2024.1.fake" in checks["cuda"]["detail"]
+    # neither starts it: the runtime's one line, both reasons
+    trt_harness.install(monkeypatch, "10.3.0", cuda="both", pycuda_devices=0,
+                        fail={"cuInit": trt_harness.fake_cuda.CUresult.CUDA_ERROR_SYSTEM_DRIVER_MISMATCH})
+    code, checks = doctor_checks(tmp_path, gpu)
+    assert code == 3 and checks["cuda"] == {"name": "cuda", "level": "fail", "detail": (
+        "no device initialised: cuda-python 12.9.fake: CUDA cuInit failed: CUDA_ERROR_SYSTEM_DRIVER_MISMATCH "
+        "(system driver mismatch); pycuda: CUDA (pycuda) init failed: cuInit failed: no CUDA-capable device is "
+        "detected (needed for gpu/dla placement and providers cuda/tensorrt)")}
+    assert checks["cuda binding"] == {"name": "cuda binding", "level": "fail", "detail": (
+        "cuda-python 12.9.fake, pycuda 2024.1.fake installed, but neither started CUDA (the cuda line says why; "
+        "placement lists gpu)")}
+
+
 def test_doctor_cuda_says_whether_a_device_initialised(tmp_path, socket_config, monkeypatch):
     (tmp_path / "root").mkdir()
     gpu = {**socket_config, "placement": {"decoder": ["gpu", "cpu"]}}
@@ -237,5 +267,6 @@ def test_doctor_cuda_says_whether_a_device_initialised(tmp_path, socket_config, 
     monkeypatch.setitem(sys.modules, "pycuda.driver", driver)
     checks = doctor_checks(tmp_path, gpu)[1]
     assert checks["cuda"] == {"name": "cuda", "level": "fail", "detail": checks["cuda"]["detail"]}
-    assert checks["cuda"]["detail"].startswith("no device initialised: cuInit failed: no CUDA-capable device")
+    assert checks["cuda"]["detail"].startswith("no device initialised: ")  # after cuda-python's reason, if installed
+    assert "CUDA (pycuda) init failed: cuInit failed: no CUDA-capable device" in checks["cuda"]["detail"]
     assert doctor_checks(tmp_path, socket_config)[1]["cuda"]["level"] == "warn"  # cpu placement: not needed

@@ -6,7 +6,9 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import itertools
+import logging
 import re
+import sys
 import threading
 import time
 
@@ -20,6 +22,7 @@ from edgemm.config import load_config
 from edgemm.engines.build import BuildRequest, build_engines, decoder_profiles, _input_dims
 from edgemm.engines.cuda import CudaError, load_cuda
 from edgemm.engines.manifest import read_manifest
+import edgemm.engines.build
 from edgemm.engines.platform import probe
 from edgemm.errors import EngineError
 from edgemm.model.manifest import load_manifest
@@ -207,7 +210,8 @@ def test_cuda_without_a_driver_falls_back_to_the_cpu(monkeypatch, tmp_path):
     rt = h.runtime(tmp_path)
     assert rt.devices == {"vision_encoder": "cpu", "embed_tokens": "cpu", "decoder": "cpu"}
     reason = rt.placement_report()["decoder"]["skipped"][0]["reason"]
-    assert reason.startswith("CUDA did not start (cuInit): \"cuda\" is an NVIDIA driver library") and "\n" not in reason
+    assert reason.startswith("cuda-python 12.9.fake: CUDA did not start (cuInit): \"cuda\" is an NVIDIA driver library")
+    assert reason.endswith("; pycuda: not installed") and "\n" not in reason
 
 
 def test_no_visible_device_is_said_in_one_line(monkeypatch):
@@ -222,15 +226,37 @@ def test_pycuda_without_a_device_is_a_cuda_error(monkeypatch):
         load_cuda()
 
 
+def test_cuda_python_that_cannot_start_the_driver_falls_back_to_pycuda(monkeypatch):
+    # e.g. cuda-bindings 13 on JetPack 6's CUDA 12 driver, where JetPack's pycuda works
+    h.install(monkeypatch, "10.3.0", cuda="both", fail={"cuInit": CUresult.CUDA_ERROR_SYSTEM_DRIVER_MISMATCH})
+    cuda = load_cuda()
+    assert cuda.name == "pycuda 2024.1.fake" and cuda.device_info(0).name == "Orin"
+
+
+@pytest.mark.parametrize("pycuda, its_reason", [
+    ("installed", "pycuda: CUDA (pycuda) init failed: cuInit failed: no CUDA-capable device is detected"),
+    ("missing", "pycuda: not installed")])
+def test_when_neither_binding_starts_cuda_one_line_names_both_reasons(monkeypatch, pycuda, its_reason):
+    h.install(monkeypatch, "10.3.0", cuda="both", pycuda_devices=0,
+              fail={"cuInit": CUresult.CUDA_ERROR_SYSTEM_DRIVER_MISMATCH})
+    if pycuda == "missing":
+        monkeypatch.setitem(sys.modules, "pycuda", None)
+        monkeypatch.setitem(sys.modules, "pycuda.driver", None)
+    with pytest.raises(CudaError) as raised:
+        load_cuda()
+    assert str(raised.value) == ("cuda-python 12.9.fake: CUDA cuInit failed: "
+                                 f"CUDA_ERROR_SYSTEM_DRIVER_MISMATCH (system driver mismatch); {its_reason}")
+
+
 def test_tensorrt_runtime_that_will_not_start_falls_back(monkeypatch, tmp_path):
     fakes = h.install(monkeypatch, "10.3.0")
     h.build(tmp_path)
     fakes.trt._runtime_fails = True
     rt = h.runtime(tmp_path, decoder=["gpu", "cpu"])
     assert rt.devices["decoder"] == "cpu"
-    assert rt.placement_report()["decoder"]["skipped"] == [{"device": "gpu", "reason": (
-        "TensorRT 10.3.0 could not start its runtime (CUDA unusable?): "
-        "pybind11::init(): factory function returned nullptr")}]
+    assert rt.placement_report()["decoder"]["skipped"] == [{"device": "gpu", "reason": (  # what TensorRT logged
+        "TensorRT 10.3.0 could not start its runtime: 6: CUDA initialization failure with error: 35. "
+        "Please check your CUDA installation.")}]
 
 
 def test_out_of_device_memory_is_an_engine_error(monkeypatch, tmp_path):
@@ -272,9 +298,61 @@ def test_a_plan_of_another_release_is_refused_with_the_rebuild_command(monkeypat
     fakes.trt.__version__ = "10.3.1"  # same manifest check, but the plan itself says 10.3.0
     backend = TensorRTBackend(dataclasses.replace(probe(), tensorrt="10.3.0"), tmp_path, h.MODEL_DIR, "tiny-vlm",
                               ["low", "mid", "high"])
-    with pytest.raises(EngineError, match=r"could not deserialise .*embed_tokens\.gpu\.int8\.plan .*rebuild with: "
+    with pytest.raises(EngineError, match=r"could not deserialise .*embed_tokens\.gpu\.int8\.plan: .*rebuild with: "
                                           r"edgemm engines build"):
         backend.load_component("embed_tokens", "gpu", "int8")
+
+
+def test_tensorrts_own_reason_is_in_the_engine_error_and_in_the_edgemm_log(monkeypatch, tmp_path, caplog):
+    # its stock trt.Logger writes to fd 2, which infer, stream and serve point at /dev/null
+    h.install(monkeypatch, "10.3.0")
+    h.build(tmp_path, components=["embed_tokens"])
+    fakes = h.install(monkeypatch, "10.3.0")
+    fakes.trt.__version__ = "10.3.1"
+    backend = TensorRTBackend(dataclasses.replace(probe(), tensorrt="10.3.0"), tmp_path, h.MODEL_DIR, "tiny-vlm",
+                              ["low", "mid", "high"])
+    theirs = ("IRuntime::deserializeCudaEngine: Error Code 1: Serialization (Serialization assertion "
+              "stdVersionRead == kSERIALIZATION_VERSION failed.Version tag does not match. Note: Current Version: "
+              "10.3.1, Serialized Engine Version: 10.3.0)")
+    with caplog.at_level(logging.WARNING, logger="edgemm"):
+        with pytest.raises(EngineError) as raised:
+            backend.load_component("embed_tokens", "gpu", "int8")
+    assert str(raised.value) == (f"TensorRT 10.3.0 could not deserialise {tmp_path / 'embed_tokens.gpu.int8.plan'}: "
+                                 f"{theirs}; rebuild with: {raised.value.args[0].split('rebuild with: ')[1]}")
+    assert "\n" not in str(raised.value)
+    assert [(r.name, r.levelno, r.getMessage()) for r in caplog.records] == [
+        ("edgemm", logging.ERROR, f"TensorRT: {theirs}")]
+
+
+def test_a_failed_execution_says_tensorrts_reason(monkeypatch, tmp_path, caplog):
+    fakes = h.install(monkeypatch, "10.3.0")
+    h.build(tmp_path, components=["embed_tokens"])
+    embed = TensorRTBackend.for_model(load_manifest(h.MODEL_DIR), tmp_path).load_component("embed_tokens", "gpu",
+                                                                                           "int8")
+    fakes.trt._execute_fails = True
+    with pytest.raises(EngineError) as raised:
+        embed.run({"input_ids": np.ones((1, 3), np.int64)})
+    assert str(raised.value) == ("embed_tokens.gpu.int8.plan: TensorRT execution failed: IExecutionContext::enqueueV3: "
+                                 "Error Code 1: Cuda Runtime (an illegal memory access was encountered)")
+    fakes.trt._execute_fails = False  # the reason is the last error of this call, not a stale one
+    embed.run({"input_ids": np.ones((1, 3), np.int64)})
+    monkeypatch.setattr(fakes.trt.IExecutionContext, "execute_async_v3", lambda self, stream_handle: False)
+    with pytest.raises(EngineError, match=r"execution failed \(TensorRT logged no reason\)$"):
+        embed.run({"input_ids": np.ones((1, 3), np.int64)})
+
+
+def test_dla_fallback_warnings_and_build_errors_reach_the_edgemm_log(monkeypatch, tmp_path, caplog):
+    h.install(monkeypatch, "10.3.0")
+    with caplog.at_level(logging.WARNING, logger="edgemm"):
+        h.build(tmp_path, "dla0", components=["vision_encoder"], tiers=["low"])
+    assert any(r.levelno == logging.WARNING and "Unsupported on DLA. Switching this layer's device type to GPU"
+               in r.getMessage() for r in caplog.records), caplog.records
+    monkeypatch.setattr(edgemm.engines.build, "decoder_profiles", lambda *a, **k: [])
+    with pytest.raises(EngineError) as raised:
+        h.build(tmp_path, "gpu", components=["decoder"])
+    assert str(raised.value) == ("TensorRT could not build decoder.gpu.int8.plan: IBuilder::buildSerializedNetwork: "
+                                 "Error Code 4: Network has dynamic or shape inputs, but no optimization profile has "
+                                 "been defined.")
 
 
 def test_a_shape_no_engine_accepts_is_refused(monkeypatch, tmp_path):
@@ -332,7 +410,7 @@ def test_fake_cuda_python_driver_has_the_real_names(monkeypatch):
         ours = getattr(fake, name).__code__.co_varnames[:getattr(fake, name).__code__.co_argcount]
         theirs = getattr(real, name).__doc__.splitlines()[0].split("(", 1)[1].rstrip(")")
         assert [p.split(":")[0].split()[-1] for p in theirs.split(", ") if p] == list(ours), name
-    for member in ("CUDA_SUCCESS", "CUDA_ERROR_OUT_OF_MEMORY", "CUDA_ERROR_NO_DEVICE", "CUDA_ERROR_INVALID_VALUE"):
+    for member in CUresult.__members__:
         assert int(getattr(real.CUresult, member)) == int(getattr(CUresult, member))
     for member in h.fake_cuda.CUdevice_attribute:
         assert int(getattr(real.CUdevice_attribute, member.name)) == int(member)
@@ -384,7 +462,7 @@ def test_infer_and_status_json_say_why_a_gpu_placement_answered_on_the_cpu(monke
     assert result.exit_code == 0, result.output
     answer = json.loads(result.stdout)
     assert answer["devices"] == {"encode": "cpu", "decode": "cpu"} and answer["answer"]
-    why = "gpu: CUDA did not start (cuInit): cuInit: no CUDA driver"
+    why = "gpu: cuda-python 12.9.fake: CUDA did not start (cuInit): cuInit: no CUDA driver; pycuda: not installed"
     assert answer["schedule"]["placement"] == f"vision_encoder on cpu ({why}); decoder on cpu ({why})"
     rt = h.runtime(tmp_path / "engines", embed_tokens=["cpu"])
     report = components(rt)
@@ -415,9 +493,11 @@ def test_hil_check_reports_cuda_that_will_not_start(monkeypatch, tmp_path, capsy
     code = _hil_check().main([str(h.MODEL_DIR), "--engines", str(tmp_path), *HIL_ARGS])
     report = json.loads(capsys.readouterr().out)
     assert code == 1 and report["ok"] is False
-    assert report["platform"] == {"error": "CUDA did not start (cuInit): cuInit: no CUDA driver"}
+    assert report["platform"] == {"error": "cuda-python 12.9.fake: CUDA did not start (cuInit): cuInit: no CUDA driver; "
+                                           "pycuda: not installed"}
     assert report["placement"]["decoder"]["device"] == "cpu"
-    assert report["placement"]["decoder"]["skipped"][0]["reason"].startswith("CUDA did not start (cuInit)")
+    assert report["placement"]["decoder"]["skipped"][0]["reason"].startswith(
+        "cuda-python 12.9.fake: CUDA did not start (cuInit)")
     assert report["kv_memory"] == {"skipped": "the decoder runs on cpu (CPUExecutionProvider), not on TensorRT"}
 
 

@@ -29,25 +29,37 @@ class Fakes:
 
 
 def install(monkeypatch, version: str = "10.3.0", cuda: str = "cuda-python", integrated: bool = True,
-            dla_cores: int = 2, **driver_options) -> Fakes:
-    """Put the fakes where `import tensorrt` and edgemm.engines.cuda look for them."""
+            dla_cores: int = 2, pycuda_devices: int = 1, **driver_options) -> Fakes:
+    """Put the fakes where `import tensorrt` and edgemm.engines.cuda look for them. `cuda`:
+    "cuda-python", "pycuda", or "both" (driver_options go to cuda-python; pycuda sees
+    `pycuda_devices`, one by default)."""
     memory = fake_cuda.Memory()
     trt = FakeTensorRT(version, memory, dla_cores)
     monkeypatch.setitem(sys.modules, "tensorrt", trt)
-    if cuda == "cuda-python":
+    if cuda in ("cuda-python", "both"):
         driver = fake_cuda.cuda_python(memory, integrated=integrated, **driver_options)
         package = types.ModuleType("cuda.bindings")
         package.__version__, package.driver = "12.9.fake", driver
         monkeypatch.setitem(sys.modules, "cuda.bindings", package)
         monkeypatch.setitem(sys.modules, "cuda.bindings.driver", driver)
+        if cuda == "both":
+            pycuda = fake_cuda.pycuda(memory, integrated=integrated, devices=pycuda_devices)
+            monkeypatch.setitem(sys.modules, "pycuda", _pycuda_package(pycuda, monkeypatch))
+        else:  # not installed, whatever this machine has: a failed cuda-python falls back to pycuda
+            monkeypatch.setitem(sys.modules, "pycuda", None)
+            monkeypatch.setitem(sys.modules, "pycuda.driver", None)
     else:
         driver = fake_cuda.pycuda(memory, integrated=integrated, **driver_options)
-        package = types.ModuleType("pycuda")
-        package.__version__, package.driver = "2024.1.fake", driver
         monkeypatch.setitem(sys.modules, "cuda.bindings.driver", None)  # not installed: ImportError
-        monkeypatch.setitem(sys.modules, "pycuda", package)
-        monkeypatch.setitem(sys.modules, "pycuda.driver", driver)
+        monkeypatch.setitem(sys.modules, "pycuda", _pycuda_package(driver, monkeypatch))
     return Fakes(trt, memory, driver)
+
+
+def _pycuda_package(driver: types.ModuleType, monkeypatch) -> types.ModuleType:
+    package = types.ModuleType("pycuda")
+    package.__version__, package.driver = "2024.1.fake", driver
+    monkeypatch.setitem(sys.modules, "pycuda.driver", driver)
+    return package
 
 
 def build(out: Path, device: str = "gpu", precision: str = "int8", model_dir: Path = MODEL_DIR, **options):

@@ -38,8 +38,8 @@ import numpy as np
 from edgemm.backends.base import RunStats, TensorSpec
 from edgemm.engines.manifest import EngineEntry, rebuild_command, select_engines
 from edgemm.engines.cuda import Cuda, CudaError
-from edgemm.engines.platform import (Platform, dla_core, import_cuda, import_tensorrt, probe, require_device,
-                                     trt_runtime)
+from edgemm.engines.platform import (Platform, TrtLog, dla_core, import_cuda, import_tensorrt, probe,
+                                     require_device, trt_log, trt_runtime)
 from edgemm.errors import BackendError, EngineError
 
 log = logging.getLogger("edgemm")
@@ -85,8 +85,9 @@ class _Profile:
 class _Engine:
     """One deserialised plan: its context, stream, profiles and reusable buffers."""
 
-    def __init__(self, trt, cuda: Cuda, engine, runtime, path: Path, zero_copy: bool):
+    def __init__(self, trt, cuda: Cuda, engine, runtime, path: Path, zero_copy: bool, trt_logging: TrtLog):
         self.trt, self.cuda, self.engine, self.path = trt, cuda, engine, path
+        self.trt_log = trt_logging
         self._runtime = runtime  # the engine must not outlive its runtime
         self.context = engine.create_execution_context()
         if self.context is None:
@@ -153,8 +154,11 @@ class _Engine:
             shapes[name] = tuple(ctx.get_tensor_shape(name))
             nbytes = int(np.prod(shapes[name], dtype=np.int64)) * self.dtypes[name].itemsize
             ctx.set_tensor_address(name, self._buffer(name, nbytes).device_ptr)
+        self.trt_log.forget()
         if not ctx.execute_async_v3(stream.handle):
-            raise EngineError(f"{self.path.name}: TensorRT execution failed (its log above says why)")
+            reason = self.trt_log.last_error()
+            raise EngineError(f"{self.path.name}: TensorRT execution failed"
+                              + (f": {reason}" if reason else " (TensorRT logged no reason)"))
         for name in self.outputs:
             buffer = self.buffers[name]
             if not buffer.zero_copy:
@@ -225,7 +229,7 @@ class TensorRTBackend:
         self.cuda = import_cuda()
         self.platform = platform
         self.engines_dir, self.model_dir, self.model_name, self.tiers = engines_dir, model_dir, model_name, tiers
-        self.logger = self.trt.Logger(self.trt.Logger.WARNING)
+        self.trt_log = trt_log(self.trt)
         # the primary context is the one TensorRT's runtime API calls use too
         self.cuda_context = self.cuda.primary_context(0)
 
@@ -254,9 +258,10 @@ class TensorRTBackend:
         core = dla_core(entry.device) if entry is not None else None
         self.cuda_context.push()
         try:
-            runtime = trt_runtime(self.trt, self.logger)
+            runtime = trt_runtime(self.trt, self.trt_log)
             if core is not None:
                 runtime.DLA_core = core  # before deserialising: the plan's DLA loadable binds to it
+            self.trt_log.forget()
             try:
                 engine = runtime.deserialize_cuda_engine(path.read_bytes())
             except (TypeError, RuntimeError):  # some releases raise where others return None
@@ -264,8 +269,10 @@ class TensorRTBackend:
             if engine is None:
                 again = (rebuild_command(self.model_dir, self.engines_dir, entry.component, entry.device,
                                          entry.precision, entry.tier) if entry else "tools/build_engines.py")
-                raise EngineError(f"TensorRT {self.platform.tensorrt} could not deserialise {path} (built by "
-                                  f"another TensorRT or for another device?); rebuild with: {again}")
-            return _Engine(self.trt, self.cuda, engine, runtime, path, zero_copy=self.platform.integrated)
+                reason = self.trt_log.last_error()
+                raise EngineError(f"TensorRT {self.platform.tensorrt} could not deserialise {path}"
+                                  + (f": {reason}" if reason else " (built by another TensorRT or for another "
+                                                                  "device?)") + f"; rebuild with: {again}")
+            return _Engine(self.trt, self.cuda, engine, runtime, path, self.platform.integrated, self.trt_log)
         finally:
             self.cuda_context.pop()

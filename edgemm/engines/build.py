@@ -35,8 +35,8 @@ import onnx
 
 from edgemm.engines.manifest import (EngineEntry, EngineManifest, Profile, read_manifest, sha256,
                                      write_manifest, MANIFEST)
-from edgemm.engines.platform import (DEVICES, Platform, dla_core, import_tensorrt, probe, require_device,
-                                     version_tuple)
+from edgemm.engines.platform import (DEVICES, Platform, TrtLog, dla_core, import_tensorrt, probe,
+                                     require_device, trt_log, version_tuple)
 from edgemm.engines.qdq import translate_file
 from edgemm.errors import EngineError, InputError
 from edgemm.model.manifest import COMPONENTS, ModelManifest
@@ -321,20 +321,21 @@ class _Configured:
     config: object
     mode: str
     flags: list[str]
+    trt_log: TrtLog  # where TensorRT says why a build failed
 
 
 def _configure(trt, job: EngineJob, request: BuildRequest, tmp: Path, timing_cache: bytes) -> _Configured:
     mode = quantization_mode(job, trt.__version__)
     core = dla_core(job.device)
-    logger = trt.Logger(trt.Logger.WARNING)
-    builder = trt.Builder(logger)
+    logger = trt_log(trt)
+    builder = trt.Builder(logger.ilogger)
     flags: list[str] = []
     source, cache = job.onnx, None
     if mode == "calibration-cache":
         source, cache_path = tmp / "noqdq.onnx", tmp / "calibration.cache"
         translate_file(job.onnx, source, cache_path, trt.__version__)
         cache = cache_path.read_bytes()
-    network, parser = _network(trt, builder, logger, source, mode == "strongly-typed", core is not None)
+    network, parser = _network(trt, builder, logger.ilogger, source, mode == "strongly-typed", core is not None)
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, request.workspace_mib << 20)
     if mode == "strongly-typed":
@@ -364,7 +365,7 @@ def _configure(trt, job: EngineJob, request: BuildRequest, tmp: Path, timing_cac
         config.set_calibration_profile(profiles[0])
     timing = config.create_timing_cache(timing_cache)
     config.set_timing_cache(timing, ignore_mismatch=False)
-    return _Configured(builder, network, parser, config, mode, flags)
+    return _Configured(builder, network, parser, config, mode, flags, logger)
 
 
 def build_one(trt, job: EngineJob, request: BuildRequest, platform: Platform,
@@ -379,10 +380,12 @@ def build_one(trt, job: EngineJob, request: BuildRequest, platform: Platform,
         loadables = dla_loadables(network, config) if core is not None else 0
         boundaries = fp32_boundaries(trt, network) if core is not None and ready.mode == "strongly-typed" else []
         started = time.perf_counter()
+        ready.trt_log.forget()
         plan = ready.builder.build_serialized_network(network, config)
         seconds = time.perf_counter() - started
     if plan is None:
-        raise EngineError(f"TensorRT could not build {job.file} (its log above says why)")
+        raise EngineError(f"TensorRT could not build {job.file}: "
+                          + (ready.trt_log.last_error() or "TensorRT logged no reason"))
     path = request.out / job.file
     path.write_bytes(bytes(plan))
     entry = EngineEntry(

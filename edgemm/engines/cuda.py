@@ -4,7 +4,7 @@ copies of exact byte counts, streams.
 
 cuda-python (`cuda-bindings`, pip-installable, imports without a GPU) is the default;
 pycuda, where it is installed (JetPack builds it against its CUDA), goes through the same
-calls. Every failure — no driver, no device, out of memory — is a one-line CudaError
+calls, and is also tried when cuda-python imports but cannot start the driver. Every failure — no driver, no device, out of memory — is a one-line CudaError
 (an EngineError), so placement falls back to the next device instead of crashing.
 """
 from __future__ import annotations
@@ -18,12 +18,16 @@ import numpy as np
 
 from edgemm.errors import EngineError, one_line
 
-NO_CUDA = ("neither cuda-python nor pycuda is installed here: pip install 'edgemm[tensorrt]' "
-           "(cuda-bindings 12.x for JetPack 6, 13.x for JetPack 7)")
+NO_CUDA = ("neither cuda-python nor pycuda is installed here: pip install 'edgemm[jetson,tensorrt]' "
+           "on JetPack 6, 'edgemm[jetpack7,tensorrt]' on JetPack 7, else 'edgemm[tensorrt]'")
 
 
 class CudaError(EngineError):
     """CUDA refused: the driver did not start, no device, or an allocation or copy failed."""
+
+
+class CudaMissing(CudaError):
+    """Neither cuda-python nor pycuda imports: nothing here could start the driver."""
 
 
 @dataclass(frozen=True)
@@ -206,18 +210,46 @@ class PyCuda(Cuda):
 
 
 def load_cuda() -> Cuda:
-    """The driver started through cuda-python, else pycuda; CudaError when neither can start it."""
+    """The driver started through cuda-python, else pycuda; CudaError when neither can start it.
+
+    A cuda-python that imports may still not start the driver (a cuda-bindings of another CUDA
+    major than the driver's, say), while a pycuda built against the local CUDA would: so its
+    failure falls through to pycuda, and only when both fail is it an error, naming both."""
     try:
         driver = importlib.import_module("cuda.bindings.driver")
     except ImportError:
-        pass
+        first = None
     else:
-        return CudaPython(driver, _version("cuda.bindings"))
+        version = _version("cuda.bindings")
+        try:
+            return CudaPython(driver, version)
+        except CudaError as e:
+            first = f"cuda-python {version}: {e}"
     try:
         driver = importlib.import_module("pycuda.driver")
     except ImportError:
-        raise CudaError(NO_CUDA) from None
-    return PyCuda(driver, _version("pycuda"))
+        if first is None:
+            raise CudaMissing(NO_CUDA) from None
+        raise CudaError(f"{first}; pycuda: not installed") from None
+    try:
+        return PyCuda(driver, _version("pycuda"))
+    except CudaError as e:
+        if first is None:
+            raise
+        raise CudaError(f"{first}; pycuda: {e}") from None
+
+
+def installed_bindings() -> list[str]:
+    """The bindings that import here, in the order load_cuda tries them: ['cuda-python 12.9.0', …]."""
+    found = []
+    for name, driver, package in (("cuda-python", "cuda.bindings.driver", "cuda.bindings"),
+                                  ("pycuda", "pycuda.driver", "pycuda")):
+        try:
+            importlib.import_module(driver)
+        except ImportError:
+            continue
+        found.append(f"{name} {_version(package)}")
+    return found
 
 
 def _version(package: str) -> str:
