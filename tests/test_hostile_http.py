@@ -28,8 +28,8 @@ from edgemm.config import ConfigError, load_config
 from edgemm.openai_api import json_depth_exceeds, parse_json_body
 
 WAIT_S = 30  # bound for anything that should happen "now"; never a timing assumption
-SHORT = {"header_timeout_s": 0.5, "idle_timeout_s": 0.5, "request_timeout_s": 2.0, "max_header_bytes": 4096,
-         "encoder_batching": "off"}
+SHORT = {"header_timeout_s": 0.5, "idle_timeout_s": 0.5, "request_timeout_s": 2.0, "body_timeout_s": 1.0,
+         "max_header_bytes": 4096, "encoder_batching": "off"}
 
 
 # ---- helpers -----------------------------------------------------------------------------
@@ -83,6 +83,11 @@ def read_response(s: socket.socket) -> tuple[int, dict[str, str], bytes]:
     lines = head.decode("latin-1").split("\r\n")
     headers = dict(line.lower().split(": ", 1) for line in lines[1:])
     return int(lines[0].split()[1]), headers, body
+
+
+def phases(d) -> list[str]:
+    """The phase of each connection the daemon has open (edgemm.connections)."""
+    return [c.phase for c in d._server.server_state.connections]
 
 
 def openai_error(body: bytes) -> dict:
@@ -164,20 +169,25 @@ def test_complete_headers_over_the_limit_get_431(daemon, png, no_tracebacks):
     assert response.headers["connection"] == "close"
 
 
-def test_a_body_that_trickles_gets_408_within_request_timeout(daemon, png, no_tracebacks):
+def trickle(s: socket.socket, stop: threading.Event, every_s: float = 0.1) -> threading.Thread:
+    """Send one byte of body every `every_s` until `stop` (or the daemon closes)."""
+    def send() -> None:
+        try:
+            while not stop.wait(every_s):
+                s.sendall(b"x")
+        except OSError:
+            pass
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    return sender
+
+
+def test_a_body_that_trickles_gets_408_within_body_timeout(daemon, png, no_tracebacks):
     path = sock_path(daemon)
     with connect(path) as s:
         s.sendall(b"POST /v1/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n")
         stop = threading.Event()
-
-        def trickle() -> None:  # 1 byte / 100 ms: never done
-            try:
-                while not stop.wait(0.1):
-                    s.sendall(b"x")
-            except OSError:
-                pass
-        sender = threading.Thread(target=trickle, daemon=True)
-        sender.start()
+        sender = trickle(s, stop)
         try:
             status, headers, body = read_response(s)
         finally:
@@ -185,8 +195,33 @@ def test_a_body_that_trickles_gets_408_within_request_timeout(daemon, png, no_tr
             sender.join(WAIT_S)
     assert status == 408 and headers["connection"] == "close"
     error = openai_error(body)
-    assert error["code"] == "timeout" and "server.request_timeout_s" in error["message"]
-    assert_answering(path, png)  # the slot came back
+    assert error["code"] == "timeout" and "server.body_timeout_s" in error["message"]
+    assert_answering(path, png)
+
+
+def test_trickled_bodies_hold_no_admission_slot(runtime, png, no_tracebacks):
+    """queue_size trickled bodies: before, each held a slot until request_timeout_s, and
+    every valid request got 503. The body is read before admission now."""
+    with running(runtime, queue_size=2, body_timeout_s=30, request_timeout_s=30, encoder_batching="off") as d:
+        path = sock_path(d)
+        stop = threading.Event()
+        held = [connect(path) for _ in range(4)]
+        senders = []
+        try:
+            for s, route in zip(held, ("/v1/infer", "/v1/chat/completions") * 2):
+                s.sendall(f"POST {route} HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n".encode())
+                senders.append(trickle(s, stop))
+            wait_until(lambda: phases(d).count("busy") == 4, WAIT_S, "the four requests in their bodies")
+            with raw_client(path) as http:
+                for _ in range(3):
+                    assert http.post("/v1/infer", params={"max_tokens": 2}, content=png).status_code == 200
+            assert d.service.admission.count == 0
+        finally:
+            stop.set()
+            for s in held:
+                s.close()
+            for sender in senders:
+                sender.join(WAIT_S)
 
 
 def test_stalled_and_idle_connections_over_the_cap_do_not_lock_newcomers_out(runtime, png, no_tracebacks):
@@ -309,8 +344,48 @@ def test_messages_name_what_the_client_sent(daemon, png, no_tracebacks):
 
 def test_a_stream_whose_prompt_has_a_nul_is_400(daemon, no_tracebacks):
     spec = {"id": "bad", "source": "synthetic://?fps=1", "prompt": "a\x00b"}
-    error = assert_error(post_json(sock_path(daemon), json.dumps(spec).encode(), "/v1/streams"), 400)
+    error = assert_error(post_json(sock_path(daemon), json.dumps(spec).encode(), "/v1/streams"), 400, param="prompt")
     assert "'prompt' must be text without NUL" in error["message"]
+
+
+@pytest.mark.parametrize("field, value, said", [
+    ("tier", "ultra", "'tier' must be one of "),
+    ("prompt", "x" * 4001, "'prompt' is 4001 characters, above the 4000 limit (limits.max_prompt_chars)"),
+    ("fps", 1e-300, "'fps' must be between 0.001 and 1000 or null"),
+    ("source", "synthetic://?fps=1e-320", "option fps must be 0 or between 0.001 and 1000"),
+    ("source", "synthetic://?fps=inf", "option fps must be 0 or between 0.001 and 1000"),
+    ("source", "rtsp://127.0.0.1:99999/x", "not a valid rtsp:// address (port out of range"),
+    ("source", "rtsp://127.0.0.1:0/x", "not a valid rtsp:// address (port 0)"),
+    ("source", "rtsp://[::1/x", "not a valid rtsp:// address"),
+])
+def test_a_stream_every_frame_of_which_would_fail_is_400_naming_the_field(daemon, no_tracebacks, field, value, said):
+    """Each of these got 201, then failed every frame or retried for ever."""
+    path = sock_path(daemon)
+    spec = {"id": "doomed", "source": "synthetic://?fps=1", field: value}
+    error = assert_error(post_json(path, json.dumps(spec).encode(), "/v1/streams"), 400, param=field)
+    assert said in error["message"]
+    with raw_client(path) as http:
+        assert http.get("/v1/streams").json()["data"] == []
+
+
+@pytest.mark.parametrize("media", ["image/png\u0000", "image/png\ud800", "\u0000", "image/png;x=\udfff"])
+def test_nul_or_a_surrogate_in_a_data_url_media_type_is_400(daemon, png, no_tracebacks, media):
+    url = f"data:{media};base64," + base64.b64encode(png).decode()
+    body = json.dumps(chat(png, url=url)).encode()
+    error = assert_error(post_json(sock_path(daemon), body), 400, param="messages[0].content[1].image_url.url")
+    assert "NUL characters or unpaired surrogates" in error["message"]
+
+
+@pytest.mark.parametrize("query, param", [(b"prompt=%ed%a0%80", "prompt"), (b"prompt=%ff", "prompt"),
+                                          (b"prompt=a+%ff+b", "prompt"), (b"max_tokens=%E0%A5%A7", "max_tokens"),
+                                          (b"max_tokens=1_0", "max_tokens"), (b"temperature=%EF%BC%91", "temperature"),
+                                          (b"seed=1_000", "seed")])
+def test_infer_query_must_be_utf8_and_ascii_numbers(daemon, png, no_tracebacks, query, param):
+    with raw_client(sock_path(daemon)) as http:
+        response = http.post("/v1/infer?" + query.decode(), content=png)
+        assert_error(response, 400, param=param)
+        ok = http.post("/v1/infer?prompt=how+many+shapes+are+there+%3F&max_tokens=2&temperature=0.0", content=png)
+        assert ok.status_code == 200, ok.text
 
 
 # ---- the CLI and the config --------------------------------------------------------------
