@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import sys
-import warnings
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # a training job shares this machine
@@ -36,26 +35,17 @@ from PIL import Image  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 from transformers import (Idefics3Config, Idefics3ForConditionalGeneration,  # noqa: E402
                           Idefics3ImageProcessorPil, Idefics3Processor, PreTrainedTokenizerFast)
-from transformers.cache_utils import DynamicCache  # noqa: E402
+from idefics3_export import CHAT_TEMPLATE, export_graphs, save_folder  # noqa: E402  (tools/, beside this file)
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "tests" / "fixtures" / "idefics3-tiny"
 SEED = 0
-OPSET = 17
 
 TILE = 32  # max_image_size.longest_edge: the encoder's input side
 PATCH = 4  # → 8x8 patches per tile; pixel shuffle by 2 → 16 image tokens per tile
 SCALE = 2
 LONGEST_EDGE = 3 * TILE  # size.longest_edge: at most 3x3 tiles + the global image
 IMAGE_SEQ_LEN = (TILE // PATCH) ** 2 // SCALE ** 2
-
-# SmolVLM's chat template (HuggingFaceTB/SmolVLM-*-Instruct)
-CHAT_TEMPLATE = (
-    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
-    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
-    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
-    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n"
-    "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}")
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<end_of_utterance>", "<fake_token_around_image>",
            "<image>", "<global-img>", *[f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)]]
@@ -129,101 +119,6 @@ def make_images(out: Path) -> None:
         cv2.imwrite(str(out / name), img[:, :, ::-1])
 
 
-# ---- export ---------------------------------------------------------------------------------
-
-class VisionEncoder(torch.nn.Module):
-    """pixel_values [B,T,3,H,W] + pixel_attention_mask [B,T,H,W] → image_features [B*T, n, D].
-
-    As transformers.js's vision_encoder: tiles are flattened into the batch. edgemm feeds
-    whole tiles only, so every patch is valid: the patch positions are 0..n-1 (what the
-    model's bucketize gives for a full tile, and which the ONNX exporter mistypes) and the
-    encoder needs no attention mask. Masked-out pixels are zeroed, as padding is.
-    The reference tokens come from the unmodified model, so the test proves this equal."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.vision, self.connector = model.model.vision_model, model.model.connector
-
-    def forward(self, pixel_values, pixel_attention_mask):
-        pixels = pixel_values.flatten(0, 1) * pixel_attention_mask.flatten(0, 1)[:, None].to(pixel_values.dtype)
-        embeddings = self.vision.embeddings
-        patches = embeddings.patch_embedding(pixels).flatten(2).transpose(1, 2)
-        hidden = patches + embeddings.position_embedding.weight[None]
-        hidden = self.vision.encoder(inputs_embeds=hidden).last_hidden_state
-        return self.connector(self.vision.post_layernorm(hidden))
-
-
-class EmbedTokens(torch.nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.embed = model.get_input_embeddings()
-
-    def forward(self, input_ids):
-        return self.embed(input_ids)
-
-
-class MergedDecoder(torch.nn.Module):
-    """The Llama text model + lm_head with the cache as flat past/present tensors."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.text, self.head = model.model.text_model, model.lm_head
-        self.layers = model.config.text_config.num_hidden_layers
-
-    def forward(self, inputs_embeds, attention_mask, position_ids, *past):
-        cache = DynamicCache(config=self.text.config)
-        for i in range(self.layers):
-            cache.update(past[2 * i], past[2 * i + 1], i)
-        out = self.text(inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
-                        past_key_values=cache, use_cache=True)
-        presents = []
-        for i in range(self.layers):
-            presents += [cache.layers[i].keys, cache.layers[i].values]
-        return (self.head(out.last_hidden_state), *presents)
-
-
-def export_graphs(model, out: Path) -> None:
-    onnx_dir = out / "onnx"
-    onnx_dir.mkdir(parents=True, exist_ok=True)
-    text = model.config.text_config
-    heads, head_dim = text.num_key_value_heads, text.hidden_size // text.num_attention_heads
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # tracer warnings about shape-dependent Python values
-        pixels = torch.randn(1, 2, 3, TILE, TILE)
-        torch.onnx.export(
-            VisionEncoder(model), (pixels, torch.ones(1, 2, TILE, TILE, dtype=torch.bool)),
-            onnx_dir / "vision_encoder.onnx", input_names=["pixel_values", "pixel_attention_mask"],
-            output_names=["image_features"],
-            dynamic_axes={"pixel_values": {0: "batch_size", 1: "num_images"},
-                          "pixel_attention_mask": {0: "batch_size", 1: "num_images"},
-                          "image_features": {0: "batch_num_images"}},
-            opset_version=OPSET, dynamo=False)
-        torch.onnx.export(
-            EmbedTokens(model), (torch.zeros(1, 5, dtype=torch.long),), onnx_dir / "embed_tokens.onnx",
-            input_names=["input_ids"], output_names=["inputs_embeds"],
-            dynamic_axes={"input_ids": {0: "batch_size", 1: "sequence_length"},
-                          "inputs_embeds": {0: "batch_size", 1: "sequence_length"}},
-            opset_version=OPSET, dynamo=False)
-        # trace with a non-empty past so nothing specialises on past length 0
-        b, s, p = 2, 3, 4
-        past = [torch.randn(b, heads, p, head_dim) for _ in range(2 * text.num_hidden_layers)]
-        names_in = [f"past_key_values.{i}.{k}" for i in range(text.num_hidden_layers) for k in ("key", "value")]
-        names_out = [f"present.{i}.{k}" for i in range(text.num_hidden_layers) for k in ("key", "value")]
-        axes = {"inputs_embeds": {0: "batch_size", 1: "sequence_length"},
-                "attention_mask": {0: "batch_size", 1: "total_sequence_length"},
-                "position_ids": {0: "batch_size", 1: "sequence_length"},
-                "logits": {0: "batch_size", 1: "sequence_length"},
-                **{n: {0: "batch_size", 2: "past_sequence_length"} for n in names_in},
-                **{n: {0: "batch_size", 2: "total_sequence_length"} for n in names_out}}
-        torch.onnx.export(
-            MergedDecoder(model),
-            (torch.randn(b, s, text.hidden_size), torch.ones(b, p + s, dtype=torch.long),
-             torch.arange(p, p + s).repeat(b, 1), *past),
-            onnx_dir / "decoder_model_merged.onnx",
-            input_names=["inputs_embeds", "attention_mask", "position_ids", *names_in],
-            output_names=["logits", *names_out], dynamic_axes=axes, opset_version=OPSET, dynamo=False)
-
-
 # ---- reference ------------------------------------------------------------------------------
 
 def reference_cases(model, processor, out: Path) -> tuple[list[dict], dict[str, np.ndarray]]:
@@ -261,12 +156,7 @@ def main() -> None:
     tokenizer = build_tokenizer()
     processor = build_processor(tokenizer)
     model = build_model(processor.tokenizer)
-    processor.save_pretrained(out)
-    # transformers 5 nests the image processor's settings in processor_config.json; published
-    # SmolVLM folders (and edgemm) have them in preprocessor_config.json
-    processor.image_processor.save_pretrained(out)
-    model.config.save_pretrained(out)
-    model.generation_config.save_pretrained(out)
+    save_folder(model, processor, out)
     make_images(out)
     export_graphs(model, out)
     cases, pixels = reference_cases(model, processor, out)
