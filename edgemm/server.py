@@ -33,6 +33,10 @@ from edgemm.pipeline import Overloaded
 from edgemm.service import Service, describe, sse
 from edgemm.streams import END, stream_spec
 
+# the scope key of edgemm.connections.LONG_LIVED, not imported from there: that module needs
+# httptools, which the h11 fallback runs without (and then there is no connection count)
+LONG_LIVED = "edgemm.long_lived"
+
 
 class Routes:
     """The endpoints: HTTP in, the service's work, HTTP out."""
@@ -133,6 +137,13 @@ class Routes:
     async def stream_events(self, http: HttpRequest) -> Response:
         """The stream's results as server-sent events, until the stream stops or the client leaves."""
         stream = self.service.streams.get(http.path_params["id"])
+        limit = self.service.server.max_stream_listeners
+        if self.service.streams.listener_count() >= limit:
+            raise Overloaded(f"server busy: {limit} stream listeners are connected (server.max_stream_listeners); "
+                             f"retry in {self.service.server.retry_after_s} s")
+        # a listener stays for as long as the stream runs: out of server.max_connections (edgemm.connections)
+        if callable(mark := http.scope.get(LONG_LIVED)):
+            mark()
         queue = stream.listen()
 
         async def events():

@@ -347,6 +347,10 @@ class StreamManager:
         except SourceError as e:
             raise StreamSpecError(str(e), "source") from None
 
+    def listener_count(self) -> int:
+        """SSE listeners of every stream (server.max_stream_listeners bounds them)."""
+        return sum(len(s.listeners) for s in self.streams.values())
+
     def get(self, stream_id: str) -> ManagedStream:
         try:
             return self.streams[stream_id]

@@ -16,6 +16,8 @@ import json
 import logging
 import socket
 import threading
+import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import httpx
@@ -25,7 +27,9 @@ from test_server import assert_error, metric, raw_client, running, sock_path, wa
 
 from edgemm.cli import main
 from edgemm.config import ConfigError, load_config
+from edgemm.connections import BODY_GRACE_S
 from edgemm.openai_api import json_depth_exceeds, parse_json_body
+from edgemm.pipeline import Overloaded
 
 WAIT_S = 30  # bound for anything that should happen "now"; never a timing assumption
 SHORT = {"header_timeout_s": 0.5, "idle_timeout_s": 0.5, "request_timeout_s": 2.0, "body_timeout_s": 1.0,
@@ -253,13 +257,19 @@ def test_stalled_and_idle_connections_over_the_cap_do_not_lock_newcomers_out(run
                 s.close()
 
 
-def test_when_every_connection_is_busy_a_newcomer_gets_503_with_retry_after(runtime, png, no_tracebacks):
+def test_when_every_connection_is_busy_a_newcomer_gets_503_with_retry_after(runtime, png, monkeypatch, no_tracebacks):
     with running(runtime, max_connections=2, request_timeout_s=30, encoder_batching="off") as d:
         path = sock_path(d)
+        held: list[Future] = []  # answers that do not come until the test says so: both connections busy
+
+        def submit(request, pipeline, in_flight):
+            held.append(Future())
+            return held[-1]
+        monkeypatch.setattr(d.service.router, "submit", submit)
         busy = [connect(path) for _ in range(2)]
         try:
-            for s in busy:  # admitted, reading a body that does not come yet
-                s.sendall(b"POST /v1/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\nabc")
+            for s in busy:
+                s.sendall(b"POST /v1/infer HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(png) + png)
             wait_until(lambda: d.service.admission.count == 2, WAIT_S, "both requests admitted")
             with connect(path) as s:
                 s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -268,9 +278,101 @@ def test_when_every_connection_is_busy_a_newcomer_gets_503_with_retry_after(runt
             error = openai_error(body)
             assert error["type"] == "overloaded" and "server.max_connections" in error["message"]
         finally:
+            for future in held:
+                future.set_exception(Overloaded("test over"))
             for s in busy:
                 s.close()
+            monkeypatch.undo()
         assert_answering(path, png)
+
+
+def test_trickled_bodies_over_the_cap_are_closed_slowest_first(runtime, png, no_tracebacks):
+    """max_connections trickled bodies: before, every newcomer got 503 until they ended."""
+    with running(runtime, max_connections=4, body_timeout_s=60, encoder_batching="off") as d:
+        path = sock_path(d)
+        stop = threading.Event()
+        tricklers = [connect(path) for _ in range(4)]
+        senders = []
+        try:
+            for s in tricklers:
+                s.sendall(b"POST /v1/streams HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n")
+                senders.append(trickle(s, stop, 0.2))
+            wait_until(lambda: phases(d).count("busy") == 4, WAIT_S, "four bodies trickling")
+            time.sleep(BODY_GRACE_S)  # a body younger than this is not closed yet (the newcomer would get 503)
+            with raw_client(path) as http:
+                for _ in range(3):  # each newcomer closes a trickler (once its body had its grace)
+                    assert http.get("/readyz").status_code == 200
+                    assert http.post("/v1/infer", params={"max_tokens": 2}, content=png).status_code == 200
+            assert limited(path, "body_evicted") >= 1
+            evicted = []
+            for s in tricklers:
+                s.settimeout(0.05)
+                with contextlib.suppress(TimeoutError, OSError):
+                    evicted.append(read_response(s))
+            assert any(status == 408 and openai_error(body)["code"] == "body_evicted" for status, _, body in evicted)
+        finally:
+            stop.set()
+            for s in tricklers:
+                s.close()
+            for sender in senders:
+                sender.join(WAIT_S)
+
+
+def test_stream_listeners_are_bounded_and_do_not_lock_requests_out(runtime, png, no_tracebacks):
+    """64 SSE listeners used to fill max_connections: every request, /readyz too, got 503."""
+    with running(runtime, max_connections=3, max_stream_listeners=2, encoder_batching="off") as d:
+        path = sock_path(d)
+        with raw_client(path) as http:
+            assert http.post("/v1/streams", json={"id": "cam", "source": "synthetic://?fps=1"}).status_code == 201
+        listeners: list[socket.socket] = []
+        try:
+            heads = []
+            for _ in range(6):
+                listeners.append(s := connect(path))
+                s.sendall(b"GET /v1/streams/cam/events HTTP/1.1\r\nHost: x\r\n\r\n")
+                heads.append(s.recv(65536))
+            assert sum(h.startswith(b"HTTP/1.1 200") for h in heads) == 2
+            refused = [h for h in heads if h.startswith(b"HTTP/1.1 503")]
+            assert len(refused) == 4 and all(b"retry-after: 1" in h and b"server.max_stream_listeners" in h
+                                             for h in refused)
+            for _ in range(3 * 3):  # more than max_connections newcomers, one after another, each answered
+                with raw_client(path) as http:
+                    assert http.get("/readyz").status_code == 200
+            with raw_client(path) as http:
+                assert http.get("/v1/streams/cam").json()["listeners"] == 2
+                assert http.post("/v1/infer", params={"max_tokens": 2}, content=png).status_code == 200
+        finally:
+            for s in listeners:
+                s.close()
+
+
+@pytest.mark.parametrize("request_bytes", [
+    b"POST /v1/infer HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" + b"f" * 40 + b"\r\nab\r\n0\r\n\r\n",
+    b"POST /v1/infer HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nab\r\n0\r\n\r\n",
+    b"POST /v1/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n4\r\nabcd\r\n0\r\n\r\n",
+    b"POST /v1/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\nContent-Length: 400\r\n\r\nAAAA",
+    b"POST /v1/infer HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n",
+    b"POST /v1/infer HTTP/1.1\r\nHost: x\r\nContent-Length: " + b"9" * 30 + b"\r\n\r\n",
+    b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-A: a\x00b\r\n\r\n",
+    b"GET /healthz HTTP/1.1\nHost: x\nX-A: b\n\n",
+    b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
+    b"A" * 3000 + b" / HTTP/1.1\r\nHost: x\r\n\r\n",
+], ids=["chunk-40-hex", "chunk-zz", "cl-and-te", "two-cl", "cl-negative", "cl-30-digits", "nul-header", "bare-lf",
+        "http2-preface", "huge-method"])
+def test_malformed_framing_is_400_in_openai_shape(daemon, png, no_tracebacks, request_bytes):
+    with connect(sock_path(daemon)) as s:
+        s.sendall(request_bytes)
+        status, headers, body = read_response(s)
+    assert status == 400 and headers["content-type"] == "application/json"
+    assert openai_error(body)["code"] == "malformed"
+    assert_answering(sock_path(daemon), png)
+
+
+def test_a_request_url_over_the_header_limit_is_431(daemon, png, no_tracebacks):
+    with connect(sock_path(daemon)) as s:  # over 64 KiB: httptools' URL parser fails on it (a 400, before)
+        s.sendall(b"GET /v1/models/" + b"0" * 70000 + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+        status, headers, body = read_response(s)
+    assert status == 431 and openai_error(body)["code"] == "header_too_large"
 
 
 def test_a_client_that_hangs_up_mid_body_leaves_no_traceback(daemon, png, no_tracebacks):
