@@ -275,7 +275,7 @@ class ServerConfig:
     retry_after_s: int = 1  # the Retry-After header sent with 503
     grace_period_s: float = 10.0  # on SIGTERM: how long requests in flight may take to finish
     max_body_bytes: int = 16 * 1024 * 1024  # larger request bodies get 413 (base64 images are 4/3 of the file)
-    max_connections: int = 64  # open connections at once; one more closes the longest idle (or still sending its headers), else its request gets 503
+    max_connections: int = 64  # open connections at once (SSE stream listeners aside); one more closes the longest idle (or still sending its headers), else the slowest body arriving for 1 s (408), else its request gets 503
     header_timeout_s: float = 10.0  # a request line and headers not complete this long after their first byte: 408, connection closed
     idle_timeout_s: float = 5.0  # a connection without a request in progress (new, or kept alive) is closed after this long
     max_header_bytes: int = 65536  # a request line and headers larger than this: 431, connection closed
