@@ -216,6 +216,8 @@ class PlacementConfig:
                 _require(device not in devices[:i], f"{path}.{name}[{i}]", "not repeat an earlier device", device)
 
 
+# a frame rate: at least one frame in 1000 s, at most 1000 a second (stream fps, and a source URI's fps=)
+MIN_FPS, MAX_FPS = 0.001, 1000.0
 BATCHING_MODES = ("auto", "on", "off")  # server.encoder_batching, server.continuous_batching
 SYSTEM_SOCKET = "/run/edgemm/edgemm.sock"  # in systemd's RuntimeDirectory=edgemm; edgemm.socket creates it
 
@@ -267,12 +269,13 @@ class ServerConfig:
     batch_timeout_ms: float = 5.0  # how long the encoder waits for more images to fill a batch
     encoder_batching: str = "auto"  # auto: batch the encoder only at tiers where one call on max_batch images is timed >= 20 % faster per image than single calls (at start-up); on; off
     continuous_batching: str = "auto"  # requests reaching the decoder while a batch runs: on = join it between tokens; off = wait until it ends; auto = join when the rest of the batch is expected to take longer than their prefills delay it (timed as it runs)
-    request_timeout_s: float = 60.0  # a request not answered within this gets 504; its body must arrive within it too, else 408
+    request_timeout_s: float = 60.0  # a request not answered within this (from admission, once its body is in) gets 504
+    body_timeout_s: float = 10.0  # a request body not complete this long after its headers: 408 (read before admission, so a trickled body holds no slot)
     stall_s: float = 120.0  # a pipeline stage that makes no progress on its work this long is unhealthy: no WATCHDOG=1, /readyz and /healthz 503
     retry_after_s: int = 1  # the Retry-After header sent with 503
     grace_period_s: float = 10.0  # on SIGTERM: how long requests in flight may take to finish
     max_body_bytes: int = 16 * 1024 * 1024  # larger request bodies get 413 (base64 images are 4/3 of the file)
-    max_connections: int = 64  # open connections at once; one more closes the longest idle (or still sending its headers), else its request gets 503
+    max_connections: int = 64  # open connections at once (SSE stream listeners aside); one more closes the longest idle (or still sending its headers), else the slowest body arriving for 1 s (408), else its request gets 503
     header_timeout_s: float = 10.0  # a request line and headers not complete this long after their first byte: 408, connection closed
     idle_timeout_s: float = 5.0  # a connection without a request in progress (new, or kept alive) is closed after this long
     max_header_bytes: int = 65536  # a request line and headers larger than this: 431, connection closed
@@ -280,6 +283,7 @@ class ServerConfig:
     remote_images: bool = False  # fetch http(s) image URLs; off = refused with 400
     remote_timeout_s: float = 10.0  # time allowed to fetch one http(s) image
     max_streams: int = 4  # camera streams run by the daemon at once (config and POST /v1/streams)
+    max_stream_listeners: int = 16  # GET /v1/streams/{id}/events open at once (all streams); more get 503. Not counted in max_connections
 
     def validate(self, path: str) -> None:
         if self.socket is not None:
@@ -289,9 +293,10 @@ class ServerConfig:
         if self.tcp_port is not None:
             _require(0 <= self.tcp_port <= 65535, f"{path}.tcp_port", "be in 0..65535 or null", self.tcp_port)
         for name in ("queue_size", "max_batch", "max_decoder_rows", "max_body_bytes", "max_connections", "retry_after_s",
-                     "max_streams"):
+                     "max_streams", "max_stream_listeners"):
             _require(getattr(self, name) >= 1, f"{path}.{name}", "be >= 1", getattr(self, name))
-        for name in ("request_timeout_s", "remote_timeout_s", "stall_s", "header_timeout_s", "idle_timeout_s"):
+        for name in ("request_timeout_s", "remote_timeout_s", "stall_s", "header_timeout_s", "idle_timeout_s",
+                     "body_timeout_s"):
             _require(getattr(self, name) > 0, f"{path}.{name}", "be > 0", getattr(self, name))
         for name in ("batch_timeout_ms", "grace_period_s"):
             _require(getattr(self, name) >= 0, f"{path}.{name}", "be >= 0", getattr(self, name))
@@ -340,8 +345,9 @@ class StreamConfig:
             except LimitError as e:
                 raise ConfigError(str(e)) from None
         _require(self.every >= 1, f"{path}.every", "be >= 1", self.every)
-        if self.fps is not None:
-            _require(self.fps > 0, f"{path}.fps", "be > 0 or null", self.fps)
+        if self.fps is not None:  # bounded: 1e-320 would be an interval of inf between frames
+            _require(math.isfinite(self.fps) and MIN_FPS <= self.fps <= MAX_FPS, f"{path}.fps",
+                     f"be between {MIN_FPS:g} and {MAX_FPS:g} or null", self.fps)
         if self.change_threshold is not None:
             _require(self.change_threshold >= 0, f"{path}.change_threshold", "be >= 0 or null", self.change_threshold)
         _generation_limits(path, nullable=("max_new_tokens",), max_new_tokens=self.max_new_tokens)

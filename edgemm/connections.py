@@ -10,12 +10,20 @@ hostile. A connection is always in one of three phases:
                      server.max_header_bytes (counted as bytes arrive, so a header line
                      that never ends is not buffered whole)
             ─► busy  the request is in the app (its body is read within
-                     server.request_timeout_s: edgemm.server) ─► idle again (keep-alive)
+                     server.body_timeout_s: edgemm.server) ─► idle again (keep-alive)
 
 At most server.max_connections connections are open. One more closes the connection that
 has been idle or sending its head the longest, so stalled and idle clients cannot lock
-newcomers out. If every other connection is busy, the newcomer's request is answered 503
-with Retry-After and its connection closed. Every refusal is OpenAI's error shape.
+newcomers out; failing that, the busy one whose body has been arriving for BODY_GRACE_S
+at the lowest rate (408), so trickled bodies cannot either. If every other connection is
+busy otherwise, the newcomer's request is answered 503 with Retry-After and its connection
+closed. Every refusal is OpenAI's error shape, malformed requests included (400: uvicorn
+answers those in plain text), and a request line over server.max_header_bytes is 431.
+
+A route that keeps its connection for long (a stream's SSE listeners, bounded by
+server.max_stream_listeners in edgemm.server) marks it long-lived through the scope's
+LONG_LIVED callable; such connections are not counted in server.max_connections, so
+listeners cannot lock ordinary requests out.
 
 uvicorn's own limit_concurrency is not used: it counts idle connections too, and answers
 503 in plain text without Retry-After.
@@ -24,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -35,6 +44,10 @@ from edgemm.openai_api import error_body
 
 IDLE, HEAD, BUSY = "idle", "head", "busy"
 LINGER_S = 2.0  # after a refusal: how long the rest of the client's request is read and dropped
+# a body that has been arriving this long may be closed to make room, slowest first: long
+# enough that a body sent at once is in, short enough that a trickler goes soon
+BODY_GRACE_S = 1.0
+LONG_LIVED = "edgemm.long_lived"  # scope key: call it to take the connection out of the count
 
 
 @dataclass
@@ -45,8 +58,8 @@ class ConnectionLimits:
     idle_timeout_s: float
     max_header_bytes: int
     retry_after_s: int
-    # called with the reason each time the limits close or refuse a connection:
-    # idle_timeout, header_timeout, header_too_large, evicted, over_capacity
+    # called with the reason each time the limits close or refuse a connection: idle_timeout,
+    # header_timeout, header_too_large, evicted, body_evicted, over_capacity, malformed
     on_limit: Callable[[str], None] = field(default=lambda reason: None)
 
 
@@ -75,6 +88,8 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self.head_bytes = 0  # bytes received outside a body since the last complete head
         self.head_size = 0  # the current request's line and headers, as parsed
         self.reading_body = False
+        self.body_bytes = 0  # of the current request's body, received so far
+        self.long_lived = False  # marked by its route (LONG_LIVED): not counted in max_connections
         self.over_capacity = False  # opened while every other connection was busy
         self.refused = False  # answered by the limits: whatever else arrives is ignored
 
@@ -83,7 +98,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._enter(IDLE)
-        if len(self.connections) > self.limits.max_connections:
+        if self._counted() > self.limits.max_connections:
             self._make_room()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -118,6 +133,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self.head_size = 0
+        self.scope[LONG_LIVED] = self._mark_long_lived  # type: ignore[literal-required]
 
     def on_url(self, url: bytes) -> None:
         super().on_url(url)
@@ -127,10 +143,14 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         super().on_header(name, value)
         self.head_size += len(name) + len(value) + 4  # ": " and CRLF
 
+    def on_body(self, body: bytes) -> None:
+        self.body_bytes += len(body)
+        super().on_body(body)
+
     def on_headers_complete(self) -> None:
         self._cancel_deadline()
         self.phase, self.since = BUSY, self.loop.time()
-        self.reading_body, self.head_bytes = True, 0
+        self.reading_body, self.head_bytes, self.body_bytes = True, 0, 0
         refusal = None
         if self.head_size > self.limits.max_header_bytes:
             refusal = self._refusal(431, f"request line and headers are larger than {self.limits.max_header_bytes} "
@@ -139,19 +159,44 @@ class LimitedHttpProtocol(HttpToolsProtocol):
             refusal = self._refusal(503, f"server busy: {self.limits.max_connections} connections have requests "
                                     f"in progress (server.max_connections); retry in {self.limits.retry_after_s} s",
                                     "over_capacity")
-        if refusal is None:
-            return super().on_headers_complete()
-        app, self.app = self.app, refusal  # as uvicorn answers its own limit: this request only
+        app, self.app = self.app, refusal or self.app  # as uvicorn answers its own limit: this request only
         try:
             super().on_headers_complete()
         finally:
             self.app = app
+        if self.cycle is not None:
+            self.cycle.transport = _LingerOnClose(self, self.transport)  # type: ignore[assignment]
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
         self.reading_body = False
 
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to what httptools cannot parse (bad chunk sizes, Content-Length with
+        Transfer-Encoding or twice, NUL or bare LF in headers, HTTP/2's preface, a huge
+        method), in OpenAI's shape instead of plain text; called inside its except clause.
+        A request line over max_header_bytes lands here too (httptools' URL parser takes at
+        most 64 KiB): that is a 431."""
+        if self.head_size > self.limits.max_header_bytes or self.head_bytes > self.limits.max_header_bytes:
+            self._refuse_unparsed(431, self._too_large(), "header_too_large")
+            return
+        error = sys.exc_info()[1]
+        detail = str(error).strip().rstrip(".") if error is not None else ""
+        if detail == "Pause on PRI/Upgrade":  # llhttp's words for HTTP/2's connection preface
+            detail = "HTTP/2 is not served here (HTTP/1.1 only)"
+        self._refuse_unparsed(400, f"malformed HTTP request{': ' + detail if detail else ''}", "malformed")
+
     # -- the limits --
+
+    def _too_large(self) -> str:
+        return f"request line and headers are larger than {self.limits.max_header_bytes} bytes (server.max_header_bytes)"
+
+    def _mark_long_lived(self) -> None:
+        self.long_lived = True
+
+    def _counted(self) -> int:
+        """Open connections that count against max_connections."""
+        return sum(not getattr(c, "long_lived", False) for c in self.connections)
 
     def _enter(self, phase: str) -> None:
         self._cancel_deadline()
@@ -213,9 +258,54 @@ class LimitedHttpProtocol(HttpToolsProtocol):
     def _make_room(self) -> None:
         """Over the cap: close the connection idle or sending its head the longest; if every
         other connection is busy, this one's request is refused (503) once its head is in."""
-        waiting = [c for c in self.connections if c is not self and isinstance(c, LimitedHttpProtocol)
-                   and c.phase in (IDLE, HEAD) and not c.transport.is_closing()]
+        others = [c for c in self.connections if c is not self and isinstance(c, LimitedHttpProtocol)
+                  and not c.transport.is_closing()]
+        waiting = [c for c in others if c.phase in (IDLE, HEAD)]  # a refused one lingering among them, first
         if waiting:
             min(waiting, key=lambda c: c.since)._close("evicted")
+            return
+        now = self.loop.time()
+        slow = [c for c in others if not c.refused and c._body_evictable(now)]
+        if slow:
+            min(slow, key=lambda c: c.body_bytes / (now - c.since))._evict_body(now)
         else:
             self.over_capacity = True
+
+    def _body_evictable(self, now: float) -> bool:
+        """Busy receiving its body for BODY_GRACE_S, no answer begun: its app waits on the body."""
+        return (self.phase == BUSY and self.reading_body and not self.long_lived and now - self.since >= BODY_GRACE_S
+                and self.cycle is not None and not self.cycle.response_started)
+
+    def _evict_body(self, now: float) -> None:
+        """Closed to make room: 408, and its app told the client is gone (it answers no more)."""
+        rate = self.body_bytes / (now - self.since)
+        self._refuse_unparsed(408, f"the request body arrived too slowly ({rate:.0f} bytes/s) while all "
+                              f"{self.limits.max_connections} connections were taken (server.max_connections): "
+                              "closed to make room", "body_evicted")
+        cycle = self.cycle
+        cycle.disconnected = True  # the app's receive() gets http.disconnect; its answer is not sent
+        cycle.message_event.set()
+
+
+class _LingerOnClose:
+    """The transport as a request's cycle sees it. An answer that closes the connection
+    while the body is still arriving (408, 413, 503) would reset it, and the client would
+    lose the answer (as with _refuse_unparsed): so the writing side is shut and the rest
+    is dropped unread for up to LINGER_S instead."""
+
+    def __init__(self, protocol: LimitedHttpProtocol, transport: asyncio.Transport):
+        self._protocol, self._transport = protocol, transport
+
+    def close(self) -> None:
+        protocol, transport = self._protocol, self._transport
+        if not protocol.reading_body or transport.is_closing() or not transport.can_write_eof():
+            transport.close()
+            return
+        protocol.refused = True  # what still arrives is ignored
+        protocol._cancel_deadline()
+        transport.write_eof()
+        protocol.phase, protocol.since = IDLE, 0.0  # the first to go when room is needed
+        protocol.deadline = protocol.loop.call_later(LINGER_S, transport.close)
+
+    def __getattr__(self, name: str):
+        return getattr(self._transport, name)

@@ -157,7 +157,7 @@ class ServiceMetrics:
             "(idle_timeout, header_timeout, header_too_large, evicted, over_capacity).", ("reason",)))
         self.tiers = r.add(Counter("edgemm_answers_total", "Answers, by the resolution tier chosen.", ("tier",)))
         self.tokens = r.add(Counter("edgemm_generated_tokens_total", "Tokens generated."))
-        r.add(Gauge("edgemm_requests_in_flight", "Requests admitted and not finished (body, queue or running).",
+        r.add(Gauge("edgemm_requests_in_flight", "Requests admitted and not finished (queued or running).",
                     (), lambda: {(): service.admission.count}))
         r.add(Gauge("edgemm_admission_limit", "Most requests admitted at once (server.queue_size).",
                     (), lambda: {(): service.admission.limit}))

@@ -282,6 +282,7 @@ def load_image_url(url: str, param: str, policy: ImagePolicy) -> bytes | str:
 
 def _data_url(url: str, param: str, max_bytes: int) -> bytes:
     header, comma, payload = url[len("data:"):].partition(",")
+    _text(header, param)  # data:image/png\u0000;base64: the payload is checked as base64, the header here
     media, *flags = header.split(";")
     if not comma or "base64" not in flags:
         raise ApiError("bad data URL: expected data:image/<type>;base64,<data>", param=param,

@@ -1,8 +1,8 @@
 """`edgemm serve`'s HTTP side: the routes and how errors become responses.
 
     client ─► uvicorn (UNIX socket, systemd's socket, or loopback TCP) ─► MeasuredApp (/metrics)
-           ─► a route: body (≤ server.max_body_bytes, else 413; within the request's
-              server.request_timeout_s, else 408) ─► OpenAI schema (edgemm.openai_api)
+           ─► a route: body (≤ server.max_body_bytes, else 413; within server.body_timeout_s
+              of its headers, else 408; before admission) ─► OpenAI schema (edgemm.openai_api)
            ─► the service (edgemm.service: admission, the pipeline, cancellation, SSE)
            ─► JSON, or server-sent events
 
@@ -13,8 +13,10 @@ be unread. The daemon around it (sockets, systemd, signals, draining) is edgemm.
 from __future__ import annotations
 
 import asyncio
+import re
 import secrets
 import time
+import urllib.parse
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -28,8 +30,12 @@ from edgemm.metrics import CONTENT_TYPE, MeasuredApp
 from edgemm.openai_api import (DEFAULT_PROMPT, ApiError, completion, error_body, generation_options, load_image_url,
                                parse_chat_request, parse_json_body)
 from edgemm.pipeline import Overloaded
-from edgemm.service import Service, Ticket, describe, sse
+from edgemm.service import Service, describe, sse
 from edgemm.streams import END, stream_spec
+
+# the scope key of edgemm.connections.LONG_LIVED, not imported from there: that module needs
+# httptools, which the h11 fallback runs without (and then there is no connection count)
+LONG_LIVED = "edgemm.long_lived"
 
 
 class Routes:
@@ -37,13 +43,17 @@ class Routes:
 
     def __init__(self, service: Service):
         self.service = service
+        # bytes of request bodies being received (touched only on the event loop), and their bound
+        self.reading_bytes = 0
+        self.reading_limit = service.server.queue_size * service.server.max_body_bytes
 
     # -- endpoints --
 
     async def chat_completions(self, http: HttpRequest) -> Response:
+        # the body first, under its own deadline: a client trickling it holds no admission slot
+        chat = parse_chat_request(await self.read_json(http))
+        self.check_model(chat.model)
         with self.service.admitted() as ticket:
-            chat = parse_chat_request(await self.read_json(http, ticket))
-            self.check_model(chat.model)
             if chat.image_url[:5].lower() == "data:":  # in memory: decoding inline (~0.02 ms) beats a thread hop
                 image = load_image_url(chat.image_url, chat.image_param, self.service.images)
             else:  # file and http(s) URLs block on I/O: off the event loop
@@ -61,12 +71,12 @@ class Routes:
         return JSONResponse(completion(result, request_id, self.service.model_id, created))
 
     async def infer(self, http: HttpRequest) -> Response:
+        prompt, options = infer_query(query_params(http.scope["query_string"]))
+        image = await self.read_body(http)  # before admission, as for chat
+        if not image:
+            raise ApiError("no image: send the image file as the request body "
+                           "(curl --data-binary @photo.jpg)", code="missing_image")
         with self.service.admitted() as ticket:
-            prompt, options = infer_query(dict(http.query_params))
-            image = await self.read_body(http, ticket)
-            if not image:
-                raise ApiError("no image: send the image file as the request body "
-                               "(curl --data-binary @photo.jpg)", code="missing_image")
             job = self.service.submit(ticket, image, prompt, options)
         result = await self.service.answer(job, http)
         return JSONResponse({"answer": result.text, "prompt": prompt, **result.to_dict()})
@@ -112,7 +122,7 @@ class Routes:
     async def add_stream(self, http: HttpRequest) -> Response:
         if self.service.draining:
             raise Overloaded("the server is shutting down")
-        spec = stream_spec(await self.read_json(http))
+        spec = stream_spec(await self.read_json(http, admit=False))  # a stream takes no request slot
         await asyncio.to_thread(self.service.streams.check, spec)  # 403/400 now; may ask GStreamer
         stream = self.service.streams.add(spec, from_api=True)
         return JSONResponse(stream.describe(), 201)
@@ -127,6 +137,13 @@ class Routes:
     async def stream_events(self, http: HttpRequest) -> Response:
         """The stream's results as server-sent events, until the stream stops or the client leaves."""
         stream = self.service.streams.get(http.path_params["id"])
+        limit = self.service.server.max_stream_listeners
+        if self.service.streams.listener_count() >= limit:
+            raise Overloaded(f"server busy: {limit} stream listeners are connected (server.max_stream_listeners); "
+                             f"retry in {self.service.server.retry_after_s} s")
+        # a listener stays for as long as the stream runs: out of server.max_connections (edgemm.connections)
+        if callable(mark := http.scope.get(LONG_LIVED)):
+            mark()
         queue = stream.listen()
 
         async def events():
@@ -139,10 +156,15 @@ class Routes:
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    async def read_body(self, http: HttpRequest, ticket: Ticket | None = None) -> bytes:
-        """The body, at most server.max_body_bytes (else 413), by the request's deadline (else
-        408): an admitted request's, which its answer shares, or server.request_timeout_s from now."""
+    async def read_body(self, http: HttpRequest, admit: bool = True) -> bytes:
+        """The body, at most server.max_body_bytes (else 413), within server.body_timeout_s of
+        its headers (else 408). Read before admission, so a slow body holds no slot. Bodies
+        being read hold at most queue_size × max_body_bytes together (beyond: 503), the bound
+        admission gave when it came first. `admit`: a request that needs a slot is refused
+        (503) unread when there is none."""
         cfg = self.service.server
+        if admit:
+            self.service.check_admissible()  # no body is read for a request that would be refused anyway
         limit = cfg.max_body_bytes
         too_large = ApiError(f"request body is larger than {limit} bytes (server.max_body_bytes)",
                              status=413, code="request_too_large")
@@ -150,28 +172,32 @@ class Routes:
         if declared.isdigit() and int(declared) > limit:
             raise too_large  # refused unread
         body = bytearray()
-        loop = asyncio.get_running_loop()
-        deadline = ticket.deadline if ticket is not None else loop.time() + cfg.request_timeout_s
 
         async def receive() -> None:
             async for piece in http.stream():
+                if self.reading_bytes + len(piece) > self.reading_limit:
+                    raise Overloaded(f"server busy: request bodies being received hold {self.reading_bytes} "
+                                     "bytes (server.queue_size x server.max_body_bytes)")
                 body.extend(piece)
+                self.reading_bytes += len(piece)
                 if len(body) > limit:
                     raise too_large
 
         try:
-            # wait_for, not asyncio.timeout_at: Python 3.10 (JetPack 6's) has no timeout_at, and
-            # its wait_for raises asyncio.TimeoutError, which is not yet the builtin TimeoutError
-            await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+            # wait_for, not asyncio.timeout: Python 3.10 (JetPack 6's) has neither timeout nor
+            # timeout_at, and its wait_for raises asyncio.TimeoutError, not yet the builtin one
+            await asyncio.wait_for(receive(), cfg.body_timeout_s)
         except (TimeoutError, asyncio.TimeoutError):
-            raise ApiError(f"the request body did not arrive within {cfg.request_timeout_s:g} s "
-                           "(server.request_timeout_s)", status=408, code="timeout") from None
+            raise ApiError(f"the request body did not arrive within {cfg.body_timeout_s:g} s "
+                           "(server.body_timeout_s)", status=408, code="timeout") from None
         except ClientDisconnect:  # the client hung up mid-body: nobody to answer, nothing to log
             raise ApiError("the client closed the connection", status=499, kind="client_closed") from None
+        finally:
+            self.reading_bytes -= len(body)
         return bytes(body)
 
-    async def read_json(self, http: HttpRequest, ticket: Ticket | None = None) -> object:
-        return parse_json_body(await self.read_body(http, ticket))
+    async def read_json(self, http: HttpRequest, admit: bool = True) -> object:
+        return parse_json_body(await self.read_body(http, admit))
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.service.model_id:
@@ -179,15 +205,43 @@ class Routes:
                            status=404, param="model", code="model_not_found")
 
 
+def query_params(query: bytes) -> dict[str, str]:
+    """The query string's parameters (the last of a repeated one), refusing what is not
+    UTF-8 (`?prompt=%ed%a0%80`, `%ff`) with a 400 naming the parameter, where Starlette
+    would put U+FFFD in its place."""
+    params: dict[str, str] = {}
+    # latin-1 maps each byte to one character, so the percent-decoded bytes come back intact
+    for key, value in urllib.parse.parse_qsl(query.decode("latin-1"), keep_blank_values=True, encoding="latin-1"):
+        key = _utf8(key, "the query string")
+        params[key] = _utf8(value, key)
+    return params
+
+
+def _utf8(text: str, param: str) -> str:
+    try:
+        return text.encode("latin-1").decode("utf-8")
+    except UnicodeDecodeError:
+        raise ApiError(f"{param!r} must be UTF-8 text (percent-encoded), got percent-encoded bytes that are not UTF-8", param=param) from None
+
+
+_INTEGER = re.compile(r"[+-]?[0-9]+")  # int() would take '१' and '1_0' too
+_NUMBER = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?|[+-]?(nan|inf|infinity)", re.IGNORECASE)
+
+
 def infer_query(params: dict[str, str]) -> tuple[str, dict]:
-    """/v1/infer?prompt=…&max_tokens=…&temperature=…&top_p=…&seed=…&tier=… → (prompt, options)."""
+    """/v1/infer?prompt=…&max_tokens=…&temperature=…&top_p=…&seed=…&tier=… → (prompt, options).
+    Numbers are ASCII digits only (nan and inf are left to the limits, which name them)."""
     typed: dict = {}
     for key, kind in (("max_tokens", int), ("seed", int), ("temperature", float), ("top_p", float)):
         if key in params:
+            text = params.pop(key)
+            if not (_INTEGER if kind is int else _NUMBER).fullmatch(text):
+                raise ApiError(f"'{key}' must be {'an integer' if kind is int else 'a number'} in ASCII digits, "
+                               f"got {text[:40]!r}", param=key)
             try:
-                typed[key] = kind(params.pop(key))
-            except ValueError:
-                raise ApiError(f"'{key}' must be {'an integer' if kind is int else 'a number'}", param=key) from None
+                typed[key] = kind(text)
+            except ValueError:  # an integer beyond Python's 4300 digits
+                raise ApiError(f"'{key}' must be an integer, got one of {len(text)} digits", param=key) from None
     if "tier" in params:
         typed["edgemm"] = {"tier": params.pop("tier")}
     prompt = params.pop("prompt", DEFAULT_PROMPT)

@@ -1,7 +1,8 @@
 """The service behind the HTTP API: admission, jobs in the pipeline, cancellation, SSE.
 
-    admission: at most server.queue_size requests at once; beyond, Overloaded (503 + Retry-After);
-      from admission on, server.request_timeout_s covers the body's arrival and the answer
+    the body, read before admission (within server.body_timeout_s: edgemm.server)
+    ─► admission: at most server.queue_size requests at once; beyond, Overloaded (503 + Retry-After);
+      from admission on, server.request_timeout_s covers the answer
     ─► Router.submit (the power policy: the local pipeline, or the cloud) ─► concurrent Future
     ─► asyncio (wrap_future, shielded) ─► an InferenceResult, or the SSE chunks of one
 
@@ -52,7 +53,7 @@ log = logging.getLogger("edgemm")
 # ---- admission: a bounded number of requests at once ------------------------------------
 
 class Admission:
-    """Requests admitted: from before their body is read until the pipeline is done with them."""
+    """Requests admitted: from once their body is in until the pipeline is done with them."""
 
     def __init__(self, limit: int):
         self.limit = limit
@@ -78,7 +79,7 @@ class Ticket:
     def __init__(self, admission: Admission):
         self._admission, self._held = admission, True
         self._lock = threading.Lock()
-        self.deadline = math.inf  # loop.time() by which the answer is due: reading the body counts too
+        self.deadline = math.inf  # loop.time() by which the answer is due
 
     def release(self, *_: object) -> None:
         with self._lock:
@@ -153,9 +154,18 @@ class Service:
 
     # -- the steps every inference request goes through --
 
+    def check_admissible(self) -> None:
+        """Overloaded (503) if a request would not be admitted now: checked before its body is read."""
+        if self.draining:
+            raise Overloaded("the server is shutting down")
+        if self.admission.count >= self.admission.limit:
+            raise Overloaded(f"server busy: {self.admission.limit} requests in flight (server.queue_size); "
+                             f"retry in {self.server.retry_after_s} s")
+
     @contextlib.contextmanager
     def admitted(self) -> Iterator[Ticket]:
-        """A slot, or Overloaded (503). The slot goes back if the request fails before the pipeline."""
+        """A slot, or Overloaded (503); taken once the request's body is in. The slot goes back
+        if the request fails before the pipeline."""
         if self.draining:
             raise Overloaded("the server is shutting down")
         ticket = self.admission.enter(self.server.retry_after_s)

@@ -43,6 +43,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -51,6 +52,7 @@ from typing import Any
 import numpy as np
 
 from edgemm.backoff import Backoff
+from edgemm.config import MAX_FPS, MIN_FPS
 from edgemm.errors import InputError
 from edgemm.model.image import DEFAULT_MAX_PIXELS, file_kind, load_image
 from edgemm.opencv import cv2
@@ -190,10 +192,12 @@ class _Option:
     minimum: float | None = None
     maximum: float | None = None
     choices: tuple[str, ...] = ()
+    least_positive: float | None = None  # a value above 0 is at least this (0 itself keeps its meaning)
 
 
 _OPTIONS = {
-    "fps": _Option(float, minimum=0),
+    # fps 0 is "as fast as possible"; a tiny one (1e-320) would make a frame interval of inf
+    "fps": _Option(float, minimum=0, maximum=MAX_FPS, least_positive=MIN_FPS),
     "width": _Option(int, minimum=1),
     "height": _Option(int, minimum=1),
     "latency": _Option(int, minimum=0),
@@ -264,6 +268,12 @@ def _rtsp_spec(uri: str, rest: str) -> SourceSpec:
     host = address.split("/", 1)[0].rpartition("@")[2]
     if not host:
         raise SourceError(f"{_redact(uri)}: rtsp:// needs a host, e.g. rtsp://192.168.1.10/stream")
+    try:  # a port out of 1..65535 or not a number, a bracket left open: refused now, not retried for ever
+        port = urllib.parse.urlsplit("rtsp://" + host).port
+    except ValueError as e:
+        raise SourceError(f"{_redact(uri)}: not a valid rtsp:// address ({str(e).lower()})") from None
+    if port == 0:
+        raise SourceError(f"{_redact(uri)}: not a valid rtsp:// address (port 0)")
     ours = [p for p in query.split("&") if p.split("=", 1)[0] in _KIND_OPTIONS["rtsp"]]
     theirs = [p for p in query.split("&") if p and p not in ours]
     location = uri[:len(uri) - len(rest)] + address + ("?" + "&".join(theirs) if theirs else "")
@@ -333,8 +343,11 @@ def _option_value(uri: str, name: str, text: str) -> Any:
         raise SourceError(f"{uri}: option {name} must be {kind}, got {text!r}") from None
     low = -math.inf if option.minimum is None else option.minimum
     high = math.inf if option.maximum is None else option.maximum
-    if not (low <= value <= high) or not math.isfinite(value):
+    too_small = option.least_positive is not None and 0 < value < option.least_positive
+    if not (low <= value <= high) or not math.isfinite(value) or too_small:
         bounds = f"between {low:g} and {high:g}" if option.maximum is not None else f">= {low:g}"
+        if option.least_positive is not None:
+            bounds = f"0 or between {option.least_positive:g} and {high:g}"
         raise SourceError(f"{uri}: option {name} must be {bounds}, got {text!r}")
     return value
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -70,14 +71,27 @@ class StreamNotFound(EdgemmError):
     kind = "invalid_request_error"
 
 
+class StreamSpecError(InputError):
+    """A 400 for a POST /v1/streams body; `param` names the field (OpenAI's error shape)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+_NAMED = re.compile(r"'([A-Za-z_][\w.\[\]]*)' must")  # the key a config check names: 'streams[0].fps' must …
+
+
 def stream_spec(data: object) -> StreamConfig:
     """A POST /v1/streams body → StreamConfig, with the config file's checks (400 if wrong)."""
     if not isinstance(data, dict):
-        raise InputError("a stream is a JSON object: {\"id\", \"source\", \"prompt\", …}")
+        raise StreamSpecError("a stream is a JSON object: {\"id\", \"source\", \"prompt\", …}")
     try:
         return config_from_dict({"streams": [data]}).streams[0]
     except ConfigError as e:  # keep its one-line message, with the body's own key names
-        raise InputError(e.detail.replace("streams[0].", "")) from None
+        detail = e.detail.replace("streams[0].", "")
+        named = _NAMED.match(detail)
+        raise StreamSpecError(detail, named.group(1) if named else None) from None
 
 
 @dataclass
@@ -272,6 +286,8 @@ class StreamManager:
         self.max_pixels = pipeline.runtime.config.limits.max_pixels
         check_configured(specs, limit, self.max_pixels)
         self.pipeline, self.specs, self.limit = pipeline, specs, limit
+        for i, spec in enumerate(specs):
+            self.check_settings(spec, f"config: streams[{i}] ({spec.id}): ")
         self.pool = threading.BoundedSemaphore(reserved_places(limit))
         self.route = route  # the power policy's local placement, asked per frame (Router.local_route)
         self.streams: dict[str, ManagedStream] = {}
@@ -290,10 +306,24 @@ class StreamManager:
         subprocess, once per element): call it off the event loop."""
         kind = self._kind(spec)
         _api_may_start(kind)  # before anything looks at the daemon's files
+        self.check_settings(spec)
         try:
             open_source(spec.source, max_pixels=self.max_pixels).check()
         except SourceError as e:
-            raise InputError(str(e)) from None
+            raise StreamSpecError(str(e), "source") from None
+
+    def check_settings(self, spec: StreamConfig, where: str = "") -> None:
+        """What every frame of the stream would be refused for, refused once before it starts:
+        a tier the model does not have, a prompt over limits.max_prompt_chars."""
+        runtime = self.pipeline.runtime
+        tiers = runtime.manifest.tiers
+        if spec.tier is not None and spec.tier not in tiers:
+            raise StreamSpecError(f"{where}'tier' must be one of {', '.join(tiers)} (the model's tiers), "
+                                  f"got {spec.tier!r}", "tier")
+        limit = runtime.config.limits.max_prompt_chars
+        if len(spec.prompt) > limit:
+            raise StreamSpecError(f"{where}'prompt' is {len(spec.prompt)} characters, above the {limit} limit "
+                                  "(limits.max_prompt_chars)", "prompt")
 
     def add(self, spec: StreamConfig, from_api: bool = False) -> ManagedStream:
         """Start a stream; from the API, `check(spec)` first."""
@@ -315,7 +345,11 @@ class StreamManager:
         try:
             return parse_uri(spec.source).kind
         except SourceError as e:
-            raise InputError(str(e)) from None
+            raise StreamSpecError(str(e), "source") from None
+
+    def listener_count(self) -> int:
+        """SSE listeners of every stream (server.max_stream_listeners bounds them)."""
+        return sum(len(s.listeners) for s in self.streams.values())
 
     def get(self, stream_id: str) -> ManagedStream:
         try:

@@ -64,6 +64,7 @@ server:
   encoder_batching: "off"
   continuous_batching: "off"
   request_timeout_s: 5.0
+  body_timeout_s: 4.0
   stall_s: 30.0
   retry_after_s: 3
   grace_period_s: 1.0
@@ -76,6 +77,7 @@ server:
   remote_images: true
   remote_timeout_s: 2.0
   max_streams: 2
+  max_stream_listeners: 5
 streams:
 - id: door
   source: rtsp://10.0.0.5/stream
@@ -190,10 +192,10 @@ def test_full_yaml_file_loads_every_field(tmp_path):
                             tcp_host="127.0.0.2", queue_size=3, max_batch=2, max_decoder_rows=8, batch_timeout_ms=2.5,
                             encoder_batching="off",
                             continuous_batching="off",
-                            request_timeout_s=5.0, stall_s=30.0, retry_after_s=3, grace_period_s=1.0, max_body_bytes=1000,
+                            request_timeout_s=5.0, body_timeout_s=4.0, stall_s=30.0, retry_after_s=3, grace_period_s=1.0, max_body_bytes=1000,
                             max_connections=7, header_timeout_s=3.0, idle_timeout_s=2.0, max_header_bytes=8192,
                             image_dirs=["/srv/edgemm/images"], remote_images=True,
-                            remote_timeout_s=2.0, max_streams=2),
+                            remote_timeout_s=2.0, max_streams=2, max_stream_listeners=5),
         streams=[StreamConfig(id="door", source="rtsp://10.0.0.5/stream", prompt="is the door open ?", fps=0.5,
                               every=2, change_threshold=4.0, tier="low", max_new_tokens=8)],
         power=PowerSection(root="/srv/recording", sample_period_s=0.5, history=10, budget_w=15.0, throttle_c=80.0,
@@ -375,12 +377,15 @@ def test_null_allowed_only_for_optional_fields():
     ({"server": {"tcp_port": 70000}}, "config: 'server.tcp_port' must be in 0..65535 or null, got 70000"),
     ({"server": {"queue_size": 0}}, "config: 'server.queue_size' must be >= 1, got 0"),
     ({"server": {"request_timeout_s": 0}}, "config: 'server.request_timeout_s' must be > 0, got 0.0"),
+    ({"server": {"body_timeout_s": 0}}, "config: 'server.body_timeout_s' must be > 0, got 0.0"),
+    ({"server": {"max_stream_listeners": 0}}, "config: 'server.max_stream_listeners' must be >= 1, got 0"),
+    ({"streams": [{"id": "a", "source": "synthetic://", "fps": 1e-320}]}, "config: 'streams[0].fps' must be between 0.001 and 1000 or null, got 1e-320"),
     ({"server": {"stall_s": 0}}, "config: 'server.stall_s' must be > 0, got 0.0"),
     ({"server": {"grace_period_s": -1}}, "config: 'server.grace_period_s' must be >= 0, got -1.0"),
     ({"streams": [{"id": "a b", "source": "csi://0"}]},
      "config: 'streams[0].id' must be a name of letters, digits, '_', '.', '-' (at most 64), got 'a b'"),
     ({"streams": [{"id": "cam"}]}, "config: 'streams[0].source' must be a source URI, got ''"),
-    ({"streams": [{"id": "cam", "source": "csi://0", "fps": 0}]}, "config: 'streams[0].fps' must be > 0 or null, got 0.0"),
+    ({"streams": [{"id": "cam", "source": "csi://0", "fps": 0}]}, "config: 'streams[0].fps' must be between 0.001 and 1000 or null, got 0.0"),
     ({"streams": [{"id": "a", "source": "csi://0"}, {"id": "a", "source": "csi://1"}]},
      "config: 'streams[1].id' must not repeat an earlier stream's id, got 'a'"),
     ({"streams": {"id": "a"}}, "config: 'streams' must be a list of mappings, got {'id': 'a'} (dict)"),

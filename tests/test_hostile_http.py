@@ -16,6 +16,8 @@ import json
 import logging
 import socket
 import threading
+import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import httpx
@@ -25,11 +27,13 @@ from test_server import assert_error, metric, raw_client, running, sock_path, wa
 
 from edgemm.cli import main
 from edgemm.config import ConfigError, load_config
+from edgemm.connections import BODY_GRACE_S
 from edgemm.openai_api import json_depth_exceeds, parse_json_body
+from edgemm.pipeline import Overloaded
 
 WAIT_S = 30  # bound for anything that should happen "now"; never a timing assumption
-SHORT = {"header_timeout_s": 0.5, "idle_timeout_s": 0.5, "request_timeout_s": 2.0, "max_header_bytes": 4096,
-         "encoder_batching": "off"}
+SHORT = {"header_timeout_s": 0.5, "idle_timeout_s": 0.5, "request_timeout_s": 2.0, "body_timeout_s": 1.0,
+         "max_header_bytes": 4096, "encoder_batching": "off"}
 
 
 # ---- helpers -----------------------------------------------------------------------------
@@ -83,6 +87,11 @@ def read_response(s: socket.socket) -> tuple[int, dict[str, str], bytes]:
     lines = head.decode("latin-1").split("\r\n")
     headers = dict(line.lower().split(": ", 1) for line in lines[1:])
     return int(lines[0].split()[1]), headers, body
+
+
+def phases(d) -> list[str]:
+    """The phase of each connection the daemon has open (edgemm.connections)."""
+    return [c.phase for c in d._server.server_state.connections]
 
 
 def openai_error(body: bytes) -> dict:
@@ -164,20 +173,25 @@ def test_complete_headers_over_the_limit_get_431(daemon, png, no_tracebacks):
     assert response.headers["connection"] == "close"
 
 
-def test_a_body_that_trickles_gets_408_within_request_timeout(daemon, png, no_tracebacks):
+def trickle(s: socket.socket, stop: threading.Event, every_s: float = 0.1) -> threading.Thread:
+    """Send one byte of body every `every_s` until `stop` (or the daemon closes)."""
+    def send() -> None:
+        try:
+            while not stop.wait(every_s):
+                s.sendall(b"x")
+        except OSError:
+            pass
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    return sender
+
+
+def test_a_body_that_trickles_gets_408_within_body_timeout(daemon, png, no_tracebacks):
     path = sock_path(daemon)
     with connect(path) as s:
         s.sendall(b"POST /v1/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n")
         stop = threading.Event()
-
-        def trickle() -> None:  # 1 byte / 100 ms: never done
-            try:
-                while not stop.wait(0.1):
-                    s.sendall(b"x")
-            except OSError:
-                pass
-        sender = threading.Thread(target=trickle, daemon=True)
-        sender.start()
+        sender = trickle(s, stop)
         try:
             status, headers, body = read_response(s)
         finally:
@@ -185,8 +199,33 @@ def test_a_body_that_trickles_gets_408_within_request_timeout(daemon, png, no_tr
             sender.join(WAIT_S)
     assert status == 408 and headers["connection"] == "close"
     error = openai_error(body)
-    assert error["code"] == "timeout" and "server.request_timeout_s" in error["message"]
-    assert_answering(path, png)  # the slot came back
+    assert error["code"] == "timeout" and "server.body_timeout_s" in error["message"]
+    assert_answering(path, png)
+
+
+def test_trickled_bodies_hold_no_admission_slot(runtime, png, no_tracebacks):
+    """queue_size trickled bodies: before, each held a slot until request_timeout_s, and
+    every valid request got 503. The body is read before admission now."""
+    with running(runtime, queue_size=2, body_timeout_s=30, request_timeout_s=30, encoder_batching="off") as d:
+        path = sock_path(d)
+        stop = threading.Event()
+        held = [connect(path) for _ in range(4)]
+        senders = []
+        try:
+            for s, route in zip(held, ("/v1/infer", "/v1/chat/completions") * 2):
+                s.sendall(f"POST {route} HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n".encode())
+                senders.append(trickle(s, stop))
+            wait_until(lambda: phases(d).count("busy") == 4, WAIT_S, "the four requests in their bodies")
+            with raw_client(path) as http:
+                for _ in range(3):
+                    assert http.post("/v1/infer", params={"max_tokens": 2}, content=png).status_code == 200
+            assert d.service.admission.count == 0
+        finally:
+            stop.set()
+            for s in held:
+                s.close()
+            for sender in senders:
+                sender.join(WAIT_S)
 
 
 def test_stalled_and_idle_connections_over_the_cap_do_not_lock_newcomers_out(runtime, png, no_tracebacks):
@@ -218,13 +257,19 @@ def test_stalled_and_idle_connections_over_the_cap_do_not_lock_newcomers_out(run
                 s.close()
 
 
-def test_when_every_connection_is_busy_a_newcomer_gets_503_with_retry_after(runtime, png, no_tracebacks):
+def test_when_every_connection_is_busy_a_newcomer_gets_503_with_retry_after(runtime, png, monkeypatch, no_tracebacks):
     with running(runtime, max_connections=2, request_timeout_s=30, encoder_batching="off") as d:
         path = sock_path(d)
+        held: list[Future] = []  # answers that do not come until the test says so: both connections busy
+
+        def submit(request, pipeline, in_flight):
+            held.append(Future())
+            return held[-1]
+        monkeypatch.setattr(d.service.router, "submit", submit)
         busy = [connect(path) for _ in range(2)]
         try:
-            for s in busy:  # admitted, reading a body that does not come yet
-                s.sendall(b"POST /v1/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\nabc")
+            for s in busy:
+                s.sendall(b"POST /v1/infer HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(png) + png)
             wait_until(lambda: d.service.admission.count == 2, WAIT_S, "both requests admitted")
             with connect(path) as s:
                 s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -233,9 +278,101 @@ def test_when_every_connection_is_busy_a_newcomer_gets_503_with_retry_after(runt
             error = openai_error(body)
             assert error["type"] == "overloaded" and "server.max_connections" in error["message"]
         finally:
+            for future in held:
+                future.set_exception(Overloaded("test over"))
             for s in busy:
                 s.close()
+            monkeypatch.undo()
         assert_answering(path, png)
+
+
+def test_trickled_bodies_over_the_cap_are_closed_slowest_first(runtime, png, no_tracebacks):
+    """max_connections trickled bodies: before, every newcomer got 503 until they ended."""
+    with running(runtime, max_connections=4, body_timeout_s=60, encoder_batching="off") as d:
+        path = sock_path(d)
+        stop = threading.Event()
+        tricklers = [connect(path) for _ in range(4)]
+        senders = []
+        try:
+            for s in tricklers:
+                s.sendall(b"POST /v1/streams HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n")
+                senders.append(trickle(s, stop, 0.2))
+            wait_until(lambda: phases(d).count("busy") == 4, WAIT_S, "four bodies trickling")
+            time.sleep(BODY_GRACE_S)  # a body younger than this is not closed yet (the newcomer would get 503)
+            with raw_client(path) as http:
+                for _ in range(3):  # each newcomer closes a trickler (once its body had its grace)
+                    assert http.get("/readyz").status_code == 200
+                    assert http.post("/v1/infer", params={"max_tokens": 2}, content=png).status_code == 200
+            assert limited(path, "body_evicted") >= 1
+            evicted = []
+            for s in tricklers:
+                s.settimeout(0.05)
+                with contextlib.suppress(TimeoutError, OSError):
+                    evicted.append(read_response(s))
+            assert any(status == 408 and openai_error(body)["code"] == "body_evicted" for status, _, body in evicted)
+        finally:
+            stop.set()
+            for s in tricklers:
+                s.close()
+            for sender in senders:
+                sender.join(WAIT_S)
+
+
+def test_stream_listeners_are_bounded_and_do_not_lock_requests_out(runtime, png, no_tracebacks):
+    """64 SSE listeners used to fill max_connections: every request, /readyz too, got 503."""
+    with running(runtime, max_connections=3, max_stream_listeners=2, encoder_batching="off") as d:
+        path = sock_path(d)
+        with raw_client(path) as http:
+            assert http.post("/v1/streams", json={"id": "cam", "source": "synthetic://?fps=1"}).status_code == 201
+        listeners: list[socket.socket] = []
+        try:
+            heads = []
+            for _ in range(6):
+                listeners.append(s := connect(path))
+                s.sendall(b"GET /v1/streams/cam/events HTTP/1.1\r\nHost: x\r\n\r\n")
+                heads.append(s.recv(65536))
+            assert sum(h.startswith(b"HTTP/1.1 200") for h in heads) == 2
+            refused = [h for h in heads if h.startswith(b"HTTP/1.1 503")]
+            assert len(refused) == 4 and all(b"retry-after: 1" in h and b"server.max_stream_listeners" in h
+                                             for h in refused)
+            for _ in range(3 * 3):  # more than max_connections newcomers, one after another, each answered
+                with raw_client(path) as http:
+                    assert http.get("/readyz").status_code == 200
+            with raw_client(path) as http:
+                assert http.get("/v1/streams/cam").json()["listeners"] == 2
+                assert http.post("/v1/infer", params={"max_tokens": 2}, content=png).status_code == 200
+        finally:
+            for s in listeners:
+                s.close()
+
+
+@pytest.mark.parametrize("request_bytes", [
+    b"POST /v1/infer HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n" + b"f" * 40 + b"\r\nab\r\n0\r\n\r\n",
+    b"POST /v1/infer HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nab\r\n0\r\n\r\n",
+    b"POST /v1/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n4\r\nabcd\r\n0\r\n\r\n",
+    b"POST /v1/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\nContent-Length: 400\r\n\r\nAAAA",
+    b"POST /v1/infer HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n",
+    b"POST /v1/infer HTTP/1.1\r\nHost: x\r\nContent-Length: " + b"9" * 30 + b"\r\n\r\n",
+    b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-A: a\x00b\r\n\r\n",
+    b"GET /healthz HTTP/1.1\nHost: x\nX-A: b\n\n",
+    b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
+    b"A" * 3000 + b" / HTTP/1.1\r\nHost: x\r\n\r\n",
+], ids=["chunk-40-hex", "chunk-zz", "cl-and-te", "two-cl", "cl-negative", "cl-30-digits", "nul-header", "bare-lf",
+        "http2-preface", "huge-method"])
+def test_malformed_framing_is_400_in_openai_shape(daemon, png, no_tracebacks, request_bytes):
+    with connect(sock_path(daemon)) as s:
+        s.sendall(request_bytes)
+        status, headers, body = read_response(s)
+    assert status == 400 and headers["content-type"] == "application/json"
+    assert openai_error(body)["code"] == "malformed"
+    assert_answering(sock_path(daemon), png)
+
+
+def test_a_request_url_over_the_header_limit_is_431(daemon, png, no_tracebacks):
+    with connect(sock_path(daemon)) as s:  # over 64 KiB: httptools' URL parser fails on it (a 400, before)
+        s.sendall(b"GET /v1/models/" + b"0" * 70000 + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+        status, headers, body = read_response(s)
+    assert status == 431 and openai_error(body)["code"] == "header_too_large"
 
 
 def test_a_client_that_hangs_up_mid_body_leaves_no_traceback(daemon, png, no_tracebacks):
@@ -309,8 +446,48 @@ def test_messages_name_what_the_client_sent(daemon, png, no_tracebacks):
 
 def test_a_stream_whose_prompt_has_a_nul_is_400(daemon, no_tracebacks):
     spec = {"id": "bad", "source": "synthetic://?fps=1", "prompt": "a\x00b"}
-    error = assert_error(post_json(sock_path(daemon), json.dumps(spec).encode(), "/v1/streams"), 400)
+    error = assert_error(post_json(sock_path(daemon), json.dumps(spec).encode(), "/v1/streams"), 400, param="prompt")
     assert "'prompt' must be text without NUL" in error["message"]
+
+
+@pytest.mark.parametrize("field, value, said", [
+    ("tier", "ultra", "'tier' must be one of "),
+    ("prompt", "x" * 4001, "'prompt' is 4001 characters, above the 4000 limit (limits.max_prompt_chars)"),
+    ("fps", 1e-300, "'fps' must be between 0.001 and 1000 or null"),
+    ("source", "synthetic://?fps=1e-320", "option fps must be 0 or between 0.001 and 1000"),
+    ("source", "synthetic://?fps=inf", "option fps must be 0 or between 0.001 and 1000"),
+    ("source", "rtsp://127.0.0.1:99999/x", "not a valid rtsp:// address (port out of range"),
+    ("source", "rtsp://127.0.0.1:0/x", "not a valid rtsp:// address (port 0)"),
+    ("source", "rtsp://[::1/x", "not a valid rtsp:// address"),
+])
+def test_a_stream_every_frame_of_which_would_fail_is_400_naming_the_field(daemon, no_tracebacks, field, value, said):
+    """Each of these got 201, then failed every frame or retried for ever."""
+    path = sock_path(daemon)
+    spec = {"id": "doomed", "source": "synthetic://?fps=1", field: value}
+    error = assert_error(post_json(path, json.dumps(spec).encode(), "/v1/streams"), 400, param=field)
+    assert said in error["message"]
+    with raw_client(path) as http:
+        assert http.get("/v1/streams").json()["data"] == []
+
+
+@pytest.mark.parametrize("media", ["image/png\u0000", "image/png\ud800", "\u0000", "image/png;x=\udfff"])
+def test_nul_or_a_surrogate_in_a_data_url_media_type_is_400(daemon, png, no_tracebacks, media):
+    url = f"data:{media};base64," + base64.b64encode(png).decode()
+    body = json.dumps(chat(png, url=url)).encode()
+    error = assert_error(post_json(sock_path(daemon), body), 400, param="messages[0].content[1].image_url.url")
+    assert "NUL characters or unpaired surrogates" in error["message"]
+
+
+@pytest.mark.parametrize("query, param", [(b"prompt=%ed%a0%80", "prompt"), (b"prompt=%ff", "prompt"),
+                                          (b"prompt=a+%ff+b", "prompt"), (b"max_tokens=%E0%A5%A7", "max_tokens"),
+                                          (b"max_tokens=1_0", "max_tokens"), (b"temperature=%EF%BC%91", "temperature"),
+                                          (b"seed=1_000", "seed")])
+def test_infer_query_must_be_utf8_and_ascii_numbers(daemon, png, no_tracebacks, query, param):
+    with raw_client(sock_path(daemon)) as http:
+        response = http.post("/v1/infer?" + query.decode(), content=png)
+        assert_error(response, 400, param=param)
+        ok = http.post("/v1/infer?prompt=how+many+shapes+are+there+%3F&max_tokens=2&temperature=0.0", content=png)
+        assert ok.status_code == 200, ok.text
 
 
 # ---- the CLI and the config --------------------------------------------------------------

@@ -100,7 +100,7 @@ def test_parse_uri_folder(tmp_path):
     ("rtsp://cam/x?latency=-5", "option latency must be >= 0"),
     ("synthetic://?text=2", "option text must be between 0 and 1"),
     ("synthetic://?count=-1", "option count must be >= 0"),
-    ("synthetic://?fps=nan", "option fps must be >= 0"),
+    ("synthetic://?fps=nan", "option fps must be 0 or between 0.001 and 1000"),
     ("synthetic://?size=8", "option size must be >= 32"),
     ("synthetic://scenes", "synthetic:// takes only options"),
     ("file://", "file:// needs a path"),
