@@ -134,16 +134,26 @@ class BackendConfig:
 
 @dataclass
 class LimitsConfig:
-    max_pixels: int = 40_000_000  # images with more pixels (width x height) are refused before decoding
+    max_pixels: int = 25_000_000  # images with more pixels (width x height) are refused before decoding
     max_image_bytes: int = 50 * 1024 * 1024  # larger encoded images are refused unread
+    # memory decoding one image may take, from its header (size x channels x bit depth,
+    # plus the decoder's own buffers): above it, 400 / exit 2 before decoding
+    max_decoded_bytes: int = 144 * 1024 * 1024
+    # memory all images being decoded at once may take (the daemon's prepare threads):
+    # an image that does not fit beside those in progress gets 503 + Retry-After; 16 MiB
+    # more than one image's limit, so a 1080p frame (12 MB) still decodes beside the largest
+    decode_budget_bytes: int = 160 * 1024 * 1024
     max_prompt_chars: int = 4000  # longer prompts are refused
     # a prompt with words the model's vocabulary lacks (the built-in model's closed world):
     # warn = answer, with a warning and the questions the model knows; refuse = 400 / exit 2
     unknown_words: str = "warn"
 
     def validate(self, path: str) -> None:
-        for name in ("max_pixels", "max_image_bytes", "max_prompt_chars"):
+        for name in ("max_pixels", "max_image_bytes", "max_decoded_bytes", "decode_budget_bytes", "max_prompt_chars"):
             _require(getattr(self, name) > 0, f"{path}.{name}", "be > 0", getattr(self, name))
+        # else an image within max_decoded_bytes could never be decoded by the daemon
+        _require(self.decode_budget_bytes >= self.max_decoded_bytes, f"{path}.decode_budget_bytes",
+                 f"be >= limits.max_decoded_bytes ({self.max_decoded_bytes})", self.decode_budget_bytes)
         _choice(self.unknown_words, UNKNOWN_WORDS, f"{path}.unknown_words")
 
 

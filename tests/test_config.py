@@ -28,6 +28,8 @@ backend:
 limits:
   max_pixels: 12_000_000
   max_image_bytes: 1048576
+  max_decoded_bytes: 50000000
+  decode_budget_bytes: 60000000
   max_prompt_chars: 500
   unknown_words: refuse
 generation:
@@ -134,7 +136,8 @@ def test_defaults_match_the_documented_schema():
     cfg = Config()
     assert cfg.model == ModelConfig(path=None, precision="fp32")
     assert cfg.backend == BackendConfig(name="onnxruntime", providers=["cpu"], intra_op_threads=0, warmup=True)
-    assert cfg.limits == LimitsConfig(max_pixels=40_000_000, max_image_bytes=50 * 1024 * 1024, max_prompt_chars=4000)
+    assert cfg.limits == LimitsConfig(max_pixels=25_000_000, max_image_bytes=50 * 1024 * 1024, max_prompt_chars=4000,
+                                      max_decoded_bytes=144 << 20, decode_budget_bytes=160 << 20)
     assert cfg.generation == GenerationConfig(max_new_tokens=32, temperature=0.0, top_p=1.0, seed=None, tier=None,
                                               num_beams=1, beam_gate=0.85)
     assert cfg.scheduler.policy == "auto" and cfg.scheduler.detail_tier is None
@@ -178,7 +181,8 @@ def test_full_yaml_file_loads_every_field(tmp_path):
         model=ModelConfig(path="/opt/models/my-vlm", precision="int8", engines="/opt/engines/my-vlm"),
         backend=BackendConfig(name="onnxruntime", providers=["tensorrt", "cuda", "cpu"],
                               intra_op_threads=2, warmup=False),
-        limits=LimitsConfig(max_pixels=12_000_000, max_image_bytes=1048576, max_prompt_chars=500, unknown_words="refuse"),
+        limits=LimitsConfig(max_pixels=12_000_000, max_image_bytes=1048576, max_prompt_chars=500, unknown_words="refuse",
+                            max_decoded_bytes=50_000_000, decode_budget_bytes=60_000_000),
         generation=GenerationConfig(max_new_tokens=64, temperature=0.7, top_p=0.9, seed=1234, tier="low",
                                     num_beams=1, beam_gate=0.9),
         scheduler=SchedulerConfig(policy="thresholds", statistic="high_freq", thresholds=[0.1, 0.25],
@@ -345,6 +349,9 @@ def test_null_allowed_only_for_optional_fields():
      "config: 'backend.providers[1]' must not repeat an earlier provider, got 'cuda'"),
     ({"backend": {"intra_op_threads": -1}}, "config: 'backend.intra_op_threads' must be >= 0, got -1"),
     ({"limits": {"max_pixels": 0}}, "config: 'limits.max_pixels' must be > 0, got 0"),
+    ({"limits": {"max_decoded_bytes": 0}}, "config: 'limits.max_decoded_bytes' must be > 0, got 0"),
+    ({"limits": {"decode_budget_bytes": 1000}},
+     "config: 'limits.decode_budget_bytes' must be >= limits.max_decoded_bytes (150994944), got 1000"),
     ({"limits": {"max_image_bytes": -5}}, "config: 'limits.max_image_bytes' must be > 0, got -5"),
     ({"limits": {"max_prompt_chars": 0}}, "config: 'limits.max_prompt_chars' must be > 0, got 0"),
     ({"generation": {"max_new_tokens": 0}}, "config: 'generation.max_new_tokens' must be in 1..4096, got 0"),
