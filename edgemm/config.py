@@ -33,6 +33,7 @@ from typing import Any
 import yaml
 
 from edgemm.errors import EdgemmError
+from edgemm.files import read_regular_file
 from edgemm.generation_limits import FIELDS as GENERATION_FIELDS, LimitError, check_generation, check_text
 from edgemm.scheduler import DETAIL_WORDS, STATISTICS
 
@@ -52,6 +53,9 @@ DEVICES = PLACEMENT_DEVICES
 OFFLOAD_CONDITIONS = ("critical", "slo", "hot", "budget")
 UNKNOWN_WORDS = ("warn", "refuse")  # limits.unknown_words
 
+
+# A config file is a few KB: --config /dev/zero or a 20 GB file is refused before it is read
+MAX_CONFIG_BYTES = 1024 * 1024
 
 class ConfigError(EdgemmError, ValueError):
     """A configuration problem; the message is one line starting with 'config'."""
@@ -560,14 +564,12 @@ def load_config(source: str | os.PathLike | Mapping[str, Any] | None = None) -> 
     if not isinstance(source, (str, os.PathLike)):
         raise TypeError(f"load_config: expected a path, a mapping or None, got {type(source).__name__}")
     file = os.fspath(source)
+    raw = read_regular_file(file, MAX_CONFIG_BYTES, lambda detail: ConfigError(
+        "file not found" if detail == "not found" else detail, file), "for a config file")
     try:
-        text = Path(file).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError("file not found", file) from None
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ConfigError(f"not UTF-8 text (byte {e.start})", file) from None
-    except OSError as e:
-        raise ConfigError(f"cannot read: {e.strerror or e}", file) from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:

@@ -52,7 +52,8 @@ import numpy as np
 
 from edgemm.backoff import Backoff
 from edgemm.errors import InputError
-from edgemm.model.image import DEFAULT_MAX_PIXELS, file_kind, load_image
+from edgemm.files import file_kind
+from edgemm.model.image import DEFAULT_MAX_PIXELS, load_image
 from edgemm.opencv import cv2
 
 __all__ = [

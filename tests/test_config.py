@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import textwrap
 from pathlib import Path
@@ -10,7 +11,7 @@ import pytest
 import yaml
 
 from edgemm.config import (
-    BackendConfig, CacheConfig, Config, ConfigError, GenerationConfig, LimitsConfig, ModelConfig,
+    MAX_CONFIG_BYTES, BackendConfig, CacheConfig, Config, ConfigError, GenerationConfig, LimitsConfig, ModelConfig,
     OffloadConfig, PlacementConfig, PowerConfig as PowerSection, SchedulerConfig, ServerConfig, StreamConfig,
     config_from_dict, config_to_dict, load_config,
 )
@@ -408,6 +409,24 @@ def test_boundary_values_are_accepted(data):
 
 # ---- file problems ----------------------------------------------------------------------
 
+def test_a_fifo_a_device_or_a_huge_file_is_refused_before_it_is_read(tmp_path):
+    """open() on a FIFO waits for a writer for ever; /dev/zero never ends (the CLI was
+    OOM-killed at 20 GB): a config is stat-ed first and must be a regular file <= 1 MiB."""
+    fifo = tmp_path / "cfg.fifo"
+    os.mkfifo(fifo)
+    big = tmp_path / "big.yaml"
+    big.write_text("#" * (MAX_CONFIG_BYTES + 1))
+    for path, detail in ((fifo, "path is a FIFO, not a regular file"),
+                         ("/dev/zero", "path is a character device, not a regular file"),
+                         (big, f"is {MAX_CONFIG_BYTES + 1} bytes, above the {MAX_CONFIG_BYTES} byte limit "
+                               "(for a config file)")):
+        with pytest.raises(ConfigError) as info:
+            load_config(path)
+        assert str(info.value) == f"config: {path}: {detail}"
+    big.write_text("#" * MAX_CONFIG_BYTES)
+    assert load_config(big) == Config()  # at the cap: read
+
+
 def test_missing_file_names_the_path(tmp_path):
     path = tmp_path / "nope.yaml"
     with pytest.raises(ConfigError) as info:
@@ -417,7 +436,7 @@ def test_missing_file_names_the_path(tmp_path):
 
 
 def test_directory_is_refused(tmp_path):
-    with pytest.raises(ConfigError, match=re.escape(f"config: {tmp_path}: cannot read")):
+    with pytest.raises(ConfigError, match=re.escape(f"config: {tmp_path}: path is a directory, not a file")):
         load_config(tmp_path)
 
 

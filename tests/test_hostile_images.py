@@ -241,6 +241,26 @@ def test_cli_refuses_fifo_socket_device_and_oversize_at_once(tmp_path):
         assert done.stderr.count("\n") == 1 and re.search(message, done.stderr), done.stderr
 
 
+def test_cli_refuses_a_fifo_or_device_as_config_or_model_file_at_once(tmp_path, model_dir, sample_png):
+    """--config FIFO hung for ever and --config /dev/zero was OOM-killed; the model
+    folder's files (model.yaml, tokenizer.json) are read the same way: exit 2, one line."""
+    image = tmp_path / "scene.png"
+    image.write_bytes(sample_png)
+    fifo = tmp_path / "cfg.fifo"
+    os.mkfifo(fifo)
+    model = tmp_path / "model"
+    shutil.copytree(model_dir, model)
+    (model / "tokenizer.json").unlink()
+    os.mkfifo(model / "tokenizer.json")
+    for args, message in ((["--config", str(fifo)], f"config: {fifo}: path is a FIFO, not a regular file"),
+                          (["--config", "/dev/zero"], "config: /dev/zero: path is a character device, not a regular file"),
+                          (["--model", str(model)], f"{model}/tokenizer.json: path is a FIFO, not a regular file")):
+        done = subprocess.run([sys.executable, "-m", "edgemm.cli", "infer", str(image), "--quiet", *args],
+                              capture_output=True, text=True, timeout=WAIT_S, env=child_env())
+        assert done.returncode == 2, (args, done.stderr)
+        assert done.stderr.splitlines() == [f"edgemm: error: {message}"], args
+
+
 def test_cli_threads_are_bounded_by_the_usable_cores(model_dir):
     cores = len(os.sched_getaffinity(0))
     result = infer(model_dir / "samples" / "scene_11.png", "--threads", cores + 1)

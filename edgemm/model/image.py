@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import os
 import re
-import stat
 import struct
 import threading
 from collections.abc import Iterator
@@ -52,6 +51,7 @@ from typing import Union
 import numpy as np
 
 from edgemm.errors import EdgemmError, InputError
+from edgemm.files import check_regular_file, read_regular_file
 from edgemm.opencv import cv2
 
 # 25 MP: a 24 MP phone photo (5712x4284) fits; the model never sees more than 4096 px a
@@ -119,67 +119,23 @@ def _from_path(path: str | os.PathLike, limits: "_Limits", max_bytes: int) -> np
         raise ImageError(f"{e}: {shown}") from None
 
 
-_FILE_KINDS = ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"),
-               (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
-
-
-def file_kind(mode: int) -> str:
-    """What a `stat` mode names, for messages: "a FIFO", "a folder", "a character device" …"""
-    return next((name for test, name in _FILE_KINDS if test(mode)), "not a regular file")
-
-
 def check_image_file(path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES) -> int:
     """The size of the regular file at `path`; ImageError, without opening it, for
     anything else (missing, a FIFO, a device, a socket, a directory, above `max_bytes`)."""
-    shown = os.fsdecode(path)
-    if not shown:
+    if not os.fsdecode(path):
         raise ImageError("image path is empty")
-    try:
-        info = os.stat(path)
-    except FileNotFoundError:
-        raise ImageError(f"image not found: {shown}") from None
-    except (OSError, ValueError) as e:  # ValueError: e.g. a NUL byte in the path
-        raise ImageError(f"image not readable ({getattr(e, 'strerror', None) or e}): {shown}") from None
-    _check_regular(info, shown, max_bytes)
-    return info.st_size
-
-
-def _check_regular(info: os.stat_result, shown: str, max_bytes: int) -> None:
-    if not stat.S_ISREG(info.st_mode):
-        kind = file_kind(info.st_mode)
-        if kind == "a folder":
-            raise ImageError(f"image path is a directory, not a file: {shown}")
-        raise ImageError(f"image path is {kind}, not a regular file: {shown}")
-    if info.st_size > max_bytes:
-        raise ImageError(f"image is {info.st_size} bytes, above the {max_bytes} byte limit "
-                         f"(limits.max_image_bytes): {shown}")
+    return check_regular_file(path, max_bytes, _image_error(path), "limits.max_image_bytes")
 
 
 def read_image_file(path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
-    """The bytes of the regular file at `path`, at most `max_bytes` of them (see check_image_file).
-
-    O_NONBLOCK: should the path become a FIFO after the stat, open() does not wait for a writer."""
-    shown = os.fsdecode(path)
+    """The bytes of the regular file at `path`, at most `max_bytes` of them (see check_image_file)."""
     check_image_file(path, max_bytes)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOCTTY", 0))
-    except FileNotFoundError:
-        raise ImageError(f"image not found: {shown}") from None
-    except PermissionError:
-        raise ImageError(f"image not readable (permission denied): {shown}") from None
-    except (OSError, ValueError) as e:
-        raise ImageError(f"image not readable ({getattr(e, 'strerror', None) or e}): {shown}") from None
-    try:
-        _check_regular(os.fstat(fd), shown, max_bytes)  # what was opened, not what was stat-ed
-        with open(fd, "rb", closefd=False) as f:
-            data = f.read(max_bytes + 1)
-    except OSError as e:
-        raise ImageError(f"image not readable ({e.strerror or e}): {shown}") from None
-    finally:
-        os.close(fd)
-    if len(data) > max_bytes:  # it grew after the stat
-        raise ImageError(f"image is more than {max_bytes} bytes (limits.max_image_bytes): {shown}")
-    return data
+    return read_regular_file(path, max_bytes, _image_error(path), "limits.max_image_bytes")
+
+
+def _image_error(path: str | os.PathLike):
+    shown = os.fsdecode(path)
+    return lambda detail: ImageError(f"image {detail}: {shown}")
 
 
 # --- encoded bytes -------------------------------------------------------------------
