@@ -78,16 +78,19 @@ def build_config(config_path, model_dir=None, precision=None, threads=None):
     return config_from_dict(data)
 
 
-def read_image_arg(image: str, max_bytes: int, max_pixels: int):
+def read_image_arg(image: str, limits):
     """The decoded image: `-` reads stdin (bounded), anything else is a path (a regular
-    file only). Decoded here, before the model loads, so a bad image costs no load."""
+    file only). Decoded here, before the model loads, so a bad image costs no load.
+    `limits` is the config's LimitsConfig."""
     from edgemm.model.image import load_image
+    max_bytes = limits.max_image_bytes
+    bounds = {"max_pixels": limits.max_pixels, "max_decoded_bytes": limits.max_decoded_bytes}
     if image != "-":
-        return load_image(image, max_pixels=max_pixels, max_bytes=max_bytes)
+        return load_image(image, max_bytes=max_bytes, **bounds)
     data = sys.stdin.buffer.read(max_bytes + 1)
     if len(data) > max_bytes:
         raise InputError(f"image on stdin is larger than {max_bytes} bytes (limits.max_image_bytes)")
-    return load_image(data, max_pixels=max_pixels)
+    return load_image(data, **bounds)
 
 
 @contextmanager
@@ -217,7 +220,7 @@ def infer(image, prompt, tier, scheduler, beams, beam_gate, precision, model_dir
     cfg = build_config(config_path, model_dir, precision, threads)
     if scheduler is not None:
         cfg.scheduler.policy = scheduler  # a click.Choice, so already valid
-    source = read_image_arg(image, cfg.limits.max_image_bytes, cfg.limits.max_pixels)
+    source = read_image_arg(image, cfg.limits)
     with progress(model_label(cfg), quiet):
         runtime = Runtime(cfg, warm_up=False)
         started = time.perf_counter()

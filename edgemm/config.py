@@ -33,6 +33,7 @@ from typing import Any
 import yaml
 
 from edgemm.errors import EdgemmError
+from edgemm.files import read_regular_file
 from edgemm.generation_limits import FIELDS as GENERATION_FIELDS, LimitError, check_generation, check_text
 from edgemm.scheduler import DETAIL_WORDS, STATISTICS
 
@@ -52,6 +53,9 @@ DEVICES = PLACEMENT_DEVICES
 OFFLOAD_CONDITIONS = ("critical", "slo", "hot", "budget")
 UNKNOWN_WORDS = ("warn", "refuse")  # limits.unknown_words
 
+
+# A config file is a few KB: --config /dev/zero or a 20 GB file is refused before it is read
+MAX_CONFIG_BYTES = 1024 * 1024
 
 class ConfigError(EdgemmError, ValueError):
     """A configuration problem; the message is one line starting with 'config'."""
@@ -134,16 +138,26 @@ class BackendConfig:
 
 @dataclass
 class LimitsConfig:
-    max_pixels: int = 40_000_000  # images with more pixels (width x height) are refused before decoding
+    max_pixels: int = 25_000_000  # images with more pixels (width x height) are refused before decoding
     max_image_bytes: int = 50 * 1024 * 1024  # larger encoded images are refused unread
+    # memory decoding one image may take, from its header (size x channels x bit depth,
+    # plus the decoder's own buffers): above it, 400 / exit 2 before decoding
+    max_decoded_bytes: int = 144 * 1024 * 1024
+    # memory all images being decoded at once may take (the daemon's prepare threads):
+    # an image that does not fit beside those in progress gets 503 + Retry-After; 16 MiB
+    # more than one image's limit, so a 1080p frame (12 MB) still decodes beside the largest
+    decode_budget_bytes: int = 160 * 1024 * 1024
     max_prompt_chars: int = 4000  # longer prompts are refused
     # a prompt with words the model's vocabulary lacks (the built-in model's closed world):
     # warn = answer, with a warning and the questions the model knows; refuse = 400 / exit 2
     unknown_words: str = "warn"
 
     def validate(self, path: str) -> None:
-        for name in ("max_pixels", "max_image_bytes", "max_prompt_chars"):
+        for name in ("max_pixels", "max_image_bytes", "max_decoded_bytes", "decode_budget_bytes", "max_prompt_chars"):
             _require(getattr(self, name) > 0, f"{path}.{name}", "be > 0", getattr(self, name))
+        # else an image within max_decoded_bytes could never be decoded by the daemon
+        _require(self.decode_budget_bytes >= self.max_decoded_bytes, f"{path}.decode_budget_bytes",
+                 f"be >= limits.max_decoded_bytes ({self.max_decoded_bytes})", self.decode_budget_bytes)
         _choice(self.unknown_words, UNKNOWN_WORDS, f"{path}.unknown_words")
 
 
@@ -556,14 +570,12 @@ def load_config(source: str | os.PathLike | Mapping[str, Any] | None = None) -> 
     if not isinstance(source, (str, os.PathLike)):
         raise TypeError(f"load_config: expected a path, a mapping or None, got {type(source).__name__}")
     file = os.fspath(source)
+    raw = read_regular_file(file, MAX_CONFIG_BYTES, lambda detail: ConfigError(
+        "file not found" if detail == "not found" else detail, file), "for a config file")
     try:
-        text = Path(file).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError("file not found", file) from None
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ConfigError(f"not UTF-8 text (byte {e.start})", file) from None
-    except OSError as e:
-        raise ConfigError(f"cannot read: {e.strerror or e}", file) from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:

@@ -19,7 +19,7 @@ from edgemm.config import Config, ConfigError
 from edgemm.errors import InputError
 from edgemm.generate import GenerationOptions
 from edgemm.model.family import Family, Prompt
-from edgemm.model.image import load_image
+from edgemm.model.image import DecodeBudget, load_image
 from edgemm.model.manifest import ModelManifest, ResolutionTier
 from edgemm.power import Route
 from edgemm.scheduler import POLICY_FILE, Decision, Scheduler, TierPolicy
@@ -75,6 +75,8 @@ class Preparation:
         self.config, self.manifest, self.adapter = config, manifest, adapter
         self.precision = config.model.precision
         self.scheduler = make_scheduler(config, manifest)
+        # one budget for every thread preparing through this object (the daemon's prepare workers)
+        self.decode_budget = DecodeBudget(config.limits.decode_budget_bytes)
         self.keyed = bool(config.cache.max_bytes)  # feature-cache keys are made here, off the encoder's thread
         # (prompt, tier, image size) → ids; lru_cache is thread-safe
         self._cached_prompt = functools.lru_cache(maxsize=PROMPT_CACHE_SIZE)(self._read_only_prompt)
@@ -95,7 +97,8 @@ class Preparation:
         """A path, encoded bytes or an RGB array → RGB8 array, within the size limits."""
         self.check_size(image)
         limits = self.config.limits
-        return load_image(image, max_pixels=limits.max_pixels, max_bytes=limits.max_image_bytes)
+        return load_image(image, max_pixels=limits.max_pixels, max_bytes=limits.max_image_bytes,
+                          max_decoded_bytes=limits.max_decoded_bytes, budget=self.decode_budget)
 
     def pixels(self, rgb: np.ndarray, tier: ResolutionTier) -> np.ndarray:
         """[1,3,H,W], or [1,tiles,3,H,W] for a tiled family: the adapter decides."""

@@ -38,6 +38,7 @@ import numpy as np
 import yaml
 
 from edgemm.errors import ModelError
+from edgemm.files import read_model_file
 from edgemm.opencv import cv2
 
 POLICY_FILE = "scheduler.yaml"  # in the model folder, written by tools/calibrate_scheduler.py
@@ -266,7 +267,7 @@ class TierPolicy:
             raise ModelError(f"scheduler policy 'calibrated' needs {path}; make it with: "
                              f"python tools/calibrate_scheduler.py {path.parent}")
         try:
-            data = yaml.safe_load(path.read_text(encoding="utf-8"))
+            data = yaml.safe_load(read_model_file(path))
             return cls(statistic=data["statistic"], thresholds=[float(t) for t in data["thresholds"]],
                        detail_words=tuple(data.get("detail_words", DETAIL_WORDS)),
                        detail_floor=data.get("detail_floor"), floor=data.get("floor"),

@@ -54,7 +54,8 @@ import numpy as np
 from edgemm.backoff import Backoff
 from edgemm.config import MAX_FPS, MIN_FPS
 from edgemm.errors import InputError
-from edgemm.model.image import DEFAULT_MAX_PIXELS, file_kind, load_image
+from edgemm.files import file_kind
+from edgemm.model.image import DEFAULT_MAX_PIXELS, load_image
 from edgemm.opencv import cv2
 
 __all__ = [

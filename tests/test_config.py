@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import textwrap
 from pathlib import Path
@@ -10,7 +11,7 @@ import pytest
 import yaml
 
 from edgemm.config import (
-    BackendConfig, CacheConfig, Config, ConfigError, GenerationConfig, LimitsConfig, ModelConfig,
+    MAX_CONFIG_BYTES, BackendConfig, CacheConfig, Config, ConfigError, GenerationConfig, LimitsConfig, ModelConfig,
     OffloadConfig, PlacementConfig, PowerConfig as PowerSection, SchedulerConfig, ServerConfig, StreamConfig,
     config_from_dict, config_to_dict, load_config,
 )
@@ -28,6 +29,8 @@ backend:
 limits:
   max_pixels: 12_000_000
   max_image_bytes: 1048576
+  max_decoded_bytes: 50000000
+  decode_budget_bytes: 60000000
   max_prompt_chars: 500
   unknown_words: refuse
 generation:
@@ -136,7 +139,8 @@ def test_defaults_match_the_documented_schema():
     cfg = Config()
     assert cfg.model == ModelConfig(path=None, precision="fp32")
     assert cfg.backend == BackendConfig(name="onnxruntime", providers=["cpu"], intra_op_threads=0, warmup=True)
-    assert cfg.limits == LimitsConfig(max_pixels=40_000_000, max_image_bytes=50 * 1024 * 1024, max_prompt_chars=4000)
+    assert cfg.limits == LimitsConfig(max_pixels=25_000_000, max_image_bytes=50 * 1024 * 1024, max_prompt_chars=4000,
+                                      max_decoded_bytes=144 << 20, decode_budget_bytes=160 << 20)
     assert cfg.generation == GenerationConfig(max_new_tokens=32, temperature=0.0, top_p=1.0, seed=None, tier=None,
                                               num_beams=1, beam_gate=0.85)
     assert cfg.scheduler.policy == "auto" and cfg.scheduler.detail_tier is None
@@ -180,7 +184,8 @@ def test_full_yaml_file_loads_every_field(tmp_path):
         model=ModelConfig(path="/opt/models/my-vlm", precision="int8", engines="/opt/engines/my-vlm"),
         backend=BackendConfig(name="onnxruntime", providers=["tensorrt", "cuda", "cpu"],
                               intra_op_threads=2, warmup=False),
-        limits=LimitsConfig(max_pixels=12_000_000, max_image_bytes=1048576, max_prompt_chars=500, unknown_words="refuse"),
+        limits=LimitsConfig(max_pixels=12_000_000, max_image_bytes=1048576, max_prompt_chars=500, unknown_words="refuse",
+                            max_decoded_bytes=50_000_000, decode_budget_bytes=60_000_000),
         generation=GenerationConfig(max_new_tokens=64, temperature=0.7, top_p=0.9, seed=1234, tier="low",
                                     num_beams=1, beam_gate=0.9),
         scheduler=SchedulerConfig(policy="thresholds", statistic="high_freq", thresholds=[0.1, 0.25],
@@ -347,6 +352,9 @@ def test_null_allowed_only_for_optional_fields():
      "config: 'backend.providers[1]' must not repeat an earlier provider, got 'cuda'"),
     ({"backend": {"intra_op_threads": -1}}, "config: 'backend.intra_op_threads' must be >= 0, got -1"),
     ({"limits": {"max_pixels": 0}}, "config: 'limits.max_pixels' must be > 0, got 0"),
+    ({"limits": {"max_decoded_bytes": 0}}, "config: 'limits.max_decoded_bytes' must be > 0, got 0"),
+    ({"limits": {"decode_budget_bytes": 1000}},
+     "config: 'limits.decode_budget_bytes' must be >= limits.max_decoded_bytes (150994944), got 1000"),
     ({"limits": {"max_image_bytes": -5}}, "config: 'limits.max_image_bytes' must be > 0, got -5"),
     ({"limits": {"max_prompt_chars": 0}}, "config: 'limits.max_prompt_chars' must be > 0, got 0"),
     ({"generation": {"max_new_tokens": 0}}, "config: 'generation.max_new_tokens' must be in 1..4096, got 0"),
@@ -406,6 +414,24 @@ def test_boundary_values_are_accepted(data):
 
 # ---- file problems ----------------------------------------------------------------------
 
+def test_a_fifo_a_device_or_a_huge_file_is_refused_before_it_is_read(tmp_path):
+    """open() on a FIFO waits for a writer for ever; /dev/zero never ends (the CLI was
+    OOM-killed at 20 GB): a config is stat-ed first and must be a regular file <= 1 MiB."""
+    fifo = tmp_path / "cfg.fifo"
+    os.mkfifo(fifo)
+    big = tmp_path / "big.yaml"
+    big.write_text("#" * (MAX_CONFIG_BYTES + 1))
+    for path, detail in ((fifo, "path is a FIFO, not a regular file"),
+                         ("/dev/zero", "path is a character device, not a regular file"),
+                         (big, f"is {MAX_CONFIG_BYTES + 1} bytes, above the {MAX_CONFIG_BYTES} byte limit "
+                               "(for a config file)")):
+        with pytest.raises(ConfigError) as info:
+            load_config(path)
+        assert str(info.value) == f"config: {path}: {detail}"
+    big.write_text("#" * MAX_CONFIG_BYTES)
+    assert load_config(big) == Config()  # at the cap: read
+
+
 def test_missing_file_names_the_path(tmp_path):
     path = tmp_path / "nope.yaml"
     with pytest.raises(ConfigError) as info:
@@ -415,7 +441,7 @@ def test_missing_file_names_the_path(tmp_path):
 
 
 def test_directory_is_refused(tmp_path):
-    with pytest.raises(ConfigError, match=re.escape(f"config: {tmp_path}: cannot read")):
+    with pytest.raises(ConfigError, match=re.escape(f"config: {tmp_path}: path is a directory, not a file")):
         load_config(tmp_path)
 
 

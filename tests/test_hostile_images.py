@@ -28,14 +28,14 @@ from test_server import (assert_error, child_env, in_background, raw_client, run
                          sock_path, wait_ready, write_config)
 
 from edgemm.cli import main
-from edgemm.model.image import MAX_JPEG_SCANS, ImageError, load_image
+from edgemm.model.image import MAX_JPEG_SCANS, DecodeBudget, DecodeBusy, ImageError, load_image
 
 WAIT_S = 60
 
 # kind → (the file's bytes, what the refusal says)
 REFUSED = {
     "TIFF listing its size twice": (lambda: hostile.tiff_with_repeated_size(),
-                                    r"image is 12000x12000 = 144\.0 MP, above the 40\.0 MP limit"),
+                                    r"image is 12000x12000 = 144\.0 MP, above the 25\.0 MP limit"),
     "progressive JPEG with a repeated scan": (lambda: hostile.progressive_jpeg(repeats=400),
                                               rf"JPEG has more than {MAX_JPEG_SCANS} scans"),
     "16 MiB of empty JPEG comment segments": (lambda: hostile.jpeg_with_comment_run(),
@@ -43,6 +43,23 @@ REFUSED = {
     "the 6-byte JPEG FF D8 FF FF FF FF": (lambda: hostile.SIX_BYTE_JPEG,
                                           r"truncated or corrupt \(JPEG has no readable frame header\)"),
 }
+# under the pixel limit, over the decoded-memory one: the bit depth and the decoder's buffers count
+MEMORY = r"MB, above the 151\.0 MB limit \(limits\.max_decoded_bytes\)"
+DECODED_BOMBS = {
+    "16-bit RGBA PNG 4000x4000, 65 bytes": (lambda: hostile.png_header_only(4000, 4000),
+                                             r"4000x4000 PNG \(4 x 16-bit samples\) takes 240\.0 " + MEMORY),
+    "64-bit float RGB TIFF 4000x3000, cut short": (lambda: hostile.tiff_deep(), r"\(3 x 64-bit samples\) " + ".*" + MEMORY),
+    "16-bit RGBA TIFF 4000x4000, cut short": (lambda: hostile.tiff_deep(4000, 4000, 16, 4, 1),
+                                               r"\(4 x 16-bit samples\) " + ".*" + MEMORY),
+    "animated WebP with a 4000x4000 canvas": (lambda: hostile.animated_webp_canvas(4000), MEMORY),
+    "RLE8 BMP 4900x4900, 2 KB": (lambda: hostile.bmp_rle8(4900, 4900), MEMORY),
+    "progressive 4:4:4 JPEG frame 4900x4900": (
+        lambda: hostile.jpeg_with_size(hostile.encode(".jpg", hostile.marked_bgr(), hostile.cv2.IMWRITE_JPEG_PROGRESSIVE, 1,
+                                                      hostile.cv2.IMWRITE_JPEG_SAMPLING_FACTOR,
+                                                      hostile.cv2.IMWRITE_JPEG_SAMPLING_FACTOR_444), 4900, 4900),
+        MEMORY),
+}
+REFUSED.update(DECODED_BOMBS)
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +100,72 @@ def test_load_image_refuses_before_decoding(kind):
     with pytest.raises(ImageError, match=message) as info:
         load_image(make())
     assert "\n" not in str(info.value)
+
+
+def test_the_memory_limit_counts_bit_depth_and_channels():
+    # the same 1000x1000: 8-bit RGB costs 6 MB (decoded twice by OpenCV), 16-bit RGBA 15 MB
+    rgb8 = hostile.encode(".png", np.zeros((1000, 1000, 3), np.uint8))
+    rgba16 = hostile.encode(".png", np.zeros((1000, 1000, 4), np.uint16))
+    assert load_image(rgb8, max_decoded_bytes=7_000_000).shape == (1000, 1000, 3)
+    with pytest.raises(ImageError, match=r"\(4 x 16-bit samples\) takes 15\.0 MB, above the 7\.0 MB limit"):
+        load_image(rgba16, max_decoded_bytes=7_000_000)
+    assert load_image(rgba16, max_decoded_bytes=15_000_000).shape == (1000, 1000, 3)
+
+
+PEAK_OF_LOAD = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import hostile_images as hostile, numpy as np
+from edgemm.model import image
+def kb(field):
+    return int(next(l for l in open("/proc/self/status") if l.startswith(field)).split()[1])
+data = eval(sys.argv[2])
+header = image._HEADER_READERS[image._sniff_format(data)](data)
+open("/proc/self/clear_refs", "w").write("5")
+before = kb("VmRSS")
+image.load_image(data)
+print((kb("VmHWM") - before) * 1024 / image.decode_cost(header))
+"""
+
+
+@pytest.mark.parametrize("make", [
+    "hostile.encode('.png', np.random.default_rng(0).integers(0, 65535, (1500, 1500, 4), dtype=np.uint16))",
+    "hostile.encode('.png', np.random.default_rng(0).integers(0, 255, (2500, 2500, 3), dtype=np.uint8))",
+    "hostile.encode('.jpg', np.random.default_rng(0).integers(0, 255, (2000, 2000, 3), dtype=np.uint8), 2, 1)",
+    "hostile.encode('.tif', np.random.default_rng(0).random((1000, 1000, 3)))",
+])
+def test_the_memory_an_accepted_image_takes_is_what_the_limit_counts(make):
+    """decode_cost is what the limit is checked against: a decode that takes much more
+    than it (an intermediate it does not know about) would let the limit be outrun."""
+    tools = str(Path(__file__).resolve().parent.parent / "tools")
+    out = subprocess.run([sys.executable, "-c", PEAK_OF_LOAD, tools, make], capture_output=True, text=True,
+                         timeout=WAIT_S)
+    assert out.returncode == 0, out.stderr
+    assert 0.5 < float(out.stdout) <= 1.25, (make, out.stdout)
+
+
+def test_decodes_share_one_budget_and_a_decode_that_does_not_fit_is_503():
+    budget = DecodeBudget(10_000_000)
+    small = hostile.encode(".png", np.zeros((1000, 1000, 3), np.uint8))  # costs 6 MB
+    with budget.hold(6_000_000):  # another thread's decode in progress
+        with pytest.raises(DecodeBusy, match=r"images being decoded hold 6\.0 MB of the 10\.0 MB budget") as info:
+            load_image(small, budget=budget)
+        assert info.value.http_status == 503
+        load_image(hostile.encode(".png", np.zeros((100, 100, 3), np.uint8)), budget=budget)  # fits beside it
+    assert budget.held == 0
+    load_image(small, budget=budget)  # room again once the other ends
+    with pytest.raises(ImageError):
+        load_image(hostile.SIX_BYTE_JPEG, budget=budget)
+    assert budget.held == 0
+
+
+def test_daemon_answers_503_with_retry_after_when_the_decode_budget_is_full(runtime, sample_png, monkeypatch):
+    monkeypatch.setattr(runtime.preparation, "decode_budget", DecodeBudget(1000))  # held by others, say
+    with running(runtime) as daemon, raw_client(sock_path(daemon)) as http:
+        refused = http.post("/v1/infer", params={"max_tokens": 1}, content=sample_png)
+        error = assert_error(refused, 503)
+        assert refused.headers["Retry-After"] == "1" and "limits.decode_budget_bytes" in error["message"]
+    assert runtime.preparation.decode_budget.held == 0
 
 
 def test_tiff_size_is_the_largest_any_tag_gives():
@@ -156,6 +239,26 @@ def test_cli_refuses_fifo_socket_device_and_oversize_at_once(tmp_path):
         done = edgemm("infer", str(path), "--config", str(config))
         assert done.returncode == 2, (kind, done.stderr)
         assert done.stderr.count("\n") == 1 and re.search(message, done.stderr), done.stderr
+
+
+def test_cli_refuses_a_fifo_or_device_as_config_or_model_file_at_once(tmp_path, model_dir, sample_png):
+    """--config FIFO hung for ever and --config /dev/zero was OOM-killed; the model
+    folder's files (model.yaml, tokenizer.json) are read the same way: exit 2, one line."""
+    image = tmp_path / "scene.png"
+    image.write_bytes(sample_png)
+    fifo = tmp_path / "cfg.fifo"
+    os.mkfifo(fifo)
+    model = tmp_path / "model"
+    shutil.copytree(model_dir, model)
+    (model / "tokenizer.json").unlink()
+    os.mkfifo(model / "tokenizer.json")
+    for args, message in ((["--config", str(fifo)], f"config: {fifo}: path is a FIFO, not a regular file"),
+                          (["--config", "/dev/zero"], "config: /dev/zero: path is a character device, not a regular file"),
+                          (["--model", str(model)], f"{model}/tokenizer.json: path is a FIFO, not a regular file")):
+        done = subprocess.run([sys.executable, "-m", "edgemm.cli", "infer", str(image), "--quiet", *args],
+                              capture_output=True, text=True, timeout=WAIT_S, env=child_env())
+        assert done.returncode == 2, (args, done.stderr)
+        assert done.stderr.splitlines() == [f"edgemm: error: {message}"], args
 
 
 def test_cli_threads_are_bounded_by_the_usable_cores(model_dir):

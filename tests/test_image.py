@@ -258,13 +258,13 @@ def jpeg_header_only(width: int, height: int) -> bytes:
 
 def test_jpeg_bomb_refused_from_header_alone():
     message = assert_refused(jpeg_header_only(12000, 9000), r"limits\.max_pixels")
-    assert message == "image is 12000x9000 = 108.0 MP, above the 40.0 MP limit (limits.max_pixels)"
+    assert message == "image is 12000x9000 = 108.0 MP, above the 25.0 MP limit (limits.max_pixels)"
 
 
 def test_png_bomb_refused_from_header_alone():
     ihdr = struct.pack(">II5B", 100_000, 100_000, 8, 0, 0, 0, 0)
     data = b"\x89PNG\r\n\x1a\n" + struct.pack(">I", 13) + b"IHDR" + ihdr + b"\x00" * 4
-    assert_refused(data, r"^image is 100000x100000 = 10000\.0 MP, above the 40\.0 MP limit")
+    assert_refused(data, r"^image is 100000x100000 = 10000\.0 MP, above the 25\.0 MP limit")
 
 
 @pytest.mark.parametrize("ext, params", [
@@ -279,7 +279,7 @@ def test_every_format_reads_its_size_from_the_header(ext, params):
 
 
 def test_default_limit():
-    assert DEFAULT_MAX_PIXELS == 40_000_000
+    assert DEFAULT_MAX_PIXELS == 25_000_000
 
 
 # --- paths ---------------------------------------------------------------------------

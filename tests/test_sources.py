@@ -520,7 +520,7 @@ def test_synthetic_size_over_the_pixel_limit_is_refused_before_a_frame(monkeypat
     with pytest.raises(SourceUnusable) as info:
         open_source("synthetic://?size=10000")  # 10⁸ pixels: 300 MB a frame, 40 M allowed by default
     assert str(info.value) == ("synthetic://?size=10000: size 10000 makes 100000000 pixels per frame, "
-                               "above limits.max_pixels (40000000)")
+                               "above limits.max_pixels (25000000)")
     with pytest.raises(SourceUnusable, match=r"size 65 makes 4225 pixels .*\(4096\)"):
         open_source("synthetic://?size=65", max_pixels=64 * 64)
     with pytest.raises(SourceUnusable, match=r"size 65 makes 4225 pixels"):

@@ -56,7 +56,7 @@ def test_a_stream_that_never_delivered_is_retrying_with_the_last_error(runtime, 
 @pytest.mark.parametrize("source, message", [
     ("v4l2:///etc/passwd", "/etc/passwd is not a camera: it is a regular file, not a V4L2 device node"),
     ("synthetic://?size=10000", "synthetic://?size=10000: size 10000 makes 100000000 pixels per frame, "
-                                "above limits.max_pixels (40000000)"),
+                                "above limits.max_pixels (25000000)"),
     ("v4l2:///dev/video99", "camera /dev/video99 not found (is it plugged in?)"),
     ("csi://0", "csi://0 needs OpenCV built with GStreamer (this OpenCV has none; "
                 "on a Jetson use JetPack's python3-opencv)"),

@@ -11,9 +11,10 @@
            `edgemm infer FILE` for each file: its peak RSS (VmHWM at exit), next to a
            valid run's.
   latency  the same daemon: a valid POST /v1/infer alone, and the same sent 0.1 s after a
-           slow image (an 8000x5000 progressive JPEG at the scan limit, ~2 s to decode
-           here) went in; `rounds` of each, alternating; medians and their ratio
-           (target: answered within 1 s).
+           slow image (a 6000x4000 progressive JPEG at the scan limit) went in; `rounds`
+           of each, alternating; medians and their ratio (target: answered within 1 s).
+  two_heavy  two 24 MP PNGs (the largest accepted) at once, a valid request 0.3 s
+           later: its latency, the heavy ones' statuses, the peak RSS.
 
 Files come from tools/hostile_images.py. Results are printed as JSON.
 """
@@ -65,7 +66,21 @@ def hostile_inputs(folder: Path) -> dict[str, dict]:
         "PNG with a CRC error": {"body": hostile.png_with_bad_crc()},
         "36 MP PNG broken at its end": {"body": hostile.slow_corrupt_png()},
         "file:// URL naming a FIFO": {"url": f"file://{fifo}"},
+        # decoded-memory bombs: under the pixel limit, over limits.max_decoded_bytes
+        "16-bit RGBA PNG 4000x4000 (65 bytes)": {"body": hostile.png_header_only(4000, 4000)},
+        "64-bit float RGB TIFF 4000x3000, cut short": {"body": hostile.tiff_deep()},
+        "16-bit RGBA TIFF 4000x4000, cut short": {"body": hostile.tiff_deep(4000, 4000, 16, 4, 1)},
+        "animated WebP, 4000x4000 canvas": {"body": hostile.animated_webp_canvas(4000)},
+        "RLE8 BMP 4900x4900 (2 KB)": {"body": hostile.bmp_rle8(4900, 4900)},
+        "largest accepted: 24 MP RGB PNG (answered)": {"body": big_valid_png()},
     }
+
+
+def big_valid_png() -> bytes:
+    """A 5000x4800 8-bit RGB PNG (24 MP, ~1.5 MB), just within limits.max_decoded_bytes."""
+    import numpy as np
+    cells = np.random.default_rng(2).integers(0, 256, (600, 625, 3), dtype=np.uint8)
+    return hostile.encode(".png", np.repeat(np.repeat(cells, 8, 0), 8, 1), hostile.cv2.IMWRITE_PNG_COMPRESSION, 1)
 
 
 def chat_body(url: str) -> dict:
@@ -133,7 +148,7 @@ def cli_section(folder: Path, cases: dict[str, dict], valid: bytes) -> dict:
 
 
 def latency_section(daemon: ServeProcess, valid: bytes, rounds: int) -> dict:
-    slow = hostile.progressive_jpeg(5000, 8000, MAX_JPEG_SCANS - 10, flat=True)
+    slow = hostile.progressive_jpeg(4000, 6000, MAX_JPEG_SCANS - 10, flat=True)  # 24 MP: within max_pixels
     alone, behind, slow_s = [], [], []
     for _ in range(rounds):
         alone.append(send(daemon.sock, {"body": valid})[1])
@@ -152,6 +167,31 @@ def latency_section(daemon: ServeProcess, valid: bytes, rounds: int) -> dict:
             "slow_image_s": round(med(slow_s), 2), "rounds": rounds}
 
 
+def two_heavy_section(daemon: ServeProcess, valid: bytes, rounds: int) -> dict:
+    """Two of the largest accepted images at once, then a valid small request 0.3 s later:
+    its latency, the heavy ones' statuses (the decode budget takes one; the other gets
+    503 at once rather than holding the second prepare thread) and the peak RSS."""
+    heavy = big_valid_png()
+    behind, statuses, peaks = [], [], []
+    for _ in range(rounds):
+        reset_peak(daemon.proc.pid)
+        out: list = []
+        threads = [threading.Thread(target=lambda: out.append(send(daemon.sock, {"body": heavy}))) for _ in range(2)]
+        for t in threads:
+            t.start()
+        time.sleep(0.3)
+        status, seconds = send(daemon.sock, {"body": valid})
+        assert status == 200
+        behind.append(seconds)
+        for t in threads:
+            t.join()
+        statuses.append(sorted(s for s, _ in out))
+        peaks.append(vm_kb(daemon.proc.pid, "VmHWM") / 1024)
+    med = statistics.median
+    return {"small_behind_two_heavy_ms": round(med(behind) * 1e3, 1), "max_ms": round(max(behind) * 1e3, 1),
+            "heavy_statuses": statuses, "peak_mb_max": round(max(peaks), 1), "rounds": rounds}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=ROOT / "models" / "tiny-vlm")
@@ -163,7 +203,8 @@ def main() -> None:
     daemon = ServeProcess("hostile", args.model, {"image_dirs": [str(folder)], "max_body_bytes": 64 << 20}, 0)
     try:
         daemon.wait_ready()
-        result = {"memory": memory_section(daemon, cases, valid), "latency": latency_section(daemon, valid, args.rounds)}
+        result = {"memory": memory_section(daemon, cases, valid), "latency": latency_section(daemon, valid, args.rounds),
+                  "two_heavy": two_heavy_section(daemon, valid, args.rounds)}
     finally:
         daemon.stop()
     result["cli"] = cli_section(folder, cases, valid)

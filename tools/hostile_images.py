@@ -114,3 +114,58 @@ def webp_with_exif(orientation: int, bgr: np.ndarray | None = None) -> bytes:
     vp8x = bytes([0x08, 0, 0, 0]) + (w - 1).to_bytes(3, "little") + (h - 1).to_bytes(3, "little")
     body = b"WEBP" + riff_chunk(b"VP8X", vp8x) + image_chunk + riff_chunk(b"EXIF", exif_tiff(orientation))
     return b"RIFF" + struct.pack("<I", len(body)) + body
+
+
+# --- decoded-memory bombs: few bytes, a size under the pixel limit, deep samples -----------
+# Each is refused from its header by limits.max_decoded_bytes (edgemm.model.image.decode_cost):
+# before it, the pixel limit alone let them take 300-800 MB each.
+
+def png_header_only(width: int, height: int, depth: int = 16, colour: int = 6) -> bytes:
+    """IHDR (`depth` bits, colour type 6 = RGBA), one empty IDAT, IEND: the header a
+    decoder allocates width x height x channels x depth/8 from (16-bit RGBA 6300x6300: 318 MB)."""
+    ihdr = struct.pack(">IIBBBBB", width, height, depth, colour, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + png_chunk(b"IHDR", ihdr) + png_chunk(b"IDAT", zlib.compress(b""))
+            + png_chunk(b"IEND", b""))
+
+
+def tiff_deep(width: int = 4000, height: int = 3000, bits: int = 64, samples: int = 3,
+              sample_format: int = 3) -> bytes:
+    """A deflated TIFF of `samples` x `bits` (SampleFormat 3 = IEEE float) samples whose
+    one strip is cut short after 2 KB: libtiff allocates the whole image (64-bit float RGB
+    12 MP: 288 MB) before finding out."""
+    strip = zlib.compress(bytes(1 << 20), 9)[:2000]
+    entries = [(256, 4, width), (257, 4, height), (258, 3, bits), (259, 3, 8), (262, 3, 2 if samples >= 3 else 1),
+               (273, 4, 0), (277, 3, samples), (278, 4, height), (279, 4, len(strip)), (339, 3, sample_format)]
+    strip_offset = 8 + 2 + 12 * len(entries) + 4
+    ifd = struct.pack("<H", len(entries))
+    for tag, kind, value in entries:
+        value = strip_offset if tag == 273 else value
+        inline = struct.pack("<I", value) if kind == 4 else struct.pack("<HH", value, 0)
+        ifd += struct.pack("<HHI", tag, kind, 1) + inline
+    return b"II*\x00" + struct.pack("<I", 8) + ifd + struct.pack("<I", 0) + strip
+
+
+def animated_webp_canvas(side: int = 6300) -> bytes:
+    """~100 bytes: an animated WebP whose canvas is side x side, with one 16x16 frame.
+    The animation decoder composes on full-canvas RGBA buffers (6300: 580 MB peak)."""
+    frame = encode(".webp", np.zeros((16, 16, 3), np.uint8), cv2.IMWRITE_WEBP_QUALITY, 101)[12:]  # its VP8L chunk
+    vp8x = bytes([0x02, 0, 0, 0]) + (side - 1).to_bytes(3, "little") + (side - 1).to_bytes(3, "little")
+    anmf = (bytes(6) + (15).to_bytes(3, "little") * 2 + (100).to_bytes(3, "little") + b"\x00") + frame
+    body = b"WEBP" + riff_chunk(b"VP8X", vp8x) + riff_chunk(b"ANIM", bytes(6)) + riff_chunk(b"ANMF", anmf)
+    return b"RIFF" + struct.pack("<I", len(body)) + body
+
+
+def bmp_rle8(width: int = 6000, height: int = 6000) -> bytes:
+    """A 1 KB RLE8 BMP of width x height: the decoder fills the whole image (6000: 300 MB peak)."""
+    payload = bytes(1024) + b"\x00\x01"  # zero runs, then end-of-bitmap
+    info = struct.pack("<IiiHHIIiiII", 40, width, height, 1, 8, 1, len(payload), 2835, 2835, 0, 0)
+    palette = bytes(4 * 256)
+    offset = 14 + len(info) + len(palette)
+    return b"BM" + struct.pack("<IHHI", offset + len(payload), 0, 0, offset) + info + palette + payload
+
+
+def jpeg_with_size(data: bytes, width: int, height: int) -> bytes:
+    """`data` (a JPEG) with its frame header claiming width x height: what the decoder
+    allocates comes from there (a progressive 40 MP frame: 240 MB of output and coefficients)."""
+    sof = next(i for i in range(2, len(data) - 1) if data[i] == 0xFF and data[i + 1] in (0xC0, 0xC1, 0xC2))
+    return data[:sof + 5] + struct.pack(">HH", height, width) + data[sof + 9:]

@@ -19,6 +19,7 @@ import json
 from pathlib import Path
 
 from edgemm.errors import ModelError
+from edgemm.files import read_model_file
 from edgemm.model.family import family_entry
 from edgemm.model.manifest_types import PRECISIONS, ModelManifest
 
@@ -34,8 +35,8 @@ def read_json(path: Path, required: bool = True) -> dict:
             raise ModelError(f"{path.parent} is a Hugging Face model folder without {path.name}")
         return {}
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        data = json.loads(read_model_file(path))
+    except json.JSONDecodeError as e:
         raise ModelError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(data, dict):
         raise ModelError(f"{path}: top level must be an object")
@@ -49,7 +50,7 @@ def chat_template(path: Path) -> str:
         if not file.is_file():
             continue
         if name.endswith(".jinja"):
-            return file.read_text(encoding="utf-8")
+            return read_model_file(file)
         template = read_json(file).get("chat_template")
         if isinstance(template, str):
             return template

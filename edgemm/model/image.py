@@ -41,18 +41,28 @@ from __future__ import annotations
 
 import os
 import re
-import stat
 import struct
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Union
 
 import numpy as np
 
-from edgemm.errors import InputError
+from edgemm.errors import EdgemmError, InputError
+from edgemm.files import check_regular_file, read_regular_file
 from edgemm.opencv import cv2
 
-DEFAULT_MAX_PIXELS = 40_000_000
+# 25 MP: a 24 MP phone photo (5712x4284) fits; the model never sees more than 4096 px a
+# side (edgemm.model.tiling), so larger images only cost decode time and memory
+DEFAULT_MAX_PIXELS = 25_000_000
 DEFAULT_MAX_BYTES = 50 * 1024 * 1024  # limits.max_image_bytes' default
+# limits.max_decoded_bytes' default: what decoding one image may hold at once (see
+# decode_cost). 144 MiB takes a 24 MP 8-bit photo (5712x4284: 147 MB), a 12 MP RGBA PNG
+# (84 MB) or a 16-bit 8 MP RGB PNG, and keeps a daemon's peak within 2 x its idle RSS
+# (~155 MB); the pixel limit alone let a 16-bit RGBA 40 MP PNG take 956 MB.
+DEFAULT_MAX_DECODED_BYTES = 144 * 1024 * 1024
 
 # Decode-work bounds, checked by walking the file's structure before decoding. A
 # progressive JPEG from libjpeg has 10 scans (6 for grey), mozjpeg's searched scripts
@@ -74,97 +84,58 @@ class ImageError(InputError):
 
 
 def load_image(source: ImageSource, max_pixels: int = DEFAULT_MAX_PIXELS,
-               max_bytes: int = DEFAULT_MAX_BYTES) -> np.ndarray:
+               max_bytes: int = DEFAULT_MAX_BYTES, max_decoded_bytes: int = DEFAULT_MAX_DECODED_BYTES,
+               budget: "DecodeBudget | None" = None) -> np.ndarray:
     """Return an RGB uint8 array (H, W, 3), C-contiguous, never a view of `source`.
 
     `source` is a file path, the encoded file's bytes, or a pixel array (arrays are
     taken as RGB/RGBA, not OpenCV's BGR).  A path must name a regular file of at most
-    `max_bytes`.  Raises ImageError for anything unusable.
+    `max_bytes`; an encoded image whose decode_cost is above `max_decoded_bytes` is
+    refused from its header.  `budget`, if given, is shared with other threads'
+    decodes: the decode holds its cost there, and DecodeBusy is raised at once if
+    it does not fit beside theirs.  Raises ImageError for anything unusable.
     """
     if max_pixels < 1:
         raise ValueError(f"max_pixels must be positive, got {max_pixels}")
+    limits = _Limits(max_pixels, max_decoded_bytes, budget)
     if isinstance(source, np.ndarray):
         return _from_array(source, max_pixels)
     if isinstance(source, (bytes, bytearray, memoryview)):
-        return _from_bytes(bytes(source), max_pixels)
+        return _from_bytes(bytes(source), limits)
     if isinstance(source, (str, os.PathLike)):
-        return _from_path(source, max_pixels, max_bytes)
+        return _from_path(source, limits, max_bytes)
     raise ImageError(f"unsupported image input of type {type(source).__name__} "
                      "(expected a file path, the file's bytes, or a numpy array)")
 
 
 # --- paths ---------------------------------------------------------------------------
 
-def _from_path(path: str | os.PathLike, max_pixels: int, max_bytes: int) -> np.ndarray:
+def _from_path(path: str | os.PathLike, limits: "_Limits", max_bytes: int) -> np.ndarray:
     shown = os.fsdecode(path)
     data = read_image_file(path, max_bytes)
     try:
-        return _from_bytes(data, max_pixels)
+        return _from_bytes(data, limits)
     except ImageError as e:
         raise ImageError(f"{e}: {shown}") from None
-
-
-_FILE_KINDS = ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"),
-               (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
-
-
-def file_kind(mode: int) -> str:
-    """What a `stat` mode names, for messages: "a FIFO", "a folder", "a character device" …"""
-    return next((name for test, name in _FILE_KINDS if test(mode)), "not a regular file")
 
 
 def check_image_file(path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES) -> int:
     """The size of the regular file at `path`; ImageError, without opening it, for
     anything else (missing, a FIFO, a device, a socket, a directory, above `max_bytes`)."""
-    shown = os.fsdecode(path)
-    if not shown:
+    if not os.fsdecode(path):
         raise ImageError("image path is empty")
-    try:
-        info = os.stat(path)
-    except FileNotFoundError:
-        raise ImageError(f"image not found: {shown}") from None
-    except (OSError, ValueError) as e:  # ValueError: e.g. a NUL byte in the path
-        raise ImageError(f"image not readable ({getattr(e, 'strerror', None) or e}): {shown}") from None
-    _check_regular(info, shown, max_bytes)
-    return info.st_size
-
-
-def _check_regular(info: os.stat_result, shown: str, max_bytes: int) -> None:
-    if not stat.S_ISREG(info.st_mode):
-        kind = file_kind(info.st_mode)
-        if kind == "a folder":
-            raise ImageError(f"image path is a directory, not a file: {shown}")
-        raise ImageError(f"image path is {kind}, not a regular file: {shown}")
-    if info.st_size > max_bytes:
-        raise ImageError(f"image is {info.st_size} bytes, above the {max_bytes} byte limit "
-                         f"(limits.max_image_bytes): {shown}")
+    return check_regular_file(path, max_bytes, _image_error(path), "limits.max_image_bytes")
 
 
 def read_image_file(path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
-    """The bytes of the regular file at `path`, at most `max_bytes` of them (see check_image_file).
-
-    O_NONBLOCK: should the path become a FIFO after the stat, open() does not wait for a writer."""
-    shown = os.fsdecode(path)
+    """The bytes of the regular file at `path`, at most `max_bytes` of them (see check_image_file)."""
     check_image_file(path, max_bytes)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOCTTY", 0))
-    except FileNotFoundError:
-        raise ImageError(f"image not found: {shown}") from None
-    except PermissionError:
-        raise ImageError(f"image not readable (permission denied): {shown}") from None
-    except (OSError, ValueError) as e:
-        raise ImageError(f"image not readable ({getattr(e, 'strerror', None) or e}): {shown}") from None
-    try:
-        _check_regular(os.fstat(fd), shown, max_bytes)  # what was opened, not what was stat-ed
-        with open(fd, "rb", closefd=False) as f:
-            data = f.read(max_bytes + 1)
-    except OSError as e:
-        raise ImageError(f"image not readable ({e.strerror or e}): {shown}") from None
-    finally:
-        os.close(fd)
-    if len(data) > max_bytes:  # it grew after the stat
-        raise ImageError(f"image is more than {max_bytes} bytes (limits.max_image_bytes): {shown}")
-    return data
+    return read_regular_file(path, max_bytes, _image_error(path), "limits.max_image_bytes")
+
+
+def _image_error(path: str | os.PathLike):
+    shown = os.fsdecode(path)
+    return lambda detail: ImageError(f"image {detail}: {shown}")
 
 
 # --- encoded bytes -------------------------------------------------------------------
@@ -176,9 +147,78 @@ class _Header:
     height: int
     orientation: int = 1           # EXIF orientation, 1..8
     truncated: str | None = None   # why the file looks cut short, if it does
+    channels: int = 4              # what IMREAD_UNCHANGED gives: 1 grey, 3 BGR, 4 BGRA (unknown: 4)
+    sample_bytes: int = 1          # bytes per sample of that: 1, 2 (16-bit), 4, 8 (64-bit float)
+    extra_bytes: int = 0           # what the decoder holds besides its output (JPEG coefficients, canvases)
+    copied: bool = True            # imdecode copies a BGR result (measured: not a progressive JPEG's)
 
 
-def _from_bytes(data: bytes, max_pixels: int) -> np.ndarray:
+def decode_cost(header: "_Header") -> int:
+    """Bytes decoding an image to RGB8 holds at once: the decoder's output (width x height
+    x channels x sample_bytes, the bit depth as the header gives it), what the decoder
+    keeps besides, the 8-bit copy _to_rgb8 makes of a deeper image, and for grey or
+    alpha the RGB8 array it makes. OpenCV 5.0's imdecode holds a BGR result twice
+    (8-bit BGR is then swapped to RGB in place, no third copy). Measured peaks are
+    0.75-1.05 times this."""
+    pixels = header.width * header.height
+    decoded = pixels * header.channels * header.sample_bytes
+    cost = decoded + header.extra_bytes
+    if header.channels == 3 and header.copied:
+        cost += decoded
+    if header.sample_bytes > 1:
+        cost += pixels * header.channels  # the 8-bit copy, made while the decoded array still exists
+    if header.channels != 3:
+        cost += pixels * 3  # grey expanded, or alpha composited over white
+    return cost
+
+
+@dataclass
+class _Limits:
+    max_pixels: int
+    max_decoded_bytes: int
+    budget: "DecodeBudget | None" = None
+
+
+class DecodeBusy(EdgemmError):
+    """The decode budget shared by the prepare threads has no room for this image now:
+    HTTP 503 with Retry-After (the client tries again), not 400 (the image is fine)."""
+    exit_code = 1
+    http_status = 503
+    kind = "overloaded"
+
+
+class DecodeBudget:
+    """Bytes that all decodes in flight may hold together (limits.decode_budget_bytes).
+
+    A decode that does not fit beside the others is refused at once (DecodeBusy) rather
+    than waiting: a waiting decode would hold its prepare thread, and a small image
+    behind it would then wait for both. Thread-safe."""
+
+    def __init__(self, total: int):
+        self.total, self.held = total, 0
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def hold(self, cost: int) -> Iterator[None]:
+        with self._lock:
+            if self.held + cost > self.total:
+                busy = self.held
+                raise DecodeBusy(f"server busy: decoding this image needs {_mb(cost)} MB, and images being "
+                                 f"decoded hold {_mb(busy)} MB of the {_mb(self.total)} MB budget "
+                                 "(limits.decode_budget_bytes); try again shortly")
+            self.held += cost
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.held -= cost
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f}"
+
+
+def _from_bytes(data: bytes, limits: _Limits) -> np.ndarray:
     if not data:
         raise ImageError("image is empty (0 bytes)")
     fmt = _sniff_format(data)
@@ -188,12 +228,19 @@ def _from_bytes(data: bytes, max_pixels: int) -> np.ndarray:
     if header.width <= 0 or header.height <= 0:
         size = f"{header.width}x{header.height}"
         raise ImageError(f"image is truncated or corrupt ({fmt} header gives size {size})")
-    _check_pixels(header.width, header.height, max_pixels)
+    _check_pixels(header.width, header.height, limits.max_pixels)
+    cost = decode_cost(header)
+    if cost > limits.max_decoded_bytes:
+        depth = f"{header.channels} x {8 * header.sample_bytes}-bit"
+        raise ImageError(f"image is refused: decoding this {header.width}x{header.height} {fmt} "
+                         f"({depth} samples) takes {_mb(cost)} MB, above the "
+                         f"{_mb(limits.max_decoded_bytes)} MB limit (limits.max_decoded_bytes)")
     if header.truncated:
         raise ImageError(f"image is truncated or corrupt ({header.truncated})")
-    rgb = _apply_orientation(_to_rgb8(_decode(data, fmt), bgr=True), header.orientation)
-    _check_pixels(rgb.shape[1], rgb.shape[0], max_pixels)  # in case the header lied
-    return np.ascontiguousarray(rgb)
+    with limits.budget.hold(cost) if limits.budget else nullcontext():
+        rgb = _apply_orientation(_to_rgb8(_decode(data, fmt), bgr=True), header.orientation)
+        _check_pixels(rgb.shape[1], rgb.shape[0], limits.max_pixels)  # in case the header lied
+        return np.ascontiguousarray(rgb)
 
 
 def _sniff_format(data: bytes) -> str | None:
@@ -238,6 +285,7 @@ def _decode(data: bytes, fmt: str) -> np.ndarray:
 # SOFn markers carry the frame size; C4 (DHT), C8 (JPG) and CC (DAC) are not frames.
 _JPEG_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
 _JPEG_STANDALONE = frozenset(range(0xD0, 0xD8)) | {0x01}  # RSTn, TEM: no length
+_JPEG_PROGRESSIVE = frozenset({0xC2, 0xC6, 0xCA, 0xCE})
 _JPEG_SOS, _JPEG_EOI, _JPEG_APP1 = 0xDA, 0xD9, 0xE1
 # After a scan header comes entropy-coded data, in which every 0xFF is followed by 00
 # (stuffing) or a restart marker D0-D7: the next other FFxx is the next marker.
@@ -252,6 +300,8 @@ def _jpeg_header(data: bytes) -> _Header:
     refuses a file with more than the decoder should be asked to work through.
     """
     size: tuple[int, int] | None = None
+    frame = b""  # the SOF payload: precision, size, then (id, sampling factors, table) per component
+    progressive = False
     orientation, scans, segments, complete, pos, end = None, 0, 0, False, 2, len(data)
     while pos < end:
         if scans:  # past the first scan header: skip entropy-coded data up to the next marker
@@ -283,6 +333,7 @@ def _jpeg_header(data: bytes) -> _Header:
         if marker in _JPEG_SOF and size is None and length >= 7:
             height, width = struct.unpack_from(">HH", data, pos + 3) if pos + 7 <= end else (0, 0)
             size = (width, height)
+            frame, progressive = data[pos + 2:pos + length], marker in _JPEG_PROGRESSIVE
         elif marker == _JPEG_APP1 and orientation is None and data.startswith(b"Exif\x00\x00", pos + 2):
             orientation = _exif_orientation(data[pos + 8:pos + length])
         elif marker == _JPEG_SOS:
@@ -294,7 +345,29 @@ def _jpeg_header(data: bytes) -> _Header:
     if size is None:
         raise ImageError("image is truncated or corrupt (JPEG has no readable frame header)")
     truncated = None if complete and scans else "JPEG has no end-of-image marker FFD9"
-    return _Header(size[0], size[1], orientation or 1, truncated)
+    channels, sample_bytes, extra = _jpeg_memory(size[0], size[1], frame, progressive or scans > 1)
+    return _Header(size[0], size[1], orientation or 1, truncated, channels, sample_bytes, extra, copied=not extra)
+
+
+def _jpeg_memory(width: int, height: int, frame: bytes, whole_image: bool) -> tuple[int, int, int]:
+    """(channels, bytes per sample, coefficient bytes) libjpeg holds for this frame.
+
+    A progressive (or multi-scan) JPEG is decoded from a buffer of every block's DCT
+    coefficients, 64 int16 per 8x8 block of each component at its own sampling: as
+    much again as the 8-bit output for 4:2:0, twice as much for 4:4:4."""
+    components = frame[5] if len(frame) > 5 else 3
+    channels = 1 if components == 1 else 4 if components == 4 else 3  # CMYK/YCCK: 4, then BGR
+    sample_bytes = 2 if frame[:1] and frame[0] > 8 else 1  # 12/16-bit precision
+    extra = 0
+    if whole_image:
+        factors = [frame[6 + 3 * i + 1] for i in range(components) if 6 + 3 * i + 1 < len(frame)]
+        h_max = max((f >> 4 for f in factors), default=1) or 1
+        v_max = max((f & 15 for f in factors), default=1) or 1
+        for f in factors or [0x11] * components:
+            blocks_w = -(-width * max(f >> 4, 1) // (8 * h_max))
+            blocks_h = -(-height * max(f & 15, 1) // (8 * v_max))
+            extra += blocks_w * blocks_h * 128
+    return channels, sample_bytes, extra
 
 
 def _exif_orientation(tiff: bytes) -> int:
@@ -355,17 +428,21 @@ def _png_header(data: bytes) -> _Header:
     if len(data) < 24 or data[12:16] != b"IHDR":
         raise ImageError("image is truncated or corrupt (PNG has no IHDR header)")
     width, height = struct.unpack_from(">II", data, 16)
+    depth, colour = data[24], data[25]
+    # IMREAD_UNCHANGED: grey 1 channel, RGB 3, palette 3 (4 with a tRNS chunk: counted as
+    # 4), grey+alpha and RGBA 4; 16-bit stays 16-bit
+    memory = {"channels": {0: 1, 2: 3}.get(colour, 4), "sample_bytes": 2 if depth == 16 else 1}
     orientation, pos = None, 8
     for _ in range(MAX_CONTAINER_CHUNKS):
         if pos + 8 > len(data):
-            return _Header(width, height, orientation or 1, truncated="PNG has no IEND chunk")
+            return _Header(width, height, orientation or 1, truncated="PNG has no IEND chunk", **memory)
         length, kind = struct.unpack_from(">I4s", data, pos)
         if kind == b"eXIf" and orientation is None:
             orientation = _exif_orientation(_without_exif_prefix(data[pos + 8:pos + 8 + length]))
         pos += 12 + length  # length, type, payload, CRC
         if kind == b"IEND":
             truncated = None if pos <= len(data) else "PNG IEND chunk is cut short"
-            return _Header(width, height, orientation or 1, truncated=truncated)
+            return _Header(width, height, orientation or 1, truncated=truncated, **memory)
     raise ImageError(f"image is refused: PNG has more than {MAX_CONTAINER_CHUNKS} chunks")
 
 
@@ -381,9 +458,13 @@ def _bmp_header(data: bytes) -> _Header:
     (info_size,) = struct.unpack_from("<I", data, 14)
     if info_size == 12:  # OS/2 BITMAPCOREHEADER
         width, height = struct.unpack_from("<HH", data, 18)
+        (bits,) = struct.unpack_from("<H", data, 24)
     else:
         width, height = struct.unpack_from("<ii", data, 18)
-    return _Header(width, abs(height))  # negative height = rows stored top-down
+        (bits,) = struct.unpack_from("<H", data, 28)
+    # 32-bit: BGRA; a palette of greys decodes to 1 channel, then RGB: counted as 3 + 1
+    extra = width * abs(height) if 0 < bits <= 8 and width > 0 else 0
+    return _Header(width, abs(height), channels=4 if bits == 32 else 3, extra_bytes=extra)  # negative height = top-down
 
 
 def _webp_header(data: bytes) -> _Header:
@@ -401,7 +482,11 @@ def _webp_header(data: bytes) -> _Header:
     (riff_size,) = struct.unpack_from("<I", data, 4)
     truncated = "WebP is shorter than its RIFF size" if len(data) < 8 + riff_size else None
     orientation = _webp_orientation(data) if chunk == b"VP8X" else 1  # only the extended format has EXIF
-    return _Header(width, height, orientation, truncated=truncated)
+    # decoded as BGRA (counted so whatever the alpha flag says); an animation is composed
+    # on RGBA canvases of the full canvas size, two of them (measured: 10.5 bytes a pixel)
+    animated = chunk == b"VP8X" and bool(data[20] & 0x02)
+    return _Header(width, height, orientation, truncated=truncated, channels=4,
+                   extra_bytes=8 * width * height if animated else 0)
 
 
 def _webp_orientation(data: bytes) -> int:
@@ -422,22 +507,40 @@ def _tiff_header(data: bytes) -> _Header:
     differ on which of two repeated tags counts, and one may decode the 12000x12000 that
     a 16x16 listed after it hides. Tiles count too: each is a buffer of its own."""
     widths, heights = [], []
+    bits, samples, palette, strip_rows = 1, 1, False, 0  # the TIFF defaults; the largest any IFD lists counts
     for ifd in _tiff_ifds(data):
         for tag, value in ifd:
             if tag in (256, 322):  # ImageWidth, TileWidth
                 widths.append(value)
             elif tag in (257, 323):  # ImageLength, TileLength
                 heights.append(value)
+            elif tag == 258:  # BitsPerSample (the first sample's: writers repeat one value)
+                bits = max(bits, value)
+            elif tag == 277:  # SamplesPerPixel
+                samples = max(samples, value)
+            elif tag == 262 and value == 3:  # PhotometricInterpretation: palette
+                palette = True
+            elif tag == 278:  # RowsPerStrip
+                strip_rows = max(strip_rows, value)
     if not widths or not heights:
         raise ImageError("image is truncated or corrupt (TIFF has no readable size)")
-    return _Header(max(widths), max(heights))
+    # OpenCV keeps the depth (8, 16, 32-bit, 64-bit float: SampleFormat only says which
+    # kind) and gives 1, 3 or 4 channels; anything else is read as RGBA
+    channels = 1 if samples == 1 and not palette else 3 if samples in (1, 3) else max(4, samples)
+    sample_bytes = 1 if bits <= 8 else 2 if bits <= 16 else 4 if bits <= 32 else 8
+    width, height = max(widths), max(heights)
+    # OpenCV reads a strip (or tile) at a time into a buffer of its own: with no
+    # RowsPerStrip the strip is the whole image (measured: a one-strip 64-bit TIFF peaks at twice its size)
+    rows = min(strip_rows or height, height)
+    extra = width * rows * max(channels, samples) * sample_bytes
+    return _Header(width, height, channels=channels, sample_bytes=sample_bytes, extra_bytes=extra)
 
 
 def _gif_header(data: bytes) -> _Header:
     if len(data) < 10:
         raise ImageError("image is truncated or corrupt (GIF header is cut short)")
     width, height = struct.unpack_from("<HH", data, 6)  # logical screen size
-    return _Header(width, height)
+    return _Header(width, height, channels=4, extra_bytes=4 * width * height)  # BGRA on a canvas
 
 
 _HEADER_READERS = {"JPEG": _jpeg_header, "PNG": _png_header, "BMP": _bmp_header,
@@ -465,6 +568,8 @@ def _to_rgb8(a: np.ndarray, bgr: bool) -> np.ndarray:
     if a.ndim == 2:
         return cv2.cvtColor(np.ascontiguousarray(a), cv2.COLOR_GRAY2RGB)
     if a.ndim == 3 and a.shape[2] == 3:
+        if bgr and a.flags.writeable:  # the decoder's own array: swap in place
+            return _swap_red_blue(a)
         return a[:, :, ::-1].copy() if bgr else a.copy()
     if a.ndim == 3 and a.shape[2] == 4:
         rgb = a[:, :, 2::-1] if bgr else a[:, :, :3]
@@ -482,15 +587,37 @@ def _to_uint8(a: np.ndarray) -> np.ndarray:
         lo, hi = float(a.min()), float(a.max())
         if not (0.0 <= lo and hi <= 1.0):  # also catches NaN
             raise ImageError(f"float image values must be in [0, 1], got range [{lo:g}, {hi:g}]")
-        return cv2.convertScaleAbs(a.astype(np.float32, copy=False), alpha=255)
+        # float64 as it is: a float32 copy of a 64-bit TIFF would be half as big again
+        return cv2.convertScaleAbs(a if a.dtype == np.float64 else a.astype(np.float32, copy=False), alpha=255)
     raise ImageError(f"unsupported pixel type {a.dtype}; expected {_ARRAY_DTYPES}")
 
 
+def _swap_red_blue(bgr: np.ndarray) -> np.ndarray:
+    """BGR → RGB in place, a band of rows at a time: a copy (cvtColor copies its source
+    when asked to write over it) would double the peak of every large 8-bit image."""
+    for top in range(0, bgr.shape[0], _OVER_WHITE_ROWS):
+        band = bgr[top:top + _OVER_WHITE_ROWS]
+        blue = band[:, :, 0].copy()
+        band[:, :, 0] = band[:, :, 2]
+        band[:, :, 2] = blue
+    return bgr
+
+
+_OVER_WHITE_ROWS = 256  # rows composited at once: the uint16 temporaries stay a few MB
+
+
 def _over_white(rgb: np.ndarray, alpha: np.ndarray) -> np.ndarray:
-    """Composite 8-bit colour over white: (c·a + 255·(255 − a)) / 255, rounded."""
-    a = alpha[:, :, None].astype(np.uint16)
-    out = rgb.astype(np.uint16) * a + 255 * (255 - a) + 127  # at most 65152: fits uint16
-    return (out // 255).astype(np.uint8)
+    """Composite 8-bit colour over white: (c·a + 255·(255 − a)) / 255, rounded.
+
+    In bands of rows: done on the whole image at once, the uint16 temporaries were 4
+    times the 8-bit image (a 40 MP RGBA PNG peaked at 800 MB)."""
+    out = np.empty(rgb.shape, np.uint8)
+    for top in range(0, rgb.shape[0], _OVER_WHITE_ROWS):
+        rows = slice(top, top + _OVER_WHITE_ROWS)
+        a = alpha[rows, :, None].astype(np.uint16)
+        band = rgb[rows].astype(np.uint16) * a + 255 * (255 - a) + 127  # at most 65152: fits uint16
+        out[rows] = band // 255
+    return out
 
 
 def _apply_orientation(rgb: np.ndarray, orientation: int) -> np.ndarray:

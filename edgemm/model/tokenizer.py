@@ -6,12 +6,14 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from edgemm.errors import ModelError
+from edgemm.files import read_model_file
 
 
 def load_tokenizer(path: Path) -> Tokenizer:
     """The tokenizer at `path`, or a one-line ModelError naming the file."""
+    text = read_model_file(path)  # Tokenizer.from_file would open a FIFO and wait, or read /dev/zero
     try:
-        return Tokenizer.from_file(str(path))
+        return Tokenizer.from_str(text)
     except Exception as e:  # tokenizers raises its own Exception types, some with multi-line text
         raise ModelError(f"cannot read tokenizer {path}: {str(e).splitlines()[0] if str(e) else e}") from None
 
