@@ -303,6 +303,72 @@ def dla_loadables(network, config) -> int:
     return runs
 
 
+def _rename_uses(graph, old: str, new: str) -> None:
+    """Every node (in subgraphs too: If and Loop bodies read outer names) that reads `old` reads `new`."""
+    for node in graph.node:
+        node.input[:] = [new if name == old else name for name in node.input]
+        for attribute in node.attribute:
+            for sub in ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs):
+                _rename_uses(sub, old, new)
+
+
+def _unused(graph, name: str) -> str:
+    names = ({t for n in graph.node for t in (*n.input, *n.output)}
+             | {v.name for v in (*graph.input, *graph.output, *graph.value_info, *graph.initializer)})
+    candidate, n = f"{name}_fp32", 1
+    while candidate in names:
+        candidate, n = f"{name}_fp32_{n}", n + 1
+    return candidate
+
+
+def fp16_io(source: Path, out: Path) -> list[str]:
+    """Write `source` to `out` with FP16 where it has FP32 network inputs and outputs; return their names.
+
+    A DLA computes and exchanges tensors in FP16 or INT8 only, and a strongly typed network takes
+    its types from the graph, so NVIDIA's DLA guidance is FP16 tensors at the DLA's boundaries
+    (what modelopt's AutoCast does to the network I/O). Each FP32 input becomes FP16 followed by a
+    Cast to FP32, each FP32 output a Cast to FP16 of what produced it: the names, and so the
+    engine's bindings, stay the same; the graph in between is untouched."""
+    head = onnx.load(str(source), load_external_data=False)
+    external = any(onnx.external_data_helper.uses_external_data(t) for t in head.graph.initializer)
+    model = onnx.load(str(source)) if external else head  # weights from next to the source
+    graph, float32 = model.graph, onnx.TensorProto.FLOAT
+    initializers = {t.name for t in graph.initializer}
+    casts, converted = [], []
+    for value in graph.input:
+        if value.name in initializers or value.type.tensor_type.elem_type != float32:
+            continue
+        inside = _unused(graph, value.name)
+        _rename_uses(graph, value.name, inside)
+        value.type.tensor_type.elem_type = onnx.TensorProto.FLOAT16
+        casts.append(onnx.helper.make_node("Cast", [value.name], [inside], to=float32, name=f"{inside}_cast"))
+        converted.append(value.name)
+    ends = []
+    for value in graph.output:
+        if value.type.tensor_type.elem_type != float32:
+            continue
+        if value.name in converted:  # an input passed straight through: FP16 already
+            value.type.tensor_type.elem_type = onnx.TensorProto.FLOAT16
+            continue
+        inside = _unused(graph, value.name)
+        for node in graph.node:
+            node.output[:] = [inside if name == value.name else name for name in node.output]
+        for info in (*graph.value_info, *graph.initializer):  # what else names it: its shape, or it is a constant
+            if info.name == value.name:
+                info.name = inside
+        _rename_uses(graph, value.name, inside)  # a later node may read the output too
+        value.type.tensor_type.elem_type = onnx.TensorProto.FLOAT16
+        ends.append(onnx.helper.make_node("Cast", [inside], [value.name], to=onnx.TensorProto.FLOAT16,
+                                          name=f"{value.name}_cast"))
+        converted.append(value.name)
+    nodes = casts + list(graph.node) + ends  # topological order kept: the Casts first and last
+    del graph.node[:]
+    graph.node.extend(nodes)
+    onnx.save(model, str(out), save_as_external_data=external, all_tensors_to_one_file=True,
+              location=f"{out.name}.data")
+    return converted
+
+
 def fp32_boundaries(trt, network) -> list[str]:
     """The network's FP32 inputs and outputs. A DLA computes in FP16 or INT8 only, so on a strongly
     typed network (types come from the graph) FP32 at its boundary means reformatting or GPU layers
