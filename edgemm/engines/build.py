@@ -15,7 +15,8 @@ What gets built, per device and precision:
   with GPU_FALLBACK (the layers that fall back are listed in the manifest).
   INT8 on TensorRT <= 10.7 (JetPack 6): implicit quantisation from the QDQ graph translated
   by edgemm.engines.qdq into a Q/DQ-free graph + calibration cache.
-  INT8 on TensorRT >= 11.4.1: a strongly typed network from the QDQ graph.
+  INT8 on TensorRT >= 11.4.1: a strongly typed network from the QDQ graph, parsed with
+  ADJUST_FOR_DLA, its FP32 inputs and outputs made FP16 first (the DLA's boundary types).
   TensorRT 10.8 … 11.4.0 have no DLA support: refused.
 - TensorRT 11 and later drop the precision flags: every network is strongly typed, INT8
   from the QDQ graph and FP16 from the model's `_fp16` graph.
@@ -369,15 +370,6 @@ def fp16_io(source: Path, out: Path) -> list[str]:
     return converted
 
 
-def fp32_boundaries(trt, network) -> list[str]:
-    """The network's FP32 inputs and outputs. A DLA computes in FP16 or INT8 only, so on a strongly
-    typed network (types come from the graph) FP32 at its boundary means reformatting or GPU layers
-    there; NVIDIA's guidance is FP16 tensors at the DLA's boundaries."""
-    tensors = ([network.get_input(i) for i in range(network.num_inputs)]
-               + [network.get_output(i) for i in range(network.num_outputs)])
-    return [t.name for t in tensors if t.dtype == trt.DataType.FLOAT]
-
-
 @dataclass
 class _Configured:
     """One job's network and builder config, ready to build (or to count its DLA loadables)."""
@@ -388,6 +380,7 @@ class _Configured:
     mode: str
     flags: list[str]
     trt_log: TrtLog  # where TensorRT says why a build failed
+    fp16_io: list[str] = field(default_factory=list)  # FP32 network inputs/outputs the build made FP16
 
 
 def _configure(trt, job: EngineJob, request: BuildRequest, tmp: Path, timing_cache: bytes) -> _Configured:
@@ -396,11 +389,14 @@ def _configure(trt, job: EngineJob, request: BuildRequest, tmp: Path, timing_cac
     logger = trt_log(trt)
     builder = trt.Builder(logger.ilogger)
     flags: list[str] = []
-    source, cache = job.onnx, None
+    source, cache, converted = job.onnx, None, []
     if mode == "calibration-cache":
         source, cache_path = tmp / "noqdq.onnx", tmp / "calibration.cache"
         translate_file(job.onnx, source, cache_path, trt.__version__)
         cache = cache_path.read_bytes()
+    elif mode == "strongly-typed" and core is not None:
+        source = tmp / f"{job.onnx.stem}.fp16_io.onnx"  # the DLA's boundaries in FP16: see fp16_io
+        converted = fp16_io(job.onnx, source)
     network, parser = _network(trt, builder, logger.ilogger, source, mode == "strongly-typed", core is not None)
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, request.workspace_mib << 20)
@@ -431,7 +427,7 @@ def _configure(trt, job: EngineJob, request: BuildRequest, tmp: Path, timing_cac
         config.set_calibration_profile(profiles[0])
     timing = config.create_timing_cache(timing_cache)
     config.set_timing_cache(timing, ignore_mismatch=False)
-    return _Configured(builder, network, parser, config, mode, flags, logger)
+    return _Configured(builder, network, parser, config, mode, flags, logger, converted)
 
 
 def build_one(trt, job: EngineJob, request: BuildRequest, platform: Platform,
@@ -444,7 +440,6 @@ def build_one(trt, job: EngineJob, request: BuildRequest, platform: Platform,
         fallback = ([network.get_layer(i).name for i in range(network.num_layers)
                      if not config.can_run_on_DLA(network.get_layer(i))] if core is not None else [])
         loadables = dla_loadables(network, config) if core is not None else 0
-        boundaries = fp32_boundaries(trt, network) if core is not None and ready.mode == "strongly-typed" else []
         started = time.perf_counter()
         ready.trt_log.forget()
         plan = ready.builder.build_serialized_network(network, config)
@@ -459,7 +454,7 @@ def build_one(trt, job: EngineJob, request: BuildRequest, platform: Platform,
         profiles=job.profiles, tensorrt=platform.tensorrt, compute_capability=platform.compute_capability,
         dla_core=core, plan_sha256=sha256(path), onnx=_relative(job.onnx, request.model_dir),
         onnx_sha256=sha256(job.onnx), flags=ready.flags, quantization=ready.mode, gpu_fallback=fallback,
-        dla_loadables=loadables, fp32_boundaries=boundaries, build_seconds=round(seconds, 2))
+        dla_loadables=loadables, fp16_io=ready.fp16_io, build_seconds=round(seconds, 2))
     return entry, bytes(config.get_timing_cache().serialize())
 
 
@@ -518,10 +513,6 @@ def build_engines(request: BuildRequest, model: ModelManifest, platform: Platfor
             built.append(entry)
             fell_back = f", {len(entry.gpu_fallback)} layer(s) on the GPU" if entry.gpu_fallback else ""
             echo(f"\nbuilt {entry.file} in {entry.build_seconds:.1f} s ({entry.quantization}{fell_back})", err=True)
-            if entry.fp32_boundaries:
-                echo(f"{entry.file}: FP32 at the DLA's boundary ({', '.join(entry.fp32_boundaries)}); a strongly "
-                     "typed DLA network wants FP16 there (NVIDIA: python3 -m modelopt.onnx.autocast --target_dla "
-                     "--low_precision_type fp16)", err=True)
     if request.timing_cache:
         request.timing_cache.write_bytes(timing)
     return built
