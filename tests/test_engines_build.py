@@ -290,3 +290,51 @@ def test_dry_run_prints_the_jobs_without_tensorrt():
         "  profile 0 input_ids: min [1, 1] opt [1, 32] max [16, 1024]"]
     assert one_line_error(CliRunner().invoke(main, ["engines", "build", str(IDEFICS3), "--tensorrt", "10.3.0"])) \
         .startswith("--tensorrt is for --dry-run")
+
+
+# ---- FP16 at a strongly typed DLA plan's boundary --------------------------------------------------
+
+def _odd_graph(folder: Path) -> Path:
+    """FP32 x and int64 k in; out: y = x·W, z = y + x (a node reads the output y), c = float(k),
+    x_fp32 = -x (the name edgemm would give x inside), x and k passed through; y's shape in
+    value_info; W stored as external data next to the graph."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+    weights = numpy_helper.from_array(np.arange(9, dtype=np.float32).reshape(3, 3) / 7, "W")
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["y"]), helper.make_node("Add", ["y", "x"], ["z"]),
+             helper.make_node("Cast", ["k"], ["c"], to=TensorProto.FLOAT), helper.make_node("Neg", ["x"], ["x_fp32"])]
+    io = {n: helper.make_tensor_value_info(n, TensorProto.FLOAT, [2, 3]) for n in ("x", "y", "z", "x_fp32")}
+    k = helper.make_tensor_value_info("k", TensorProto.INT64, [2])
+    graph = helper.make_graph(nodes, "odd", [io["x"], k],
+                              [io["y"], io["z"], helper.make_tensor_value_info("c", TensorProto.FLOAT, [2]),
+                               io["x_fp32"], helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3]), k],
+                              [weights], value_info=[helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])])
+    folder.mkdir()
+    path = folder / "odd.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path),
+              save_as_external_data=True, location="odd.onnx.data", size_threshold=0)
+    return path
+
+
+def test_fp16_io_makes_every_fp32_input_and_output_fp16_and_keeps_the_names(tmp_path):
+    import onnx
+    import onnxruntime as ort
+    import shutil
+    source = _odd_graph(tmp_path / "model")
+    out = tmp_path / "build" / "odd.fp16_io.onnx"
+    out.parent.mkdir()
+    assert build.fp16_io(source, out) == ["x", "y", "z", "c", "x_fp32"]  # k is int64: left alone
+    x = (np.arange(6, dtype=np.float32).reshape(2, 3) / 3).astype(np.float16)
+    k = np.array([3, -4], np.int64)
+    theirs = ort.InferenceSession(str(source)).run(None, {"x": x.astype(np.float32), "k": k})
+    shutil.rmtree(source.parent)  # the converted graph has its weights with it
+    converted = onnx.load(str(out))
+    onnx.checker.check_model(converted)
+    types = {v.name: v.type.tensor_type.elem_type for v in (*converted.graph.input, *converted.graph.output)}
+    assert types == {"x": onnx.TensorProto.FLOAT16, "k": onnx.TensorProto.INT64, "y": onnx.TensorProto.FLOAT16,
+                     "z": onnx.TensorProto.FLOAT16, "c": onnx.TensorProto.FLOAT16, "x_fp32": onnx.TensorProto.FLOAT16}
+    ours = ort.InferenceSession(str(out)).run(None, {"x": x, "k": k})
+    assert np.array_equal(ours.pop(), k) and np.array_equal(theirs.pop(), k)
+    assert len(ours) == 5
+    for mine, reference in zip(ours, theirs):  # the same graph in FP32 inside, rounded to FP16 at the edges
+        assert mine.dtype == np.float16 and np.array_equal(mine, reference.astype(np.float16))

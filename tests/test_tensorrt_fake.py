@@ -142,22 +142,53 @@ def test_dla_int8_up_to_10_7_uses_the_calibration_cache(monkeypatch, tmp_path):
     assert entry.quantization == "calibration-cache" and entry.gpu_fallback  # the fake's GPU-only ops
 
 
-def test_dla_int8_on_11_4_1_is_strongly_typed_and_follows_the_dla_guidance(monkeypatch, tmp_path):
-    fakes = h.install(monkeypatch, "11.4.1")
+def fp16_edges(pixels: np.ndarray, encode) -> np.ndarray:
+    """What an encoder answers with FP16 at its boundary: `encode` (ONNX Runtime on the int8 graph,
+    in FP32) on the pixels rounded to FP16, its features rounded to FP16, both as FP32 again."""
+    return encode(pixels.astype(np.float16).astype(np.float32)).astype(np.float16).astype(np.float32)
+
+
+def test_dla_int8_on_11_4_1_is_strongly_typed_and_follows_the_dla_guidance(monkeypatch, tmp_path, reference):
+    fakes = h.install(monkeypatch, "11.4.1", integrated=False)
     said = []
-    request = BuildRequest(model_dir=h.MODEL_DIR, out=tmp_path, device="dla0", tiers=["low"])
+    request = BuildRequest(model_dir=h.MODEL_DIR, out=tmp_path, device="dla0")  # a plan per tier
     build_engines(request, load_manifest(h.MODEL_DIR), probe(), echo=lambda text, **_: said.append(text))
-    plan = fakes.trt._built[0]
-    assert plan["strongly_typed"] and plan["calibration_cache"] is None and plan["flags"] == ["GPU_FALLBACK"]
-    assert plan["parser_flags"] == ["ADJUST_FOR_DLA"]
-    entry = read_manifest(tmp_path, "").engines[0]
-    assert entry.quantization == "strongly-typed" and "ADJUST_FOR_DLA" in entry.flags
-    # the built-in model's graphs are FP32 at their edges: recorded, and said in one line
-    assert entry.fp32_boundaries == ["pixel_values", "image_features"]
-    assert [line for line in said if "boundary" in line] == [
-        "vision_encoder.dla0.int8.low.plan: FP32 at the DLA's boundary (pixel_values, image_features); a strongly "
-        "typed DLA network wants FP16 there (NVIDIA: python3 -m modelopt.onnx.autocast --target_dla "
-        "--low_precision_type fp16)"]
+    for plan in fakes.trt._built:
+        assert plan["strongly_typed"] and plan["calibration_cache"] is None and plan["flags"] == ["GPU_FALLBACK"]
+        assert plan["parser_flags"] == ["ADJUST_FOR_DLA"]
+        # the built-in model's graph is FP32 at its edges; the network TensorRT parsed is FP16 there
+        assert (plan["inputs"]["pixel_values"]["dtype"], plan["outputs"]["image_features"]["dtype"]) == ("HALF",
+                                                                                                          "HALF")
+    for entry in read_manifest(tmp_path, "").engines:
+        assert entry.quantization == "strongly-typed" and "ADJUST_FOR_DLA" in entry.flags
+        assert entry.fp16_io == ["pixel_values", "image_features"] and entry.onnx == "vision_encoder_int8.onnx"
+    assert "fp32_boundaries" not in (tmp_path / "manifest.yaml").read_text()
+    assert not [line for line in said if "modelopt" in line or "FP32" in line]  # no conversion left to do
+
+    encoder = TensorRTBackend.for_model(load_manifest(h.MODEL_DIR), tmp_path).load_component(
+        "vision_encoder", "dla0", "int8")
+    assert all(e.dtypes == {"pixel_values": np.float16, "image_features": np.float16}  # what the engines declare
+               for e in encoder.engines)
+    assert encoder.inputs["pixel_values"].dtype == np.float32  # what edgemm feeds, as on the CPU
+    pixels, _ = reference.preprocess(h.SAMPLE, "low")
+    features = encoder.run({"pixel_values": pixels})["image_features"]
+    assert features.dtype == np.float32
+    assert fakes.memory.copies == [("htod", pixels.size * 2), ("dtoh", features.size * 2)]  # FP16 bytes, exactly
+    assert np.array_equal(features, fp16_edges(pixels, reference.generator.encode))
+    rt = h.runtime(tmp_path, vision_encoder=["dla0"], embed_tokens=["cpu"], decoder=["cpu"])
+    ours = rt.infer(h.SAMPLE, QUESTION, tier="low", max_new_tokens=6)
+    assert rt.devices["vision_encoder"] == "dla0"
+    assert ours.text == reference.infer(h.SAMPLE, QUESTION, tier="low", max_new_tokens=6).text
+
+
+def test_gpu_plans_on_11_4_1_keep_the_graphs_types(monkeypatch, tmp_path):
+    fakes = h.install(monkeypatch, "11.4.1")
+    h.build(tmp_path, components=["vision_encoder"])
+    assert fakes.trt._built[0]["inputs"]["pixel_values"]["dtype"] == "FLOAT"
+    assert read_manifest(tmp_path, "").engines[0].fp16_io == []
+    encoder = TensorRTBackend.for_model(load_manifest(h.MODEL_DIR), tmp_path).load_component(
+        "vision_encoder", "gpu", "int8")
+    assert encoder.engines[0].dtypes["image_features"] == np.float32
 
 
 def test_dla_before_11_has_no_parser_flag_and_no_boundary_rule(monkeypatch, tmp_path):
@@ -165,7 +196,8 @@ def test_dla_before_11_has_no_parser_flag_and_no_boundary_rule(monkeypatch, tmp_
     h.build(tmp_path, device="dla0", tiers=["low"])
     assert fakes.trt._built[0]["parser_flags"] == []
     entry = read_manifest(tmp_path, "").engines[0]
-    assert "ADJUST_FOR_DLA" not in entry.flags and entry.fp32_boundaries == []
+    assert "ADJUST_FOR_DLA" not in entry.flags and entry.fp16_io == []
+    assert fakes.trt._built[0]["inputs"]["pixel_values"]["dtype"] == "FLOAT"  # the builder picks DLA formats
 
 
 def test_the_manifest_records_dla_loadables_per_core(monkeypatch, tmp_path):
@@ -436,7 +468,10 @@ def test_idefics3_encoder_builds_and_runs_through_the_fake(monkeypatch, tmp_path
     for image in ("tall.png", "wide.png"):
         for tier in ours.manifest.tiers:
             pixels, _ = reference.preprocess(h.IDEFICS3_DIR / image, tier)
-            expected = reference.generator.encode(pixels)
+            if device == "gpu":
+                expected = reference.generator.encode(pixels)
+            else:  # 11.4.1's DLA plan has FP16 pixels and features (the mask stays bool)
+                expected = fp16_edges(pixels, reference.generator.encode)
             assert np.array_equal(ours.generator.encode(pixels), expected), (image, tier)
             tiles.append(pixels.shape[1])
     assert tiles == [1, 3, 7, 1, 5, 10]  # tall: fewer tiles than a tier takes at most; wide: the most

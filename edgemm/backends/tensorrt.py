@@ -21,6 +21,10 @@ as onnxruntime (named numpy inputs → named numpy outputs), so nothing above kn
 - A DLA encoder has one static-shape plan per tier; the component picks the plan (and on
   the GPU decoder, the optimisation profile: prefill or single-token decode) whose shape
   ranges accept the feeds, and splits a batch larger than the plan takes into rows.
+- Tensors are fed and read in the engine's declared dtype. A strongly typed DLA plan has FP16
+  inputs and outputs where its ONNX graph has FP32 (the build converts them: the manifest's
+  `fp16_io`); the component still takes and gives FP32 there, as the CPU path does, and
+  converts on the way into and out of the buffers, which hold exactly the FP16 bytes.
 
 tensorrt and CUDA (edgemm.engines.cuda: cuda-python, else pycuda) are imported when a backend
 is made, never at edgemm import.
@@ -85,7 +89,8 @@ class _Profile:
 class _Engine:
     """One deserialised plan: its context, stream, profiles and reusable buffers."""
 
-    def __init__(self, trt, cuda: Cuda, engine, runtime, path: Path, zero_copy: bool, trt_logging: TrtLog):
+    def __init__(self, trt, cuda: Cuda, engine, runtime, path: Path, zero_copy: bool, trt_logging: TrtLog,
+                 fp16_io: tuple[str, ...] = ()):
         self.trt, self.cuda, self.engine, self.path = trt, cuda, engine, path
         self.trt_log = trt_logging
         self._runtime = runtime  # the engine must not outlive its runtime
@@ -97,7 +102,10 @@ class _Engine:
         names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
         self.inputs = [n for n in names if engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
         self.outputs = [n for n in names if engine.get_tensor_mode(n) == trt.TensorIOMode.OUTPUT]
-        self.dtypes = {n: np.dtype(trt.nptype(engine.get_tensor_dtype(n))) for n in names}
+        self.dtypes = {n: np.dtype(trt.nptype(engine.get_tensor_dtype(n))) for n in names}  # the engine's
+        # what edgemm feeds and gets back: FP32 where the build gave the plan FP16 for the DLA's boundary
+        # (EngineEntry.fp16_io), the engine's own dtype everywhere else (an _fp16 graph's FP16 stays FP16)
+        self.host_dtypes = {n: np.dtype(np.float32) if n in fp16_io else d for n, d in self.dtypes.items()}
         self.profiles = [self._profile(i) for i in range(engine.num_optimization_profiles)]
         self.active_profile = 0
         self.buffers: dict[str, _Buffer] = {}
@@ -115,7 +123,7 @@ class _Engine:
 
     def spec(self, name: str) -> TensorSpec:
         shape = tuple(d if d >= 0 else None for d in self.engine.get_tensor_shape(name))
-        return TensorSpec(name, self.dtypes[name], shape)
+        return TensorSpec(name, self.host_dtypes[name], shape)
 
     def profile_for(self, shapes: dict[str, tuple[int, ...]]) -> _Profile | None:
         return next((p for p in self.profiles if p.accepts(shapes)), None)
@@ -141,7 +149,8 @@ class _Engine:
             ctx.set_optimization_profile_async(profile.index, stream.handle)
             self.active_profile = profile.index
         for name in self.inputs:
-            value = np.ascontiguousarray(feeds[name], dtype=self.dtypes[name])  # e.g. int64 ids → int32 on TRT 8.6
+            # in the engine's dtype: int64 ids → int32 on TRT 8.6, FP32 pixels → FP16 at a DLA's boundary
+            value = np.ascontiguousarray(feeds[name], dtype=self.dtypes[name])
             if not ctx.set_input_shape(name, value.shape):
                 raise BackendError(f"{self.path.name}: TensorRT refused shape {value.shape} for {name}")
             buffer = self._buffer(name, value.nbytes)
@@ -165,8 +174,9 @@ class _Engine:
                 nbytes = int(np.prod(shapes[name], dtype=np.int64)) * self.dtypes[name].itemsize
                 self.cuda.copy_to_host(buffer.host, buffer.device_ptr, nbytes, stream)
         stream.synchronize()
-        # copies: the buffers are reused by the next call
-        return {name: self.buffers[name].view(shapes[name], self.dtypes[name]).copy() for name in self.outputs}
+        # copies (the buffers are reused by the next call), in the dtype edgemm uses: FP16 → FP32 at a DLA's boundary
+        return {name: self.buffers[name].view(shapes[name], self.dtypes[name]).astype(self.host_dtypes[name])
+                for name in self.outputs}
 
 
 class TrtComponent:
@@ -273,6 +283,7 @@ class TensorRTBackend:
                 raise EngineError(f"TensorRT {self.platform.tensorrt} could not deserialise {path}"
                                   + (f": {reason}" if reason else " (built by another TensorRT or for another "
                                                                   "device?)") + f"; rebuild with: {again}")
-            return _Engine(self.trt, self.cuda, engine, runtime, path, self.platform.integrated, self.trt_log)
+            return _Engine(self.trt, self.cuda, engine, runtime, path, self.platform.integrated, self.trt_log,
+                           tuple(entry.fp16_io) if entry is not None else ())
         finally:
             self.cuda_context.pop()

@@ -15,7 +15,8 @@ What gets built, per device and precision:
   with GPU_FALLBACK (the layers that fall back are listed in the manifest).
   INT8 on TensorRT <= 10.7 (JetPack 6): implicit quantisation from the QDQ graph translated
   by edgemm.engines.qdq into a Q/DQ-free graph + calibration cache.
-  INT8 on TensorRT >= 11.4.1: a strongly typed network from the QDQ graph.
+  INT8 on TensorRT >= 11.4.1: a strongly typed network from the QDQ graph, parsed with
+  ADJUST_FOR_DLA, its FP32 inputs and outputs made FP16 first (the DLA's boundary types).
   TensorRT 10.8 … 11.4.0 have no DLA support: refused.
 - TensorRT 11 and later drop the precision flags: every network is strongly typed, INT8
   from the QDQ graph and FP16 from the model's `_fp16` graph.
@@ -303,13 +304,70 @@ def dla_loadables(network, config) -> int:
     return runs
 
 
-def fp32_boundaries(trt, network) -> list[str]:
-    """The network's FP32 inputs and outputs. A DLA computes in FP16 or INT8 only, so on a strongly
-    typed network (types come from the graph) FP32 at its boundary means reformatting or GPU layers
-    there; NVIDIA's guidance is FP16 tensors at the DLA's boundaries."""
-    tensors = ([network.get_input(i) for i in range(network.num_inputs)]
-               + [network.get_output(i) for i in range(network.num_outputs)])
-    return [t.name for t in tensors if t.dtype == trt.DataType.FLOAT]
+def _rename_uses(graph, old: str, new: str) -> None:
+    """Every node (in subgraphs too: If and Loop bodies read outer names) that reads `old` reads `new`."""
+    for node in graph.node:
+        node.input[:] = [new if name == old else name for name in node.input]
+        for attribute in node.attribute:
+            for sub in ([attribute.g] if attribute.HasField("g") else []) + list(attribute.graphs):
+                _rename_uses(sub, old, new)
+
+
+def _unused(graph, name: str) -> str:
+    names = ({t for n in graph.node for t in (*n.input, *n.output)}
+             | {v.name for v in (*graph.input, *graph.output, *graph.value_info, *graph.initializer)})
+    candidate, n = f"{name}_fp32", 1
+    while candidate in names:
+        candidate, n = f"{name}_fp32_{n}", n + 1
+    return candidate
+
+
+def fp16_io(source: Path, out: Path) -> list[str]:
+    """Write `source` to `out` with FP16 where it has FP32 network inputs and outputs; return their names.
+
+    A DLA computes and exchanges tensors in FP16 or INT8 only, and a strongly typed network takes
+    its types from the graph, so NVIDIA's DLA guidance is FP16 tensors at the DLA's boundaries
+    (what modelopt's AutoCast does to the network I/O). Each FP32 input becomes FP16 followed by a
+    Cast to FP32, each FP32 output a Cast to FP16 of what produced it: the names, and so the
+    engine's bindings, stay the same; the graph in between is untouched."""
+    head = onnx.load(str(source), load_external_data=False)
+    external = any(onnx.external_data_helper.uses_external_data(t) for t in head.graph.initializer)
+    model = onnx.load(str(source)) if external else head  # weights from next to the source
+    graph, float32 = model.graph, onnx.TensorProto.FLOAT
+    initializers = {t.name for t in graph.initializer}
+    casts, converted = [], []
+    for value in graph.input:
+        if value.name in initializers or value.type.tensor_type.elem_type != float32:
+            continue
+        inside = _unused(graph, value.name)
+        _rename_uses(graph, value.name, inside)
+        value.type.tensor_type.elem_type = onnx.TensorProto.FLOAT16
+        casts.append(onnx.helper.make_node("Cast", [value.name], [inside], to=float32, name=f"{inside}_cast"))
+        converted.append(value.name)
+    ends = []
+    for value in graph.output:
+        if value.type.tensor_type.elem_type != float32:
+            continue
+        if value.name in converted:  # an input passed straight through: FP16 already
+            value.type.tensor_type.elem_type = onnx.TensorProto.FLOAT16
+            continue
+        inside = _unused(graph, value.name)
+        for node in graph.node:
+            node.output[:] = [inside if name == value.name else name for name in node.output]
+        for info in (*graph.value_info, *graph.initializer):  # what else names it: its shape, or it is a constant
+            if info.name == value.name:
+                info.name = inside
+        _rename_uses(graph, value.name, inside)  # a later node may read the output too
+        value.type.tensor_type.elem_type = onnx.TensorProto.FLOAT16
+        ends.append(onnx.helper.make_node("Cast", [inside], [value.name], to=onnx.TensorProto.FLOAT16,
+                                          name=f"{value.name}_cast"))
+        converted.append(value.name)
+    nodes = casts + list(graph.node) + ends  # topological order kept: the Casts first and last
+    del graph.node[:]
+    graph.node.extend(nodes)
+    onnx.save(model, str(out), save_as_external_data=external, all_tensors_to_one_file=True,
+              location=f"{out.name}.data")
+    return converted
 
 
 @dataclass
@@ -322,6 +380,7 @@ class _Configured:
     mode: str
     flags: list[str]
     trt_log: TrtLog  # where TensorRT says why a build failed
+    fp16_io: list[str] = field(default_factory=list)  # FP32 network inputs/outputs the build made FP16
 
 
 def _configure(trt, job: EngineJob, request: BuildRequest, tmp: Path, timing_cache: bytes) -> _Configured:
@@ -330,11 +389,14 @@ def _configure(trt, job: EngineJob, request: BuildRequest, tmp: Path, timing_cac
     logger = trt_log(trt)
     builder = trt.Builder(logger.ilogger)
     flags: list[str] = []
-    source, cache = job.onnx, None
+    source, cache, converted = job.onnx, None, []
     if mode == "calibration-cache":
         source, cache_path = tmp / "noqdq.onnx", tmp / "calibration.cache"
         translate_file(job.onnx, source, cache_path, trt.__version__)
         cache = cache_path.read_bytes()
+    elif mode == "strongly-typed" and core is not None:
+        source = tmp / f"{job.onnx.stem}.fp16_io.onnx"  # the DLA's boundaries in FP16: see fp16_io
+        converted = fp16_io(job.onnx, source)
     network, parser = _network(trt, builder, logger.ilogger, source, mode == "strongly-typed", core is not None)
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, request.workspace_mib << 20)
@@ -365,7 +427,7 @@ def _configure(trt, job: EngineJob, request: BuildRequest, tmp: Path, timing_cac
         config.set_calibration_profile(profiles[0])
     timing = config.create_timing_cache(timing_cache)
     config.set_timing_cache(timing, ignore_mismatch=False)
-    return _Configured(builder, network, parser, config, mode, flags, logger)
+    return _Configured(builder, network, parser, config, mode, flags, logger, converted)
 
 
 def build_one(trt, job: EngineJob, request: BuildRequest, platform: Platform,
@@ -378,7 +440,6 @@ def build_one(trt, job: EngineJob, request: BuildRequest, platform: Platform,
         fallback = ([network.get_layer(i).name for i in range(network.num_layers)
                      if not config.can_run_on_DLA(network.get_layer(i))] if core is not None else [])
         loadables = dla_loadables(network, config) if core is not None else 0
-        boundaries = fp32_boundaries(trt, network) if core is not None and ready.mode == "strongly-typed" else []
         started = time.perf_counter()
         ready.trt_log.forget()
         plan = ready.builder.build_serialized_network(network, config)
@@ -393,7 +454,7 @@ def build_one(trt, job: EngineJob, request: BuildRequest, platform: Platform,
         profiles=job.profiles, tensorrt=platform.tensorrt, compute_capability=platform.compute_capability,
         dla_core=core, plan_sha256=sha256(path), onnx=_relative(job.onnx, request.model_dir),
         onnx_sha256=sha256(job.onnx), flags=ready.flags, quantization=ready.mode, gpu_fallback=fallback,
-        dla_loadables=loadables, fp32_boundaries=boundaries, build_seconds=round(seconds, 2))
+        dla_loadables=loadables, fp16_io=ready.fp16_io, build_seconds=round(seconds, 2))
     return entry, bytes(config.get_timing_cache().serialize())
 
 
@@ -452,10 +513,6 @@ def build_engines(request: BuildRequest, model: ModelManifest, platform: Platfor
             built.append(entry)
             fell_back = f", {len(entry.gpu_fallback)} layer(s) on the GPU" if entry.gpu_fallback else ""
             echo(f"\nbuilt {entry.file} in {entry.build_seconds:.1f} s ({entry.quantization}{fell_back})", err=True)
-            if entry.fp32_boundaries:
-                echo(f"{entry.file}: FP32 at the DLA's boundary ({', '.join(entry.fp32_boundaries)}); a strongly "
-                     "typed DLA network wants FP16 there (NVIDIA: python3 -m modelopt.onnx.autocast --target_dla "
-                     "--low_precision_type fp16)", err=True)
     if request.timing_cache:
         request.timing_cache.write_bytes(timing)
     return built

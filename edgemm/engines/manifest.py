@@ -45,7 +45,9 @@ class EngineEntry:
     quantization: str = "none"  # none | explicit (QDQ) | calibration-cache | strongly-typed
     gpu_fallback: list[str] = field(default_factory=list)  # layers of a DLA plan that run on the GPU
     dla_loadables: int = 0  # DLA subgraphs in the plan (estimated at build); a DLA core takes 16 at most
-    fp32_boundaries: list[str] = field(default_factory=list)  # a strongly typed DLA plan's FP32 inputs/outputs
+    # a strongly typed DLA plan's inputs/outputs that are FP32 in the ONNX graph and FP16 in the plan
+    # (the build converts them): the runtime feeds and reads them as FP32, as the rest of edgemm has them
+    fp16_io: list[str] = field(default_factory=list)
     build_seconds: float = 0.0
 
     @property
