@@ -136,11 +136,13 @@ class Pipeline:
     def __init__(self, runtime: Runtime, queue_size: int = 4, max_batch: int = 1,
                  batch_timeout_ms: float = 0.0, encoder_batch: dict[str, int] | None = None,
                  decoder_joins: str = "auto", reserved: int = 0, max_rows: int | None = None,
-                 prepare_workers: int = PREPARE_WORKERS):
+                 prepare_workers: int = PREPARE_WORKERS, clock: Callable[[], float] = time.monotonic):
         """`max_rows`: most decoder rows stepped together (a request takes one, a beam search
         num_beams; a TensorRT decoder's profile bounds them); None: no bound.
         `prepare_workers`: threads preparing requests (each holds at most one, plus the one
         it waits to hand to the encoder).
+        `clock`: the clock of the prepare order, by which a slow preparation is overtaken
+        (a test passes one it moves by hand).
         `reserved`: inbox places beyond queue_size, for producers that each keep to a
         bounded share of their own (the daemon's streams): with the API admitted up to
         queue_size, the inbox then has room for everything in flight, so nobody's submit
@@ -166,6 +168,7 @@ class Pipeline:
         # the order requests go on to the encoder in: each taken from the inbox gets the next
         # ticket; _open maps the tickets not handed on yet to when their preparation started
         # (None: prepared, handing on, never overtaken)
+        self._clock = clock
         self._take = threading.Lock()  # taking from the inbox and numbering it are one step
         self._next_ticket = 0
         self._open: dict[int, float | None] = {}
@@ -312,7 +315,7 @@ class Pipeline:
                 return None
             ticket, self._next_ticket = self._next_ticket, self._next_ticket + 1
             with self._order:
-                self._open[ticket] = time.monotonic()
+                self._open[ticket] = self._clock()
             return req, ticket
 
     def _hand_on(self, req: Request, ticket: int) -> None:
@@ -321,7 +324,7 @@ class Pipeline:
         with self._order:
             self._open[ticket] = None  # prepared: from now on nobody overtakes it
             while True:
-                now = time.monotonic()
+                now = self._clock()
                 waits = [PREPARE_OVERTAKE_S - (now - started) if started is not None else None
                          for earlier, started in self._open.items()
                          if earlier < ticket and (started is None or now - started < PREPARE_OVERTAKE_S)]
