@@ -616,3 +616,19 @@ def test_a_slow_image_holds_the_next_until_overtaken_and_the_rest_keep_their_ord
     for i, result in enumerate(results):
         assert result.tokens == expected(runtime, images[i], "low").tokens, f"request {i}"
 
+
+def test_an_overtaken_slow_image_does_not_hold_every_encoder_batch_open(runtime, images, gated):
+    from edgemm.pipeline import PREPARE_OVERTAKE_S
+    clock = HandClock()
+    # a batch window far longer than the test waits: an encoder batch that waited for the slow
+    # image would time the test out
+    with Pipeline(runtime, queue_size=8, max_batch=4, batch_timeout_ms=600_000, clock=clock) as pipeline:
+        slow = pipeline.submit(Request(images[0], PROMPT, options("low")))
+        assert gated.entered.wait(WAIT_S)
+        clock.now += PREPARE_OVERTAKE_S * 1.2  # overtaken: nothing waits for it any more
+        for i in (1, 2):  # one after the other: each is an encoder batch of its own, at once
+            pipeline.submit(Request(images[i], PROMPT, options("low"))).result(timeout=WAIT_S)
+        assert not slow.done() and pipeline.stats.batches == [1, 1]
+        gated.gate.set()
+        slow.result(timeout=WAIT_S)
+    assert pipeline.stats.batches == [1, 1, 1]
