@@ -12,13 +12,16 @@ hostile. A connection is always in one of three phases:
             ─► busy  the request is in the app (its body is read within
                      server.body_timeout_s: edgemm.server) ─► idle again (keep-alive)
 
-At most server.max_connections connections are open. One more closes the connection that
+At most server.max_connections connections are open. One more evicts the connection that
 has been idle or sending its head the longest, so stalled and idle clients cannot lock
-newcomers out; failing that, the busy one whose body has been arriving for BODY_GRACE_S
-at the lowest rate (408), so trickled bodies cannot either. If every other connection is
-busy otherwise, the newcomer's request is answered 503 with Retry-After and its connection
-closed. Every refusal is OpenAI's error shape, malformed requests included (400: uvicorn
-answers those in plain text), and a request line over server.max_header_bytes is 431.
+newcomers out: an idle one is simply closed, one sending its head is answered 503 with
+Retry-After; failing that, the busy one whose body has been arriving for BODY_GRACE_S at
+the lowest rate (408), so trickled bodies cannot either. If every other connection is busy
+otherwise, the newcomer's request is answered 503 with Retry-After and its connection
+closed, unless room has come free (a request ended, a connection went) by the time its
+head is complete. Every refusal is OpenAI's error shape, malformed requests included
+(400: uvicorn answers those in plain text), and a request line over
+server.max_header_bytes is 431.
 
 A route that keeps its connection for long (a stream's SSE listeners, bounded by
 server.max_stream_listeners in edgemm.server) marks it long-lived through the scope's
@@ -90,7 +93,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self.reading_body = False
         self.body_bytes = 0  # of the current request's body, received so far
         self.long_lived = False  # marked by its route (LONG_LIVED): not counted in max_connections
-        self.over_capacity = False  # opened while every other connection was busy
+        self.over_capacity = False  # opened while every other connection was busy; looked at again at its head's end
         self.refused = False  # answered by the limits: whatever else arrives is ignored
 
     # -- the connection --
@@ -99,7 +102,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         super().connection_made(transport)
         self._enter(IDLE)
         if self._counted() > self.limits.max_connections:
-            self._make_room()
+            self.over_capacity = not self._make_room()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_deadline()
@@ -155,7 +158,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         if self.head_size > self.limits.max_header_bytes:
             refusal = self._refusal(431, f"request line and headers are larger than {self.limits.max_header_bytes} "
                                     "bytes (server.max_header_bytes)", "header_too_large")
-        elif self.over_capacity:
+        elif self.over_capacity and not self._room_now():
             refusal = self._refusal(503, f"server busy: {self.limits.max_connections} connections have requests "
                                     f"in progress (server.max_connections); retry in {self.limits.retry_after_s} s",
                                     "over_capacity")
@@ -223,11 +226,12 @@ class LimitedHttpProtocol(HttpToolsProtocol):
     def _close(self, reason: str) -> None:
         self._cancel_deadline()
         if not self.transport.is_closing():
+            if not self.refused:  # a refused connection lingering was counted when it was refused
+                self.limits.on_limit(reason)
             self.refused = True
-            self.limits.on_limit(reason)
             self.transport.close()
 
-    def _refuse_unparsed(self, status: int, message: str, reason: str) -> None:
+    def _refuse_unparsed(self, status: int, message: str, reason: str, headers: dict[str, str] | None = None) -> None:
         """Answer a connection whose request head is incomplete, and close it.
 
         The client may still be sending: closing a socket with unread data resets the
@@ -236,8 +240,8 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         is the first to go when room is needed."""
         if self.transport.is_closing():
             return
-        kind = "timeout" if status == 408 else "invalid_request_error"
-        self.transport.write(response_bytes(status, error_body(message, kind, code=reason), {}))
+        kind = {408: "timeout", 503: "overloaded"}.get(status, "invalid_request_error")
+        self.transport.write(response_bytes(status, error_body(message, kind, code=reason), headers or {}))
         self.refused = True
         self.limits.on_limit(reason)
         self._cancel_deadline()
@@ -255,21 +259,45 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         kind = "overloaded" if status == 503 else "invalid_request_error"
         return JSONResponse(error_body(message, kind, code=reason), status, headers)
 
-    def _make_room(self) -> None:
-        """Over the cap: close the connection idle or sending its head the longest; if every
-        other connection is busy, this one's request is refused (503) once its head is in."""
+    def _make_room(self) -> bool:
+        """Over the cap: make room by evicting the connection idle or sending its head the
+        longest, else the busy one whose body arrives the slowest. False if every other
+        connection is busy otherwise (this one's request is then refused, 503, once its head
+        is in, unless room has come free by then)."""
         others = [c for c in self.connections if c is not self and isinstance(c, LimitedHttpProtocol)
                   and not c.transport.is_closing()]
         waiting = [c for c in others if c.phase in (IDLE, HEAD)]  # a refused one lingering among them, first
         if waiting:
-            min(waiting, key=lambda c: c.since)._close("evicted")
-            return
+            min(waiting, key=lambda c: c.since)._evict()
+            return True
         now = self.loop.time()
         slow = [c for c in others if not c.refused and c._body_evictable(now)]
         if slow:
             min(slow, key=lambda c: c.body_bytes / (now - c.since))._evict_body(now)
+            return True
+        return False
+
+    def _room_now(self) -> bool:
+        """For a connection that opened over the cap, at the end of its head: is there room
+        now? Requests may have ended, and connections gone, since it opened. Counted as in
+        connection_made, except that connections already closing hold no place."""
+        holding = sum(not c.transport.is_closing() and not getattr(c, "long_lived", False)
+                      for c in self.connections)
+        if holding <= self.limits.max_connections or self._make_room():
+            self.over_capacity = False
+        return not self.over_capacity
+
+    def _evict(self) -> None:
+        """Closed to make room. A client halfway through its head is owed an answer, not a
+        reset: the overload is answered, as a refused newcomer's is. An idle one has asked
+        nothing, so it is simply closed (as its idle timeout would)."""
+        if self.phase == HEAD and not self.refused:
+            self._refuse_unparsed(503, f"server busy: more than {self.limits.max_connections} connections "
+                                  "(server.max_connections), and this one's headers were the slowest; "
+                                  f"retry in {self.limits.retry_after_s} s",
+                                  "evicted", {"Retry-After": str(self.limits.retry_after_s)})
         else:
-            self.over_capacity = True
+            self._close("evicted")
 
     def _body_evictable(self, now: float) -> bool:
         """Busy receiving its body for BODY_GRACE_S, no answer begun: its app waits on the body."""

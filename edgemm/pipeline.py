@@ -27,7 +27,8 @@ neither can fill the other's part.
 
 The encoder stage batches: it takes up to `max_batch` requests of the same tier
 that are already waiting into one call, and waits up to `batch_timeout_ms` for more
-only while other requests are still being prepared (a lone request never waits).
+only while other requests are still being prepared (a lone request never waits), not
+counting a slow one already overtaken.
 The decoder stage takes every request already waiting (up to `max_batch`) and steps
 them together, one decoder call per token for all (edgemm/decode.py); it never
 waits for a batch to fill. Each answer is handed back the moment it ends; requests that
@@ -136,11 +137,13 @@ class Pipeline:
     def __init__(self, runtime: Runtime, queue_size: int = 4, max_batch: int = 1,
                  batch_timeout_ms: float = 0.0, encoder_batch: dict[str, int] | None = None,
                  decoder_joins: str = "auto", reserved: int = 0, max_rows: int | None = None,
-                 prepare_workers: int = PREPARE_WORKERS):
+                 prepare_workers: int = PREPARE_WORKERS, clock: Callable[[], float] = time.monotonic):
         """`max_rows`: most decoder rows stepped together (a request takes one, a beam search
         num_beams; a TensorRT decoder's profile bounds them); None: no bound.
         `prepare_workers`: threads preparing requests (each holds at most one, plus the one
         it waits to hand to the encoder).
+        `clock`: the clock of the prepare order, by which a slow preparation is overtaken
+        (a test passes one it moves by hand).
         `reserved`: inbox places beyond queue_size, for producers that each keep to a
         bounded share of their own (the daemon's streams): with the API admitted up to
         queue_size, the inbox then has room for everything in flight, so nobody's submit
@@ -160,16 +163,17 @@ class Pipeline:
         if prepare_workers < 1:
             raise ValueError(f"prepare_workers must be at least 1, got {prepare_workers}")
         self.prepare_workers = prepare_workers
-        self._preparing = 0  # requests the prepare workers hold (prepared ones waiting for room too)
-        self._prepare_lock = threading.Lock()  # for _preparing and the workers' end
+        self._prepare_lock = threading.Lock()  # for the workers' end
         self._prepare_ended = 0  # prepare workers that saw the stop marker
         # the order requests go on to the encoder in: each taken from the inbox gets the next
         # ticket; _open maps the tickets not handed on yet to when their preparation started
-        # (None: prepared, handing on, never overtaken)
+        # (None: prepared, waiting for its turn, never overtaken)
+        self._clock = clock
         self._take = threading.Lock()  # taking from the inbox and numbering it are one step
         self._next_ticket = 0
         self._open: dict[int, float | None] = {}
         self._order = threading.Condition()
+        self._handing = threading.Lock()  # one request at a time goes from _open into to_encode
         self._accounting = threading.Lock()  # the prepare workers add to the same stats
         # worker → time.monotonic() of its last progress on the work it holds (None: idle or
         # waiting for room downstream); written by the worker's own thread, read by health().
@@ -283,7 +287,6 @@ class Pipeline:
         while (taken := self._take_next()) is not None:
             req, ticket = taken
             ready = False
-            self._count_preparing(+1)
             try:
                 with self._working(worker, [req]) as work:
                     ready = self._prepare(req)
@@ -291,9 +294,8 @@ class Pipeline:
                     self._hand_on(req, ticket)  # outside the barrier: waiting for room is not a stall
             finally:
                 with self._order:
-                    self._open.pop(ticket, None)
+                    self._open.pop(ticket, None)  # failed or cancelled (handed on: gone already)
                     self._order.notify_all()
-                self._count_preparing(-1)
         # close() puts one stop marker: each worker passes it on to the next, and the last
         # one to stop (after every request prepared has gone to the encoder) to the encoder
         with self._prepare_lock:
@@ -312,7 +314,7 @@ class Pipeline:
                 return None
             ticket, self._next_ticket = self._next_ticket, self._next_ticket + 1
             with self._order:
-                self._open[ticket] = time.monotonic()
+                self._open[ticket] = self._clock()
             return req, ticket
 
     def _hand_on(self, req: Request, ticket: int) -> None:
@@ -321,7 +323,7 @@ class Pipeline:
         with self._order:
             self._open[ticket] = None  # prepared: from now on nobody overtakes it
             while True:
-                now = time.monotonic()
+                now = self._clock()
                 waits = [PREPARE_OVERTAKE_S - (now - started) if started is not None else None
                          for earlier, started in self._open.items()
                          if earlier < ticket and (started is None or now - started < PREPARE_OVERTAKE_S)]
@@ -329,11 +331,25 @@ class Pipeline:
                     break
                 timed = [w for w in waits if w is not None]
                 self._order.wait(min(timed) if len(timed) == len(waits) else None)
-        self.to_encode.put(req)
+        # Out of _open before it is in the encoder's queue, so that the encoder, already
+        # holding it, never waits for it as one still coming (_coming). _handing keeps the
+        # order: the next in line, free to go once this ticket is gone, queues behind it.
+        with self._handing:
+            with self._order:
+                del self._open[ticket]
+                self._order.notify_all()
+            self.to_encode.put(req)
 
-    def _count_preparing(self, change: int) -> None:
-        with self._prepare_lock:
-            self._preparing += change
+    def _coming(self) -> bool:
+        """Will another request reach the encoder soon? One is if it waits in the inbox, has
+        been prepared and waits for its turn, or has been preparing for less than
+        PREPARE_OVERTAKE_S. A preparation past that is a slow image, already overtaken: it
+        may take seconds more, and no encoder batch waits for it."""
+        if self.inbox.qsize() > 0:
+            return True
+        with self._order:
+            now = self._clock()
+            return any(started is None or now - started < PREPARE_OVERTAKE_S for started in self._open.values())
 
     def _prepare(self, req: Request) -> bool:
         """Decode the image, pick the tier, build the prompt; False if the request is done
@@ -410,13 +426,12 @@ class Pipeline:
     def _gather(self, first: Request, batch: list[Request]) -> bool:
         """Adds to `batch` ([first]) waiting requests of the same tier, up to max_batch (order
         kept); True if the end marker came. It waits for more (up to batch_timeout_ms) only
-        while some are being prepared. A request is in `batch` from the moment it is taken,
+        while some are coming (_coming: not a slow image already overtaken). A request is in `batch` from the moment it is taken,
         so that the crash barrier holds it even if checking it fails."""
         deadline = time.perf_counter() + self.batch_timeout_s
         limit = self.encoder_batch.get(first.prepared.tier.name, self.max_batch)
         while len(batch) < limit and not self._held:
-            coming = self._preparing or self.inbox.qsize() > 0
-            wait = deadline - time.perf_counter() if coming else 0.0
+            wait = deadline - time.perf_counter() if self._coming() else 0.0
             try:
                 nxt = self.to_encode.get(timeout=wait) if wait > 0 else self.to_encode.get_nowait()
             except queue.Empty:

@@ -446,8 +446,8 @@ def test_reserved_places_are_inbox_room_beyond_queue_size(runtime, images, block
     try:
         for i in range(held):  # one in the encoder, one waiting for it, one prepared and waiting per prepare worker
             accepted.append(pipeline.submit(Request(images[i], PROMPT, options("low")), timeout=WAIT_S))
-        wait_until(lambda: blocked.entered.is_set() and pipeline.to_encode.full()
-                   and pipeline._preparing == pipeline.prepare_workers and pipeline.inbox.empty(),
+        # the inbox empty: the prepare workers, its only takers, hold the rest, one each
+        wait_until(lambda: blocked.entered.is_set() and pipeline.to_encode.full() and pipeline.inbox.empty(),
                    "the stages to be full")
         for i in range(queue_size + reserved):
             accepted.append(pipeline.submit(Request(images[i], PROMPT, options("low")), block=False))
@@ -547,3 +547,88 @@ def test_a_request_cancelled_while_queued_is_not_prepared(runtime, images, block
         for f in [first, *waiting]:
             f.result(timeout=WAIT_S)
     assert len(prepared) == 3
+
+
+# ---- the prepare pool: order, and a slow image overtaken ------------------------------------
+
+class GatedPrepare:
+    """runtime.prepare that holds the image `slow` until the gate opens (an image that takes
+    long to decode) and records which images it has prepared."""
+
+    def __init__(self, runtime, slow: np.ndarray):
+        self.original, self.slow = runtime.prepare, slow
+        self.gate, self.entered = threading.Event(), threading.Event()
+        self.prepared: list[int] = []  # id() of each image prepared
+
+    def __call__(self, image, prompt, **options):
+        if image is self.slow:
+            self.entered.set()
+            assert self.gate.wait(WAIT_S), "the test never opened the gate"
+        prepared = self.original(image, prompt, **options)
+        self.prepared.append(id(image))
+        return prepared
+
+
+@pytest.fixture
+def gated(runtime, images, monkeypatch):
+    prepare = GatedPrepare(runtime, images[0])
+    monkeypatch.setattr(runtime, "prepare", prepare)
+    yield prepare
+    prepare.gate.set()  # never leave a prepare worker waiting, whatever the test did
+
+
+class HandClock:
+    """The pipeline's prepare clock, moved only by the test."""
+
+    def __init__(self):
+        self.now = 1000.0  # a monotonic clock is far from 0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+HELD_S = 1.0  # real time a held request is watched for, several times what it would take to go on
+
+
+def test_a_slow_image_holds_the_next_until_overtaken_and_the_rest_keep_their_order(runtime, images, gated):
+    from edgemm.pipeline import PREPARE_OVERTAKE_S
+    clock = HandClock()
+    # three workers: the slow image holds one, requests 1 and 2 are prepared by the others and
+    # wait for their turn; request 3 waits in the inbox for a worker
+    with Pipeline(runtime, queue_size=8, prepare_workers=3, clock=clock) as pipeline:
+        futures = [pipeline.submit(Request(images[0], PROMPT, options("low")))]
+        assert gated.entered.wait(WAIT_S)
+        futures += [pipeline.submit(Request(images[i], PROMPT, options("low"))) for i in (1, 2, 3)]
+        order = track_completion(futures)
+        wait_until(lambda: {id(images[1]), id(images[2])} <= set(gated.prepared), "requests 1 and 2 prepared")
+
+        clock.now += PREPARE_OVERTAKE_S * 0.8  # not yet overtaken: request 1 waits for request 0
+        time.sleep(HELD_S)
+        assert order == [] and pipeline.to_encode.empty() and pipeline.stats.items["encode"] == 0
+
+        clock.now += PREPARE_OVERTAKE_S * 0.4  # request 0 past PREPARE_OVERTAKE_S: overtaken
+        for f in futures[1:]:
+            f.result(timeout=WAIT_S)
+        assert order == [1, 2, 3] and not futures[0].done()  # the slow one still preparing
+        gated.gate.set()
+        results = [f.result(timeout=WAIT_S) for f in futures]
+    assert order == [1, 2, 3, 0]
+    for i, result in enumerate(results):
+        assert result.tokens == expected(runtime, images[i], "low").tokens, f"request {i}"
+
+
+def test_an_overtaken_slow_image_does_not_hold_every_encoder_batch_open(runtime, images, gated):
+    from edgemm.pipeline import PREPARE_OVERTAKE_S
+    clock = HandClock()
+    # a batch window far longer than the test waits: an encoder batch that waited for the slow
+    # image would time the test out
+    with Pipeline(runtime, queue_size=8, max_batch=4, batch_timeout_ms=600_000, clock=clock) as pipeline:
+        slow = pipeline.submit(Request(images[0], PROMPT, options("low")))
+        assert gated.entered.wait(WAIT_S)
+        clock.now += PREPARE_OVERTAKE_S * 1.2  # overtaken: nothing waits for it any more
+        for i in (1, 2):  # one after the other: each is an encoder batch of its own, at once
+            pipeline.submit(Request(images[i], PROMPT, options("low"))).result(timeout=WAIT_S)
+        assert not slow.done() and pipeline.stats.batches == [1, 1]
+        gated.gate.set()
+        slow.result(timeout=WAIT_S)
+    assert pipeline.stats.batches == [1, 1, 1]
