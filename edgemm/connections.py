@@ -101,8 +101,10 @@ class LimitedHttpProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._enter(IDLE)
-        if self._counted() > self.limits.max_connections:
-            self.over_capacity = not self._make_room()
+        if self._over_cap():
+            self._make_room()
+            # counted again: the one evicted may have held no place of its own (closing already)
+            self.over_capacity = self._over_cap()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_deadline()
@@ -124,6 +126,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
+        self.long_lived = False  # an event stream that ended: the connection counts again for what comes next
         if self.timeout_keep_alive_task is not None:  # no pipelined request waits: the connection is idle
             self._unset_keepalive_if_required()  # our own idle timer instead of uvicorn's
             self._enter(IDLE)
@@ -197,9 +200,15 @@ class LimitedHttpProtocol(HttpToolsProtocol):
     def _mark_long_lived(self) -> None:
         self.long_lived = True
 
-    def _counted(self) -> int:
-        """Open connections that count against max_connections."""
-        return sum(not getattr(c, "long_lived", False) for c in self.connections)
+    def _holding(self) -> int:
+        """Connections that hold a place under max_connections: open (neither closing nor
+        refused and lingering to close) and not long-lived (a stream's listeners are bounded
+        on their own)."""
+        return sum(not c.transport.is_closing() and not getattr(c, "refused", False)
+                   and not getattr(c, "long_lived", False) for c in self.connections)
+
+    def _over_cap(self) -> bool:
+        return self._holding() > self.limits.max_connections
 
     def _enter(self, phase: str) -> None:
         self._cancel_deadline()
@@ -237,7 +246,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         The client may still be sending: closing a socket with unread data resets the
         connection, and the client would lose the answer. So the writing side is shut, what
         still arrives is dropped unread by the parser for up to LINGER_S, and the connection
-        is the first to go when room is needed."""
+        holds no place under max_connections meanwhile."""
         if self.transport.is_closing():
             return
         kind = {408: "timeout", 503: "overloaded"}.get(status, "invalid_request_error")
@@ -259,32 +268,29 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         kind = "overloaded" if status == 503 else "invalid_request_error"
         return JSONResponse(error_body(message, kind, code=reason), status, headers)
 
-    def _make_room(self) -> bool:
+    def _make_room(self) -> None:
         """Over the cap: make room by evicting the connection idle or sending its head the
         longest, else the busy one whose body arrives the slowest. False if every other
         connection is busy otherwise (this one's request is then refused, 503, once its head
-        is in, unless room has come free by then)."""
+        is in, unless room has come free by then). Long-lived connections hold no place, so
+        evicting one frees none."""
         others = [c for c in self.connections if c is not self and isinstance(c, LimitedHttpProtocol)
-                  and not c.transport.is_closing()]
-        waiting = [c for c in others if c.phase in (IDLE, HEAD)]  # a refused one lingering among them, first
+                  and not c.transport.is_closing() and not c.long_lived and not c.refused]
+        waiting = [c for c in others if c.phase in (IDLE, HEAD)]
         if waiting:
             min(waiting, key=lambda c: c.since)._evict()
-            return True
+            return
         now = self.loop.time()
-        slow = [c for c in others if not c.refused and c._body_evictable(now)]
+        slow = [c for c in others if c._body_evictable(now)]
         if slow:
             min(slow, key=lambda c: c.body_bytes / (now - c.since))._evict_body(now)
-            return True
-        return False
 
     def _room_now(self) -> bool:
         """For a connection that opened over the cap, at the end of its head: is there room
-        now? Requests may have ended, and connections gone, since it opened. Counted as in
-        connection_made, except that connections already closing hold no place."""
-        holding = sum(not c.transport.is_closing() and not getattr(c, "long_lived", False)
-                      for c in self.connections)
-        if holding <= self.limits.max_connections or self._make_room():
-            self.over_capacity = False
+        now? Requests may have ended, and connections gone, since it opened."""
+        if self._over_cap():
+            self._make_room()
+        self.over_capacity = self._over_cap()
         return not self.over_capacity
 
     def _evict(self) -> None:
@@ -332,7 +338,7 @@ class _LingerOnClose:
         protocol.refused = True  # what still arrives is ignored
         protocol._cancel_deadline()
         transport.write_eof()
-        protocol.phase, protocol.since = IDLE, 0.0  # the first to go when room is needed
+        protocol.phase, protocol.since = IDLE, 0.0  # refused: it holds no place under the cap meanwhile
         protocol.deadline = protocol.loop.call_later(LINGER_S, transport.close)
 
     def __getattr__(self, name: str):

@@ -575,3 +575,57 @@ def test_the_connection_limits_are_validated(server, said):
 def test_a_config_temperature_beyond_a_float_is_a_config_error():
     with pytest.raises(ConfigError, match="'generation.temperature' must be a finite number"):
         load_config({"generation": {"temperature": 10**400}})
+
+
+def test_evicting_a_connection_that_holds_no_place_admits_no_one_over_the_cap(runtime, png, monkeypatch):
+    """Both places busy; then pairs: A opens (over the cap), B opens and evicts A. B must not
+    count as having room: before, each B was admitted, 8 busy requests against a cap of 2."""
+    with running(runtime, max_connections=2, header_timeout_s=30, idle_timeout_s=30,
+                 encoder_batching="off") as d:
+        path = sock_path(d)
+        held: list[Future] = []
+
+        def submit(request, pipeline, in_flight):  # the answers wait: their connections stay busy
+            held.append(Future())
+            return held[-1]
+        monkeypatch.setattr(d.service.router, "submit", submit)
+        request = b"POST /v1/infer HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(png) + png
+        socks = [connect(path) for _ in range(2)]
+        try:
+            for s in socks:
+                s.sendall(request)
+            wait_until(lambda: len(held) == 2, WAIT_S, "two requests held")
+            for _ in range(4):
+                socks.append(connect(path))  # A
+                socks.append(b := connect(path))  # B: evicts A, still over the cap
+                b.sendall(request)
+                status, headers, body = read_response(b)
+                assert status == 503 and openai_error(body)["code"] == "over_capacity" and headers["retry-after"]
+            assert len(held) == 2
+        finally:
+            for future in held:
+                future.set_exception(Overloaded("test over"))
+            for s in socks:
+                s.close()
+
+
+def test_a_connection_counts_again_once_its_event_stream_ends(runtime):
+    """A listener's connection leaves the count while its events stream; after the stream is
+    deleted it is an ordinary (idle, evictable) connection again."""
+    with running(runtime, max_connections=2, max_stream_listeners=2, idle_timeout_s=30, encoder_batching="off") as d:
+        path = sock_path(d)
+        with raw_client(path) as http:
+            assert http.post("/v1/streams", json={"id": "cam", "source": "synthetic://?fps=1"}).status_code == 201
+        listeners = [connect(path) for _ in range(2)]
+        try:
+            for s in listeners:
+                s.sendall(b"GET /v1/streams/cam/events HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert s.recv(65536).startswith(b"HTTP/1.1 200")
+            wait_until(lambda: sum(c.long_lived for c in protocols(d)) == 2, WAIT_S, "two listeners")
+            with raw_client(path) as http:
+                assert http.delete("/v1/streams/cam").status_code == 200
+            wait_until(lambda: len(protocols(d)) == 2 and not any(c.long_lived for c in protocols(d)), WAIT_S,
+                       "the listeners' connections counted again")
+        finally:
+            for s in listeners:
+                s.close()
