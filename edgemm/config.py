@@ -33,7 +33,7 @@ from typing import Any
 import yaml
 
 from edgemm.errors import EdgemmError
-from edgemm.files import read_regular_file
+from edgemm.files import load_yaml, read_regular_file
 from edgemm.generation_limits import FIELDS as GENERATION_FIELDS, LimitError, check_generation, check_text
 from edgemm.scheduler import DETAIL_WORDS, STATISTICS
 
@@ -577,7 +577,7 @@ def load_config(source: str | os.PathLike | Mapping[str, Any] | None = None) -> 
     except UnicodeDecodeError as e:
         raise ConfigError(f"not UTF-8 text (byte {e.start})", file) from None
     try:
-        data = yaml.safe_load(text)
+        data = load_yaml(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         problem = getattr(e, "problem", None) or str(e)
