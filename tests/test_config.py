@@ -33,6 +33,7 @@ limits:
   max_image_bytes: 1048576
   max_decoded_bytes: 50000000
   decode_budget_bytes: 60000000
+  max_synthetic_pixels: 1000000
   max_prompt_chars: 500
   unknown_words: refuse
 generation:
@@ -187,7 +188,8 @@ def test_full_yaml_file_loads_every_field(tmp_path):
         backend=BackendConfig(name="onnxruntime", providers=["tensorrt", "cuda", "cpu"],
                               intra_op_threads=2, warmup=False),
         limits=LimitsConfig(max_pixels=12_000_000, max_image_bytes=1048576, max_prompt_chars=500, unknown_words="refuse",
-                            max_decoded_bytes=50_000_000, decode_budget_bytes=60_000_000),
+                            max_decoded_bytes=50_000_000, decode_budget_bytes=60_000_000,
+                            max_synthetic_pixels=1_000_000),
         generation=GenerationConfig(max_new_tokens=64, temperature=0.7, top_p=0.9, seed=1234, tier="low",
                                     num_beams=1, beam_gate=0.9),
         scheduler=SchedulerConfig(policy="thresholds", statistic="high_freq", thresholds=[0.1, 0.25],
