@@ -315,6 +315,7 @@ def stream(source_uri, prompt, fps, every, max_frames, out, change_threshold, ti
     # a camera that does not open now is reported (exit 2), not waited for; one that opens
     # and later stops delivering is reopened with backoff
     source = open_source(source_uri, latency_ms=latency_ms, max_pixels=cfg.limits.max_pixels,
+                         max_synthetic_pixels=cfg.limits.max_synthetic_pixels,
                          wait_for_camera=False)
     source.open()  # a missing camera or file is reported before the model loads
     sink = JsonLines(out)  # so is an --out that cannot be written

@@ -33,7 +33,7 @@ from typing import Any
 import yaml
 
 from edgemm.errors import EdgemmError
-from edgemm.files import read_regular_file
+from edgemm.files import load_yaml, read_regular_file
 from edgemm.generation_limits import FIELDS as GENERATION_FIELDS, LimitError, check_generation, check_text
 from edgemm.scheduler import DETAIL_WORDS, STATISTICS
 
@@ -147,13 +147,18 @@ class LimitsConfig:
     # an image that does not fit beside those in progress gets 503 + Retry-After; 16 MiB
     # more than one image's limit, so a 1080p frame (12 MB) still decodes beside the largest
     decode_budget_bytes: int = 160 * 1024 * 1024
+    # synthetic:// frames are generated, not decoded, so decode_budget_bytes does not cover
+    # them: a stream whose ?size= makes more pixels per frame (size²) is refused (400 / exit 2)
+    # before it starts. 4 MP = 2000²; a 25 MP scene took a daemon to ~900 MB per stream
+    max_synthetic_pixels: int = 4_000_000
     max_prompt_chars: int = 4000  # longer prompts are refused
     # a prompt with words the model's vocabulary lacks (the built-in model's closed world):
     # warn = answer, with a warning and the questions the model knows; refuse = 400 / exit 2
     unknown_words: str = "warn"
 
     def validate(self, path: str) -> None:
-        for name in ("max_pixels", "max_image_bytes", "max_decoded_bytes", "decode_budget_bytes", "max_prompt_chars"):
+        for name in ("max_pixels", "max_image_bytes", "max_decoded_bytes", "decode_budget_bytes", "max_synthetic_pixels",
+                     "max_prompt_chars"):
             _require(getattr(self, name) > 0, f"{path}.{name}", "be > 0", getattr(self, name))
         # else an image within max_decoded_bytes could never be decoded by the daemon
         _require(self.decode_budget_bytes >= self.max_decoded_bytes, f"{path}.decode_budget_bytes",
@@ -577,7 +582,7 @@ def load_config(source: str | os.PathLike | Mapping[str, Any] | None = None) -> 
     except UnicodeDecodeError as e:
         raise ConfigError(f"not UTF-8 text (byte {e.start})", file) from None
     try:
-        data = yaml.safe_load(text)
+        data = load_yaml(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         problem = getattr(e, "problem", None) or str(e)

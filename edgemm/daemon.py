@@ -194,7 +194,7 @@ class Daemon:
 
     def run(self) -> None:
         cfg = self.config.server
-        check_configured(self.config.streams, cfg.max_streams, self.config.limits.max_pixels)  # before the socket and the model
+        check_configured(self.config.streams, cfg.max_streams, self.config.limits)  # before the socket and the model
         offload = self.config.offload
         client = OffloadClient.from_config(offload) if offload.enabled else None  # a bad key file: exit 2 now
         started = time.monotonic()

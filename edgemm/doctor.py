@@ -22,9 +22,10 @@ from pathlib import Path
 import yaml
 
 from edgemm.config import Config, creatable_socket, socket_choices
-from edgemm.engines.manifest import MANIFEST, rebuild_command
+from edgemm.engines.manifest import MANIFEST, MAX_MANIFEST_BYTES, rebuild_command
 from edgemm.engines.cuda import CudaError, CudaMissing, installed_bindings, load_cuda
 from edgemm.errors import EdgemmError, one_line
+from edgemm.files import load_yaml, read_regular_file
 from edgemm.loading import default_engines_dir
 from edgemm.model.manifest import COMPONENTS, ModelManifest, load_manifest
 from edgemm.runtime import default_model_dir
@@ -220,9 +221,10 @@ def engines_check(cfg: Config, engines: Path | None, trt: str | None) -> Check:
     stale = []
     for manifest in manifests:
         try:  # edgemm/engines/manifest.py: each engine records the TensorRT that built it
-            entries = (yaml.safe_load(manifest.read_text()) or {}).get("engines") or []
+            raw = read_regular_file(manifest, MAX_MANIFEST_BYTES, OSError, "for an engine manifest")  # no FIFO wait
+            entries = (load_yaml(raw.decode("utf-8")) or {}).get("engines") or []
             built = sorted({str(e["tensorrt"]) for e in entries if e.get("tensorrt")})
-        except (OSError, yaml.YAMLError, AttributeError, TypeError):
+        except (OSError, yaml.YAMLError, UnicodeDecodeError, AttributeError, TypeError):
             return Check("engines", "fail", f"{manifest}: unreadable manifest")
         entries_by_folder[manifest.parent] = entries
         if trt and any(version != trt for version in built):

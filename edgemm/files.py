@@ -12,6 +12,8 @@ import os
 import stat
 from typing import Callable
 
+import yaml
+
 MakeError = Callable[[str], Exception]  # detail → the caller's exception (ImageError, ConfigError …)
 
 # a model folder's text files: model.yaml and the JSON files are KB, tokenizer.json up to ~20 MB
@@ -88,3 +90,42 @@ def read_model_file(path: str | os.PathLike) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError:
         raise ModelError(f"{shown}: not UTF-8 text") from None
+
+
+# ---- YAML -----------------------------------------------------------------------------------
+
+# A config, model.yaml, scheduler.yaml or engine manifest nests a few levels and holds small
+# numbers. PyYAML composes nodes recursively (`[` x 500 → RecursionError) and int() refuses
+# more than 4300 decimal digits (ValueError): both would escape as internal errors, so they are
+# refused while parsing, as YAML errors with a line:column, before the recursion or the int().
+MAX_YAML_DEPTH = 64
+MAX_YAML_INT_CHARS = 100  # far above any setting (2**64 has 20 digits); hex and 0b counted too
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    _depth = 0
+
+    def compose_node(self, parent, index):
+        self._depth += 1
+        try:
+            if self._depth > MAX_YAML_DEPTH:
+                mark = self.peek_event().start_mark
+                raise yaml.composer.ComposerError(
+                    None, None, f"nests more than {MAX_YAML_DEPTH} levels deep", mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def construct_yaml_int(self, node):
+        if len(node.value) > MAX_YAML_INT_CHARS:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"an integer longer than {MAX_YAML_INT_CHARS} characters", node.start_mark)
+        return super().construct_yaml_int(node)
+
+
+_BoundedLoader.add_constructor("tag:yaml.org,2002:int", _BoundedLoader.construct_yaml_int)
+
+
+def load_yaml(text: str | bytes):
+    """yaml.safe_load, with nesting and integer length bounded (a yaml.YAMLError beyond them)."""
+    return yaml.load(text, Loader=_BoundedLoader)

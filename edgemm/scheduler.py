@@ -38,7 +38,7 @@ import numpy as np
 import yaml
 
 from edgemm.errors import ModelError
-from edgemm.files import read_model_file
+from edgemm.files import load_yaml, read_model_file
 from edgemm.opencv import cv2
 
 POLICY_FILE = "scheduler.yaml"  # in the model folder, written by tools/calibrate_scheduler.py
@@ -267,7 +267,7 @@ class TierPolicy:
             raise ModelError(f"scheduler policy 'calibrated' needs {path}; make it with: "
                              f"python tools/calibrate_scheduler.py {path.parent}")
         try:
-            data = yaml.safe_load(read_model_file(path))
+            data = load_yaml(read_model_file(path))
             return cls(statistic=data["statistic"], thresholds=[float(t) for t in data["thresholds"]],
                        detail_words=tuple(data.get("detail_words", DETAIL_WORDS)),
                        detail_floor=data.get("detail_floor"), floor=data.get("floor"),
@@ -275,7 +275,7 @@ class TierPolicy:
                        detail_thresholds=[float(t) for t in data["detail_thresholds"]]
                        if data.get("detail_thresholds") is not None else None)
         except (yaml.YAMLError, TypeError, KeyError, ValueError) as e:
-            raise ModelError(f"{path}: not a valid scheduler policy ({type(e).__name__}: {e})") from None
+            raise ModelError(f"{path}: not a valid scheduler policy ({type(e).__name__}: {' '.join(str(e).split())})") from None
 
 
 # ---- the scheduler ---------------------------------------------------------------------------

@@ -75,6 +75,10 @@ SUPPORTED = ("csi://N, v4l2:///dev/videoN, rtsp://host/path, file://PATH, synthe
 
 CSI_DEFAULTS = {"width": 1280, "height": 720, "fps": 30.0}
 SYNTHETIC_SIZE = 256  # synthetic:// scenes' side in pixels unless ?size= says otherwise
+# limits.max_synthetic_pixels' default. A synthetic frame is generated, not decoded, so the decode
+# budget never sees it, and a 5000² scene (25 MP, within limits.max_pixels) took a daemon to
+# ~900 MB per stream: 4 MP (2000²) keeps one stream's frames in flight to tens of MB
+DEFAULT_MAX_SYNTHETIC_PIXELS = 4_000_000
 FIRST_BACKOFF_S = 0.5
 # Bounded waits so a dead network camera is noticed and reconnected, not waited on forever.
 FFMPEG_OPEN_TIMEOUT_MS = 10_000
@@ -128,6 +132,7 @@ def open_source(uri: str, *, fps: float | None = None, width: int | None = None,
                 height: int | None = None, latency_ms: int = 200, reconnect: bool = True,
                 max_backoff_s: float = 8.0, max_reconnects: int | None = None,
                 wait_for_camera: bool = True, max_pixels: int = DEFAULT_MAX_PIXELS,
+                max_synthetic_pixels: int = DEFAULT_MAX_SYNTHETIC_PIXELS,
                 sleep: Callable[[float], Any] | None = None,
                 clock: Callable[[], float] = time.monotonic) -> Source:
     """The source for `uri`, not yet opened (`open()`, `with`, `read()` or iteration do).
@@ -136,7 +141,8 @@ def open_source(uri: str, *, fps: float | None = None, width: int | None = None,
     the keyword arguments, which are defaults for the whole command line or config.
     `wait_for_camera=False`: a camera that does not open at first is a SourceError from
     `open()` instead of being retried (one that opened and then stops is still retried).
-    `max_pixels` bounds image files and synthetic frames (SourceUnusable here if over).
+    `max_pixels` bounds image files and synthetic frames, `max_synthetic_pixels` synthetic
+    frames too (SourceUnusable here if over).
     """
     spec = parse_uri(uri)
     opts = spec.options
@@ -159,23 +165,28 @@ def open_source(uri: str, *, fps: float | None = None, width: int | None = None,
         return SyntheticSource(uri, fps=_pick(opts, "fps", fps, 0.0), seed=opts.get("seed", 0),
                                count=opts.get("count"), size=opts.get("size", SYNTHETIC_SIZE),
                                text_probability=opts.get("text", 0.5), max_pixels=max_pixels,
+                               max_synthetic_pixels=max_synthetic_pixels,
                                sleep=sleep, clock=clock)
     return ImageFilesSource(uri, spec.kind, spec.location, max_pixels=max_pixels)
 
 
-def check_uri(uri: str, *, max_pixels: int = DEFAULT_MAX_PIXELS) -> SourceSpec:
+def check_uri(uri: str, *, max_pixels: int = DEFAULT_MAX_PIXELS,
+              max_synthetic_pixels: int = DEFAULT_MAX_SYNTHETIC_PIXELS) -> SourceSpec:
     """parse_uri, and the limits a URI can break as written: a synthetic `size` whose
-    frames would be over `max_pixels` (SourceUnusable). Opens and makes nothing."""
+    frames would be over `max_pixels` or `max_synthetic_pixels` (SourceUnusable). Opens
+    and makes nothing."""
     spec = parse_uri(uri)
     if spec.kind == "synthetic":
-        _check_synthetic_size(uri, spec.options.get("size", SYNTHETIC_SIZE), max_pixels)
+        _check_synthetic_size(uri, spec.options.get("size", SYNTHETIC_SIZE), max_pixels, max_synthetic_pixels)
     return spec
 
 
-def _check_synthetic_size(uri: str, size: int, max_pixels: int) -> None:
-    if size * size > max_pixels:  # refused before a frame is made: a frame is size² × 3 bytes
-        raise SourceUnusable(f"{_redact(uri)}: size {size} makes {size * size} pixels per frame, "
-                             f"above limits.max_pixels ({max_pixels})")
+def _check_synthetic_size(uri: str, size: int, max_pixels: int, max_synthetic_pixels: int) -> None:
+    # refused before a frame is made: a frame is size² × 3 bytes, several in flight per stream
+    for limit, name in ((max_pixels, "limits.max_pixels"), (max_synthetic_pixels, "limits.max_synthetic_pixels")):
+        if size * size > limit:
+            raise SourceUnusable(f"{_redact(uri)}: size {size} makes {size * size} pixels per frame, "
+                                 f"above {name} ({limit})")
 
 
 def _pick(options: dict[str, Any], name: str, given: Any, default: Any = None) -> Any:
@@ -880,9 +891,9 @@ class SyntheticSource(Source):
 
     def __init__(self, uri: str = "synthetic://", *, fps: float = 0.0, seed: int = 0,
                  count: int | None = None, size: int = SYNTHETIC_SIZE, text_probability: float = 0.5,
-                 max_pixels: int = DEFAULT_MAX_PIXELS, sleep: Callable[[float], Any] | None = None,
-                 clock: Callable[[], float] = time.monotonic):
-        _check_synthetic_size(uri, size, max_pixels)
+                 max_pixels: int = DEFAULT_MAX_PIXELS, max_synthetic_pixels: int = DEFAULT_MAX_SYNTHETIC_PIXELS,
+                 sleep: Callable[[float], Any] | None = None, clock: Callable[[], float] = time.monotonic):
+        _check_synthetic_size(uri, size, max_pixels, max_synthetic_pixels)
         super().__init__(uri, live=fps > 0, sleep=sleep)
         self.fps, self.seed, self.count = fps, seed, count
         self.size, self.text_probability = size, text_probability

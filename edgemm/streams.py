@@ -35,9 +35,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from edgemm.backoff import Backoff
-from edgemm.config import ConfigError, StreamConfig, config_from_dict
+from edgemm.config import ConfigError, LimitsConfig, StreamConfig, config_from_dict
 from edgemm.errors import EdgemmError, InputError
-from edgemm.model.image import DEFAULT_MAX_PIXELS
 from edgemm.pipeline import Pipeline
 from edgemm.sources import Source, SourceError, SourceUnusable, check_uri, open_source, parse_uri
 from edgemm.stream import StreamOptions, run_stream
@@ -197,7 +196,7 @@ class ManagedStream:
         failure: list[str] = []
         self._run_stop = run_stop = threading.Event()  # set before _stop is checked: stop() can't miss it
         try:
-            self._source = open_source(spec.source, max_pixels=self.pipeline.runtime.config.limits.max_pixels)
+            self._source = open_source(spec.source, **source_limits(self.pipeline.runtime.config.limits))
             if self._stop.is_set():
                 return None
             self._source.on_health = self._source_health
@@ -262,12 +261,18 @@ def reserved_places(max_streams: int) -> int:
     return max_streams * STREAM_SHARE
 
 
-def check_configured(specs: list[StreamConfig], limit: int, max_pixels: int = DEFAULT_MAX_PIXELS) -> None:
+def source_limits(limits: LimitsConfig) -> dict[str, int]:
+    """The limits a source is opened with (open_source / check_uri keywords)."""
+    return {"max_pixels": limits.max_pixels, "max_synthetic_pixels": limits.max_synthetic_pixels}
+
+
+def check_configured(specs: list[StreamConfig], limit: int, limits: LimitsConfig | None = None) -> None:
     """The config's streams, checked as far as can be without opening them (a bad URI, or a
-    synthetic size over limits.max_pixels, fails the start)."""
+    synthetic size over limits.max_pixels / max_synthetic_pixels, fails the start)."""
+    bounds = source_limits(limits or LimitsConfig())
     for i, spec in enumerate(specs):
         try:
-            check_uri(spec.source, max_pixels=max_pixels)
+            check_uri(spec.source, **bounds)
         except SourceError as e:
             raise InputError(f"config: streams[{i}].source ({spec.id}): {e}") from None
     if len(specs) > limit:
@@ -283,8 +288,8 @@ class StreamManager:
 
     def __init__(self, pipeline: Pipeline, specs: list[StreamConfig], limit: int,
                  route: Callable[[], Any] | None = None):
-        self.max_pixels = pipeline.runtime.config.limits.max_pixels
-        check_configured(specs, limit, self.max_pixels)
+        self.source_limits = source_limits(pipeline.runtime.config.limits)
+        check_configured(specs, limit, pipeline.runtime.config.limits)
         self.pipeline, self.specs, self.limit = pipeline, specs, limit
         for i, spec in enumerate(specs):
             self.check_settings(spec, f"config: streams[{i}] ({spec.id}): ")
@@ -302,13 +307,13 @@ class StreamManager:
         """What POST /v1/streams refuses before a stream exists: a source the API may not
         start (403), or one that cannot work now, checked without opening it (400): no
         GStreamer or no such element, no such device or no camera at that path, permission
-        denied, a synthetic size over limits.max_pixels. May ask GStreamer's registry (a
-        subprocess, once per element): call it off the event loop."""
+        denied, a synthetic size over limits.max_pixels or max_synthetic_pixels. May ask
+        GStreamer's registry (a subprocess, once per element): call it off the event loop."""
         kind = self._kind(spec)
         _api_may_start(kind)  # before anything looks at the daemon's files
         self.check_settings(spec)
         try:
-            open_source(spec.source, max_pixels=self.max_pixels).check()
+            open_source(spec.source, **self.source_limits).check()
         except SourceError as e:
             raise StreamSpecError(str(e), "source") from None
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -31,6 +33,7 @@ limits:
   max_image_bytes: 1048576
   max_decoded_bytes: 50000000
   decode_budget_bytes: 60000000
+  max_synthetic_pixels: 1000000
   max_prompt_chars: 500
   unknown_words: refuse
 generation:
@@ -185,7 +188,8 @@ def test_full_yaml_file_loads_every_field(tmp_path):
         backend=BackendConfig(name="onnxruntime", providers=["tensorrt", "cuda", "cpu"],
                               intra_op_threads=2, warmup=False),
         limits=LimitsConfig(max_pixels=12_000_000, max_image_bytes=1048576, max_prompt_chars=500, unknown_words="refuse",
-                            max_decoded_bytes=50_000_000, decode_budget_bytes=60_000_000),
+                            max_decoded_bytes=50_000_000, decode_budget_bytes=60_000_000,
+                            max_synthetic_pixels=1_000_000),
         generation=GenerationConfig(max_new_tokens=64, temperature=0.7, top_p=0.9, seed=1234, tier="low",
                                     num_beams=1, beam_gate=0.9),
         scheduler=SchedulerConfig(policy="thresholds", statistic="high_freq", thresholds=[0.1, 0.25],
@@ -520,3 +524,44 @@ def test_new_section_needs_only_a_dataclass_field():
         mod._build(BiggerConfig, {"power": {"mode": "eco"}}, "")
     with pytest.raises(ConfigError, match=r"unknown key 'power\.fans' \(known: budgets_w, fan, mode\)"):
         mod._build(BiggerConfig, {"power": {"fans": 1}}, "")
+
+
+# ---- YAML nested too deep or with huge integers: exit 2 and one line, not an internal error ----
+
+DEEP_FLOW = "backend: " + "[" * 500 + "]" * 500 + "\n"  # PyYAML's composer recursed into a RecursionError
+DEEP_BLOCK = "backend:\n" + "".join("  " * i + f"a{i}:\n" for i in range(1, 300))
+HUGE_INT = "backend:\n  intra_op_threads: " + "9" * 4301 + "\n"  # int() refused it: a ValueError
+
+
+def _edgemm(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "edgemm.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=120)
+
+
+def _one_line_exit_2(done: subprocess.CompletedProcess, expected: str) -> None:
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("edgemm: error: "), done.stderr
+    assert expected in lines[0] and "internal error" not in lines[0]
+
+
+@pytest.mark.parametrize("text, expected", [(DEEP_FLOW, "nests more than 64 levels deep"),
+                                            (DEEP_BLOCK, "nests more than 64 levels deep"),
+                                            (HUGE_INT, "an integer longer than 100 characters")])
+@pytest.mark.parametrize("command", ["infer", "serve", "stream"])
+def test_deep_or_huge_yaml_config_exits_2_in_every_command(command, text, expected, tmp_path, model_dir):
+    config = tmp_path / "bad.yaml"
+    config.write_text(text)
+    target = {"infer": [model_dir / "samples" / "scene_12.png"], "serve": [],
+              "stream": ["synthetic://?fps=10"]}[command]
+    done = _edgemm(command, *target, "--config", config)
+    _one_line_exit_2(done, expected)
+    assert f"config: {config}:" in done.stderr  # names the file and the line:column
+
+
+@pytest.mark.parametrize("name", ["model.yaml", "scheduler.yaml"])
+def test_deep_or_huge_model_yaml_exits_2(name, tmp_model, model_dir):
+    for text, expected in [(DEEP_FLOW, "nests more than 64 levels deep"),
+                           (HUGE_INT, "an integer longer than 100 characters")]:
+        (tmp_model / name).write_text(text)
+        _one_line_exit_2(_edgemm("infer", model_dir / "samples" / "scene_12.png", "--model", tmp_model), expected)

@@ -113,6 +113,27 @@ def test_unreadable_manifest(built):
         f"{folder / MANIFEST} has manifest format 7, this edgemm reads format 1; rebuild with: {cmd(folder, model_dir)}")
 
 
+def test_a_fifo_huge_or_deep_manifest_is_refused_without_reading_it(built):
+    """read_text() would block on a FIFO for ever and read a huge file whole; yaml.safe_load
+    recursed into a RecursionError on deep nesting."""
+    import os
+    from edgemm.engines.manifest import MAX_MANIFEST_BYTES
+    folder, model_dir = built
+    path = folder / MANIFEST
+    path.unlink()
+    os.mkfifo(path)  # no writer: opening it for reading would wait for one
+    assert message(select, folder, model_dir) == (
+        f"{path}: path is a FIFO, not a regular file; rebuild with: {cmd(folder, model_dir)}")
+    path.unlink()
+    with open(path, "wb") as f:  # sparse: no disk used
+        f.truncate(MAX_MANIFEST_BYTES + 1)
+    assert message(select, folder, model_dir) == (
+        f"{path}: is {MAX_MANIFEST_BYTES + 1} bytes, above the {MAX_MANIFEST_BYTES} byte limit "
+        f"(for an engine manifest); rebuild with: {cmd(folder, model_dir)}")
+    path.write_text("engines: " + "[" * 500 + "]" * 500 + "\n")
+    assert "nests more than 64 levels deep" in message(select, folder, model_dir)
+
+
 def test_other_model(built):
     folder, model_dir = built
     assert message(select, folder, model_dir, model="big-vlm") == (

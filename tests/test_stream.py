@@ -651,6 +651,20 @@ def test_cli_stream_unwritable_out_is_exit_2(cli, tmp_path):
     assert stderr_lines(result) == [f"edgemm: error: cannot write --out {out}: No such file or directory"]
 
 
+def test_cli_stream_synthetic_frames_over_max_synthetic_pixels_are_exit_2(cli, tmp_path):
+    """A generated 25 MP scene per frame is within limits.max_pixels but not decoded, so no
+    decode budget bounds it: refused before the model loads, not generated."""
+    result = cli("synthetic://?count=1&size=5000")
+    assert result.exit_code == 2, result.output
+    assert stderr_lines(result) == ["edgemm: error: synthetic://?count=1&size=5000: size 5000 makes 25000000 "
+                                    "pixels per frame, above limits.max_synthetic_pixels (4000000)"]
+    config = tmp_path / "small.yaml"
+    config.write_text("limits:\n  max_synthetic_pixels: 4096\n")  # the limit is the config's, not a constant
+    result = CliRunner().invoke(main, ["stream", "synthetic://?count=1&size=65", "--config", str(config)])
+    assert result.exit_code == 2, result.output
+    assert stderr_lines(result)[-1].endswith("above limits.max_synthetic_pixels (4096)")
+
+
 def test_cli_stream_unavailable_provider_is_exit_2(tmp_path):
     config = tmp_path / "edgemm.yaml"
     config.write_text("backend:\n  providers: [cuda]\n  warmup: false\n")  # not in the CPU onnxruntime build

@@ -57,6 +57,11 @@ def test_a_stream_that_never_delivered_is_retrying_with_the_last_error(runtime, 
     ("v4l2:///etc/passwd", "/etc/passwd is not a camera: it is a regular file, not a V4L2 device node"),
     ("synthetic://?size=10000", "synthetic://?size=10000: size 10000 makes 100000000 pixels per frame, "
                                 "above limits.max_pixels (25000000)"),
+    # within max_pixels: a 25 MP generated scene per frame took the daemon to ~900 MB per stream
+    ("synthetic://?fps=1000&size=5000", "synthetic://?fps=1000&size=5000: size 5000 makes 25000000 pixels per "
+                                        "frame, above limits.max_synthetic_pixels (4000000)"),
+    ("synthetic://?size=2001", "synthetic://?size=2001: size 2001 makes 4004001 pixels per frame, "
+                               "above limits.max_synthetic_pixels (4000000)"),
     ("v4l2:///dev/video99", "camera /dev/video99 not found (is it plugged in?)"),
     ("csi://0", "csi://0 needs OpenCV built with GStreamer (this OpenCV has none; "
                 "on a Jetson use JetPack's python3-opencv)"),

@@ -19,8 +19,12 @@ import yaml
 
 from edgemm.engines.platform import Platform, dla_core
 from edgemm.errors import EngineError
+from edgemm.files import load_yaml, read_regular_file
 
 MANIFEST = "manifest.yaml"
+# a manifest is a few KB (one entry per engine): a FIFO, /dev/zero or a huge file named
+# manifest.yaml is refused before it is read, so it cannot block or bloat start-up
+MAX_MANIFEST_BYTES = 1024 * 1024
 FORMAT = 1
 
 # {input name: {"min": [...], "opt": [...], "max": [...]}} — one dict per optimisation profile
@@ -112,10 +116,14 @@ def write_manifest(folder: Path, manifest: EngineManifest) -> Path:
 def read_manifest(folder: Path, rebuild: str) -> EngineManifest:
     """The manifest in `folder`; any problem → EngineError ending in `rebuild`."""
     path = folder / MANIFEST
-    if not path.is_file():
-        raise EngineError(f"no engine manifest {path}; build the engines with: {rebuild}")
+
+    def unreadable(detail: str) -> EngineError:
+        if detail == "not found":
+            return EngineError(f"no engine manifest {path}; build the engines with: {rebuild}")
+        return EngineError(f"{path}: {detail}; rebuild with: {rebuild}")
+    raw = read_regular_file(path, MAX_MANIFEST_BYTES, unreadable, "for an engine manifest")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = load_yaml(raw.decode("utf-8"))
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         raise EngineError(f"{path} is not valid YAML ({str(e).splitlines()[0]}); rebuild with: {rebuild}") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:

@@ -12,7 +12,7 @@ from pathlib import Path
 import yaml
 
 from edgemm.errors import ModelError
-from edgemm.files import read_model_file
+from edgemm.files import load_yaml, read_model_file
 from edgemm.model.hf_folder import load_hf_manifest
 # The dataclasses live in manifest_types (hf_folder and the families use them too); they
 # are named here as well because this is where callers have always imported them from.
@@ -56,7 +56,7 @@ def load_manifest(model_dir: str | Path) -> ModelManifest:
         raise ModelError(f"{path} is not a model folder: model.yaml not found")
     where = str(yaml_path)
     try:
-        data = yaml.safe_load(read_model_file(yaml_path))
+        data = load_yaml(read_model_file(yaml_path))
     except yaml.YAMLError as e:
         raise ModelError(f"{where}: not valid YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(data, dict):
