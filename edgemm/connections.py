@@ -51,6 +51,9 @@ LINGER_S = 2.0  # after a refusal: how long the rest of the client's request is 
 # enough that a body sent at once is in, short enough that a trickler goes soon
 BODY_GRACE_S = 1.0
 LONG_LIVED = "edgemm.long_lived"  # scope key: call it to take the connection out of the count
+# scope key: call it to close the slowest body upload of another connection (True if one was
+# closed), for edgemm.server's body-byte pool, which stalled uploads could otherwise fill
+EVICT_BODY = "edgemm.evict_body"
 
 
 @dataclass
@@ -140,6 +143,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         super().on_message_begin()
         self.head_size = 0
         self.scope[LONG_LIVED] = self._mark_long_lived  # type: ignore[literal-required]
+        self.scope[EVICT_BODY] = self._evict_slowest_body  # type: ignore[literal-required]
 
     def on_url(self, url: bytes) -> None:
         super().on_url(url)
@@ -285,6 +289,19 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         if slow:
             min(slow, key=lambda c: c.body_bytes / (now - c.since))._evict_body(now)
 
+    def _evict_slowest_body(self) -> bool:
+        """For the body-byte pool (edgemm.server), full: close the upload, of another
+        connection, that has been arriving for BODY_GRACE_S at the lowest rate (408
+        body_evicted); its reader then releases its bytes. False if there is none."""
+        now = self.loop.time()
+        slow = [c for c in self.connections if c is not self and isinstance(c, LimitedHttpProtocol)
+                and not c.transport.is_closing() and not c.refused and c.body_bytes and c._body_evictable(now)]
+        if not slow:
+            return False
+        min(slow, key=lambda c: c.body_bytes / (now - c.since))._evict_body(
+            now, "request bodies filled the server's body-byte pool (server.queue_size x server.max_body_bytes)")
+        return True
+
     def _room_now(self) -> bool:
         """For a connection that opened over the cap, at the end of its head: is there room
         now? Requests may have ended, and connections gone, since it opened."""
@@ -310,11 +327,12 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         return (self.phase == BUSY and self.reading_body and not self.long_lived and now - self.since >= BODY_GRACE_S
                 and self.cycle is not None and not self.cycle.response_started)
 
-    def _evict_body(self, now: float) -> None:
-        """Closed to make room: 408, and its app told the client is gone (it answers no more)."""
+    def _evict_body(self, now: float, taken: str = "") -> None:
+        """Closed to make room (`taken`: of what): 408, and its app told the client is gone
+        (it answers no more)."""
         rate = self.body_bytes / (now - self.since)
-        self._refuse_unparsed(408, f"the request body arrived too slowly ({rate:.0f} bytes/s) while all "
-                              f"{self.limits.max_connections} connections were taken (server.max_connections): "
+        taken = taken or f"all {self.limits.max_connections} connections were taken (server.max_connections)"
+        self._refuse_unparsed(408, f"the request body arrived too slowly ({rate:.0f} bytes/s) while {taken}: "
                               "closed to make room", "body_evicted")
         cycle = self.cycle
         cycle.disconnected = True  # the app's receive() gets http.disconnect; its answer is not sent

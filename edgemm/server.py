@@ -13,6 +13,7 @@ be unread. The daemon around it (sockets, systemd, signals, draining) is edgemm.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import secrets
 import time
@@ -36,6 +37,10 @@ from edgemm.streams import END, stream_spec
 # the scope key of edgemm.connections.LONG_LIVED, not imported from there: that module needs
 # httptools, which the h11 fallback runs without (and then there is no connection count)
 LONG_LIVED = "edgemm.long_lived"
+EVICT_BODY = "edgemm.evict_body"  # edgemm.connections.EVICT_BODY, likewise
+# the body-byte pool full: how long a body waits for the upload evicted for it to release its
+# bytes (its reader is woken at once; this only bounds the wait)
+POOL_WAIT_S = 0.5
 
 
 class Routes:
@@ -46,6 +51,7 @@ class Routes:
         # bytes of request bodies being received (touched only on the event loop), and their bound
         self.reading_bytes = 0
         self.reading_limit = service.server.queue_size * service.server.max_body_bytes
+        self.released = asyncio.Event()  # set (and replaced) each time a body's bytes leave the pool
 
     # -- endpoints --
 
@@ -159,8 +165,9 @@ class Routes:
     async def read_body(self, http: HttpRequest, admit: bool = True) -> bytes:
         """The body, at most server.max_body_bytes (else 413), within server.body_timeout_s of
         its headers (else 408). Read before admission, so a slow body holds no slot. Bodies
-        being read hold at most queue_size × max_body_bytes together (beyond: 503), the bound
-        admission gave when it came first. `admit`: a request that needs a slot is refused
+        being read hold at most queue_size × max_body_bytes together, the bound admission gave
+        when it came first: beyond, the slowest upload is closed to make room (pool_room),
+        else 503. `admit`: a request that needs a slot is refused
         (503) unread when there is none."""
         cfg = self.service.server
         if admit:
@@ -176,8 +183,7 @@ class Routes:
         async def receive() -> None:
             async for piece in http.stream():
                 if self.reading_bytes + len(piece) > self.reading_limit:
-                    raise Overloaded(f"server busy: request bodies being received hold {self.reading_bytes} "
-                                     "bytes (server.queue_size x server.max_body_bytes)")
+                    await self.pool_room(http, len(piece))
                 body.extend(piece)
                 self.reading_bytes += len(piece)
                 if len(body) > limit:
@@ -194,7 +200,30 @@ class Routes:
             raise ApiError("the client closed the connection", status=499, kind="client_closed") from None
         finally:
             self.reading_bytes -= len(body)
+            if body:
+                self.released.set()  # wakes the bodies waiting for room (pool_room)
+                self.released = asyncio.Event()
         return bytes(body)
+
+    async def pool_room(self, http: HttpRequest, size: int) -> None:
+        """The body-byte pool cannot take `size` more bytes: make room by closing the slowest
+        upload that has had BODY_GRACE_S (edgemm.connections: 408 body_evicted), so clients
+        stalling their bodies cannot lock every body out; wait at most POOL_WAIT_S for its
+        bytes to be released. 503 if no upload can be closed, or room did not come."""
+        evict = http.scope.get(EVICT_BODY)  # absent under the h11 fallback: no eviction
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + POOL_WAIT_S
+        while self.reading_bytes + size > self.reading_limit:
+            released = self.released
+            # evict one upload, then wait for a release before judging whether to evict another
+            if deadline <= loop.time() or not (callable(evict) and evict()):
+                retry = self.service.server.retry_after_s
+                raise ApiError(f"server busy: request bodies being received hold {self.reading_bytes} of "
+                               f"{self.reading_limit} bytes (server.queue_size x server.max_body_bytes), and "
+                               f"none arrives slowly enough to be closed; retry in {retry} s",
+                               status=503, kind="overloaded", code="body_pool_full")
+            with contextlib.suppress(asyncio.TimeoutError, TimeoutError):
+                await asyncio.wait_for(released.wait(), max(0.0, deadline - loop.time()))
 
     async def read_json(self, http: HttpRequest, admit: bool = True) -> object:
         return parse_json_body(await self.read_body(http, admit))

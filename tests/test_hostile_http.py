@@ -629,3 +629,56 @@ def test_a_connection_counts_again_once_its_event_stream_ends(runtime):
         finally:
             for s in listeners:
                 s.close()
+
+
+def stall_bodies(path: str, count: int, declared: int, sent: int) -> list[socket.socket]:
+    """`count` connections that each declare a body of `declared` bytes, send `sent`, and stall."""
+    held = [connect(path) for _ in range(count)]
+    for s in held:
+        s.sendall(b"POST /v1/infer HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % declared + b"x" * sent)
+    return held
+
+
+def test_stalled_bodies_filling_the_body_pool_do_not_lock_bodies_out(runtime, png, no_tracebacks):
+    """queue_size clients each sending max_body_bytes - 1 and stalling: before, every request
+    with a body got 503 for body_timeout_s. Now the slowest upload is closed to make room."""
+    limit = 4 * len(png)
+    with running(runtime, queue_size=2, max_body_bytes=limit, body_timeout_s=60, encoder_batching="off") as d:
+        path = sock_path(d)
+        held = stall_bodies(path, 2, limit, limit - 1)
+        try:
+            wait_until(lambda: sorted(getattr(c, "body_bytes", 0) for c in protocols(d)) == [limit - 1] * 2,
+                       WAIT_S, "both stalled bodies in the pool")
+            time.sleep(BODY_GRACE_S)  # younger bodies are not closed
+            with raw_client(path) as http:
+                response = http.post("/v1/infer", params={"max_tokens": 2}, content=png)
+                assert response.status_code == 200, response.text
+            answers = []
+            for s in held:
+                s.settimeout(0.5)
+                with contextlib.suppress(TimeoutError, OSError):
+                    answers.append(read_response(s))
+            assert [(status, openai_error(body)["code"]) for status, _, body in answers] == [(408, "body_evicted")]
+            assert "body-byte pool" in openai_error(answers[0][2])["message"]
+        finally:
+            for s in held:
+                s.close()
+
+
+def test_a_full_body_pool_with_nothing_to_close_is_503_with_retry_after(runtime, png, monkeypatch, no_tracebacks):
+    limit = 4 * len(png)
+    with running(runtime, queue_size=2, max_body_bytes=limit, body_timeout_s=60, encoder_batching="off") as d:
+        monkeypatch.setattr("edgemm.connections.BODY_GRACE_S", 3600)  # no stalled body is old enough to close
+        path = sock_path(d)
+        held = stall_bodies(path, 2, limit, limit - 1)
+        try:
+            wait_until(lambda: sorted(getattr(c, "body_bytes", 0) for c in protocols(d)) == [limit - 1] * 2,
+                       WAIT_S, "both stalled bodies in the pool")
+            with raw_client(path) as http:
+                response = http.post("/v1/infer", params={"max_tokens": 2}, content=png)
+            error = assert_error(response, 503)
+            assert response.headers["retry-after"] == "1" and error["code"] == "body_pool_full"
+            assert "retry in 1 s" in error["message"] and "server.max_body_bytes" in error["message"]
+        finally:
+            for s in held:
+                s.close()
