@@ -14,6 +14,7 @@ import base64
 import contextlib
 import json
 import logging
+import re
 import socket
 import threading
 import time
@@ -682,3 +683,20 @@ def test_a_full_body_pool_with_nothing_to_close_is_503_with_retry_after(runtime,
         finally:
             for s in held:
                 s.close()
+
+
+@pytest.mark.parametrize("bad", [b"POST /v1/infer HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n",
+                                 b"GET /readyz HTTP/1.1\nHost: x\n\n"], ids=["cl-negative", "bare-lf"])
+def test_requests_pipelined_before_bad_framing_are_answered_first(daemon, png, no_tracebacks, bad):
+    """Before, only the 400 came back (the writing side shut under the three GETs), and each
+    of their cycles logged 'Cannot call write() after write_eof()'."""
+    with connect(sock_path(daemon)) as s:
+        s.sendall(b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n" * 3 + bad)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    statuses = re.findall(rb"HTTP/1\.1 (\d{3}) ", data)  # one answer right after another's body
+    assert statuses == [b"200", b"200", b"200", b"400"], data
+    assert b'"code":"malformed"' in data.replace(b" ", b"")
+    time.sleep(0.2)  # a cycle's error, if any, is logged once its task ends
+    assert_answering(sock_path(daemon), png)
