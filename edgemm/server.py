@@ -235,13 +235,15 @@ class Routes:
 
 
 def query_params(query: bytes) -> dict[str, str]:
-    """The query string's parameters (the last of a repeated one), refusing what is not
-    UTF-8 (`?prompt=%ed%a0%80`, `%ff`) with a 400 naming the parameter, where Starlette
-    would put U+FFFD in its place."""
+    """The query string's parameters, refusing what is not UTF-8 (`?prompt=%ed%a0%80`,
+    `%ff`), where Starlette would put U+FFFD in its place, and a parameter given twice
+    (which one was meant is not ours to guess), each with a 400 naming the parameter."""
     params: dict[str, str] = {}
     # latin-1 maps each byte to one character, so the percent-decoded bytes come back intact
     for key, value in urllib.parse.parse_qsl(query.decode("latin-1"), keep_blank_values=True, encoding="latin-1"):
         key = _utf8(key, "the query string")
+        if key in params:
+            raise ApiError(f"query parameter {key!r} is given more than once", param=key)
         params[key] = _utf8(value, key)
     return params
 
@@ -253,13 +255,14 @@ def _utf8(text: str, param: str) -> str:
         raise ApiError(f"{param!r} must be UTF-8 text (percent-encoded), got percent-encoded bytes that are not UTF-8", param=param) from None
 
 
-_INTEGER = re.compile(r"[+-]?[0-9]+")  # int() would take '१' and '1_0' too
+_INTEGER = re.compile(r"[0-9]+")  # int() would take '१', '1_0' and '+5' (%2B5) too
 _NUMBER = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?|[+-]?(nan|inf|infinity)", re.IGNORECASE)
 
 
 def infer_query(params: dict[str, str]) -> tuple[str, dict]:
     """/v1/infer?prompt=…&max_tokens=…&temperature=…&top_p=…&seed=…&tier=… → (prompt, options).
-    Numbers are ASCII digits only (nan and inf are left to the limits, which name them)."""
+    Integers are ASCII digits only, without a sign (a negative one is out of range anyway); numbers are ASCII
+    (nan and inf are left to the limits, which name them)."""
     typed: dict = {}
     for key, kind in (("max_tokens", int), ("seed", int), ("temperature", float), ("top_p", float)):
         if key in params:

@@ -545,7 +545,9 @@ def test_nul_or_a_surrogate_in_a_data_url_media_type_is_400(daemon, png, no_trac
 @pytest.mark.parametrize("query, param", [(b"prompt=%ed%a0%80", "prompt"), (b"prompt=%ff", "prompt"),
                                           (b"prompt=a+%ff+b", "prompt"), (b"max_tokens=%E0%A5%A7", "max_tokens"),
                                           (b"max_tokens=1_0", "max_tokens"), (b"temperature=%EF%BC%91", "temperature"),
-                                          (b"seed=1_000", "seed")])
+                                          (b"seed=1_000", "seed"), (b"max_tokens=%2B5", "max_tokens"),
+                                          (b"max_tokens=2&max_tokens=3", "max_tokens"), (b"tier=a&tier=b", "tier"),
+                                          (b"prompt=a&prompt=b", "prompt")])
 def test_infer_query_must_be_utf8_and_ascii_numbers(daemon, png, no_tracebacks, query, param):
     with raw_client(sock_path(daemon)) as http:
         response = http.post("/v1/infer?" + query.decode(), content=png)
