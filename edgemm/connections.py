@@ -51,6 +51,9 @@ LINGER_S = 2.0  # after a refusal: how long the rest of the client's request is 
 # enough that a body sent at once is in, short enough that a trickler goes soon
 BODY_GRACE_S = 1.0
 LONG_LIVED = "edgemm.long_lived"  # scope key: call it to take the connection out of the count
+# scope key: call it to close the slowest body upload of another connection (True if one was
+# closed), for edgemm.server's body-byte pool, which stalled uploads could otherwise fill
+EVICT_BODY = "edgemm.evict_body"
 
 
 @dataclass
@@ -95,6 +98,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self.long_lived = False  # marked by its route (LONG_LIVED): not counted in max_connections
         self.over_capacity = False  # opened while every other connection was busy; looked at again at its head's end
         self.refused = False  # answered by the limits: whatever else arrives is ignored
+        self.refusal_after: tuple[int, str, str] | None = None  # for a malformed head behind pipelined requests
 
     # -- the connection --
 
@@ -111,7 +115,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self.refused:
+        if self.refused or self.refusal_after:
             return
         if self.phase == IDLE:
             self._enter(HEAD)
@@ -121,14 +125,16 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         # still no complete head, and already more than a head may be: refused before
         # httptools buffers more (it keeps a header line whole until its end arrives)
         if not self.reading_body and self.head_bytes > self.limits.max_header_bytes:
-            self._refuse_unparsed(431, f"request line and headers are larger than {self.limits.max_header_bytes} "
-                                  "bytes (server.max_header_bytes)", "header_too_large")
+            self._refuse_unparsed(431, self._too_large(), "header_too_large")
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
         self.long_lived = False  # an event stream that ended: the connection counts again for what comes next
         if self.timeout_keep_alive_task is not None:  # no pipelined request waits: the connection is idle
             self._unset_keepalive_if_required()  # our own idle timer instead of uvicorn's
+            if self.refusal_after:  # the malformed request that followed them: answered last, in order
+                self._refuse_unparsed(*self.refusal_after)
+                return
             self._enter(IDLE)
 
     def timeout_keep_alive_handler(self) -> None:  # not armed (see above); kept for uvicorn's sake
@@ -140,6 +146,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         super().on_message_begin()
         self.head_size = 0
         self.scope[LONG_LIVED] = self._mark_long_lived  # type: ignore[literal-required]
+        self.scope[EVICT_BODY] = self._evict_slowest_body  # type: ignore[literal-required]
 
     def on_url(self, url: bytes) -> None:
         super().on_url(url)
@@ -159,8 +166,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self.reading_body, self.head_bytes, self.body_bytes = True, 0, 0
         refusal = None
         if self.head_size > self.limits.max_header_bytes:
-            refusal = self._refusal(431, f"request line and headers are larger than {self.limits.max_header_bytes} "
-                                    "bytes (server.max_header_bytes)", "header_too_large")
+            refusal = self._refusal(431, self._too_large(), "header_too_large")
         elif self.over_capacity and not self._room_now():
             refusal = self._refusal(503, f"server busy: {self.limits.max_connections} connections have requests "
                                     f"in progress (server.max_connections); retry in {self.limits.retry_after_s} s",
@@ -184,13 +190,22 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         A request line over max_header_bytes lands here too (httptools' URL parser takes at
         most 64 KiB): that is a 431."""
         if self.head_size > self.limits.max_header_bytes or self.head_bytes > self.limits.max_header_bytes:
-            self._refuse_unparsed(431, self._too_large(), "header_too_large")
+            refusal = (431, self._too_large(), "header_too_large")
+        else:
+            error = sys.exc_info()[1]
+            detail = str(error).strip().rstrip(".") if error is not None else ""
+            if detail == "Pause on PRI/Upgrade":  # llhttp's words for HTTP/2's connection preface
+                detail = "HTTP/2 is not served here (HTTP/1.1 only)"
+            refusal = (400, f"malformed HTTP request{': ' + detail if detail else ''}", "malformed")
+        if not self.reading_body and self.cycle is not None and not self.cycle.response_complete:
+            # requests pipelined before this head are still being answered: answering now would
+            # shut the writing side under them (their answers lost, and write() after
+            # write_eof() raising in their cycles), so the refusal follows their answers
+            # (on_response_complete). The parser is dead: what else arrives is dropped.
+            self.refusal_after = refusal
+            self._cancel_deadline()
             return
-        error = sys.exc_info()[1]
-        detail = str(error).strip().rstrip(".") if error is not None else ""
-        if detail == "Pause on PRI/Upgrade":  # llhttp's words for HTTP/2's connection preface
-            detail = "HTTP/2 is not served here (HTTP/1.1 only)"
-        self._refuse_unparsed(400, f"malformed HTTP request{': ' + detail if detail else ''}", "malformed")
+        self._refuse_unparsed(*refusal)
 
     # -- the limits --
 
@@ -285,6 +300,19 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         if slow:
             min(slow, key=lambda c: c.body_bytes / (now - c.since))._evict_body(now)
 
+    def _evict_slowest_body(self) -> bool:
+        """For the body-byte pool (edgemm.server), full: close the upload, of another
+        connection, that has been arriving for BODY_GRACE_S at the lowest rate (408
+        body_evicted); its reader then releases its bytes. False if there is none."""
+        now = self.loop.time()
+        slow = [c for c in self.connections if c is not self and isinstance(c, LimitedHttpProtocol)
+                and not c.transport.is_closing() and not c.refused and c.body_bytes and c._body_evictable(now)]
+        if not slow:
+            return False
+        min(slow, key=lambda c: c.body_bytes / (now - c.since))._evict_body(
+            now, "request bodies filled the server's body-byte pool (server.queue_size x server.max_body_bytes)")
+        return True
+
     def _room_now(self) -> bool:
         """For a connection that opened over the cap, at the end of its head: is there room
         now? Requests may have ended, and connections gone, since it opened."""
@@ -310,11 +338,12 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         return (self.phase == BUSY and self.reading_body and not self.long_lived and now - self.since >= BODY_GRACE_S
                 and self.cycle is not None and not self.cycle.response_started)
 
-    def _evict_body(self, now: float) -> None:
-        """Closed to make room: 408, and its app told the client is gone (it answers no more)."""
+    def _evict_body(self, now: float, taken: str = "") -> None:
+        """Closed to make room (`taken`: of what): 408, and its app told the client is gone
+        (it answers no more)."""
         rate = self.body_bytes / (now - self.since)
-        self._refuse_unparsed(408, f"the request body arrived too slowly ({rate:.0f} bytes/s) while all "
-                              f"{self.limits.max_connections} connections were taken (server.max_connections): "
+        taken = taken or f"all {self.limits.max_connections} connections were taken (server.max_connections)"
+        self._refuse_unparsed(408, f"the request body arrived too slowly ({rate:.0f} bytes/s) while {taken}: "
                               "closed to make room", "body_evicted")
         cycle = self.cycle
         cycle.disconnected = True  # the app's receive() gets http.disconnect; its answer is not sent

@@ -13,6 +13,7 @@ be unread. The daemon around it (sockets, systemd, signals, draining) is edgemm.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import secrets
 import time
@@ -36,6 +37,10 @@ from edgemm.streams import END, stream_spec
 # the scope key of edgemm.connections.LONG_LIVED, not imported from there: that module needs
 # httptools, which the h11 fallback runs without (and then there is no connection count)
 LONG_LIVED = "edgemm.long_lived"
+EVICT_BODY = "edgemm.evict_body"  # edgemm.connections.EVICT_BODY, likewise
+# the body-byte pool full: how long a body waits for the upload evicted for it to release its
+# bytes (its reader is woken at once; this only bounds the wait)
+POOL_WAIT_S = 0.5
 
 
 class Routes:
@@ -46,6 +51,7 @@ class Routes:
         # bytes of request bodies being received (touched only on the event loop), and their bound
         self.reading_bytes = 0
         self.reading_limit = service.server.queue_size * service.server.max_body_bytes
+        self.released = asyncio.Event()  # set (and replaced) each time a body's bytes leave the pool
 
     # -- endpoints --
 
@@ -159,8 +165,9 @@ class Routes:
     async def read_body(self, http: HttpRequest, admit: bool = True) -> bytes:
         """The body, at most server.max_body_bytes (else 413), within server.body_timeout_s of
         its headers (else 408). Read before admission, so a slow body holds no slot. Bodies
-        being read hold at most queue_size × max_body_bytes together (beyond: 503), the bound
-        admission gave when it came first. `admit`: a request that needs a slot is refused
+        being read hold at most queue_size × max_body_bytes together, the bound admission gave
+        when it came first: beyond, the slowest upload is closed to make room (pool_room),
+        else 503. `admit`: a request that needs a slot is refused
         (503) unread when there is none."""
         cfg = self.service.server
         if admit:
@@ -176,8 +183,7 @@ class Routes:
         async def receive() -> None:
             async for piece in http.stream():
                 if self.reading_bytes + len(piece) > self.reading_limit:
-                    raise Overloaded(f"server busy: request bodies being received hold {self.reading_bytes} "
-                                     "bytes (server.queue_size x server.max_body_bytes)")
+                    await self.pool_room(http, len(piece))
                 body.extend(piece)
                 self.reading_bytes += len(piece)
                 if len(body) > limit:
@@ -194,7 +200,30 @@ class Routes:
             raise ApiError("the client closed the connection", status=499, kind="client_closed") from None
         finally:
             self.reading_bytes -= len(body)
+            if body:
+                self.released.set()  # wakes the bodies waiting for room (pool_room)
+                self.released = asyncio.Event()
         return bytes(body)
+
+    async def pool_room(self, http: HttpRequest, size: int) -> None:
+        """The body-byte pool cannot take `size` more bytes: make room by closing the slowest
+        upload that has had BODY_GRACE_S (edgemm.connections: 408 body_evicted), so clients
+        stalling their bodies cannot lock every body out; wait at most POOL_WAIT_S for its
+        bytes to be released. 503 if no upload can be closed, or room did not come."""
+        evict = http.scope.get(EVICT_BODY)  # absent under the h11 fallback: no eviction
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + POOL_WAIT_S
+        while self.reading_bytes + size > self.reading_limit:
+            released = self.released
+            # evict one upload, then wait for a release before judging whether to evict another
+            if deadline <= loop.time() or not (callable(evict) and evict()):
+                retry = self.service.server.retry_after_s
+                raise ApiError(f"server busy: request bodies being received hold {self.reading_bytes} of "
+                               f"{self.reading_limit} bytes (server.queue_size x server.max_body_bytes), and "
+                               f"none arrives slowly enough to be closed; retry in {retry} s",
+                               status=503, kind="overloaded", code="body_pool_full")
+            with contextlib.suppress(asyncio.TimeoutError, TimeoutError):
+                await asyncio.wait_for(released.wait(), max(0.0, deadline - loop.time()))
 
     async def read_json(self, http: HttpRequest, admit: bool = True) -> object:
         return parse_json_body(await self.read_body(http, admit))
@@ -206,13 +235,15 @@ class Routes:
 
 
 def query_params(query: bytes) -> dict[str, str]:
-    """The query string's parameters (the last of a repeated one), refusing what is not
-    UTF-8 (`?prompt=%ed%a0%80`, `%ff`) with a 400 naming the parameter, where Starlette
-    would put U+FFFD in its place."""
+    """The query string's parameters, refusing what is not UTF-8 (`?prompt=%ed%a0%80`,
+    `%ff`), where Starlette would put U+FFFD in its place, and a parameter given twice
+    (which one was meant is not ours to guess), each with a 400 naming the parameter."""
     params: dict[str, str] = {}
     # latin-1 maps each byte to one character, so the percent-decoded bytes come back intact
     for key, value in urllib.parse.parse_qsl(query.decode("latin-1"), keep_blank_values=True, encoding="latin-1"):
         key = _utf8(key, "the query string")
+        if key in params:
+            raise ApiError(f"query parameter {key!r} is given more than once", param=key)
         params[key] = _utf8(value, key)
     return params
 
@@ -224,13 +255,14 @@ def _utf8(text: str, param: str) -> str:
         raise ApiError(f"{param!r} must be UTF-8 text (percent-encoded), got percent-encoded bytes that are not UTF-8", param=param) from None
 
 
-_INTEGER = re.compile(r"[+-]?[0-9]+")  # int() would take '१' and '1_0' too
+_INTEGER = re.compile(r"[0-9]+")  # int() would take '१', '1_0' and '+5' (%2B5) too
 _NUMBER = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?|[+-]?(nan|inf|infinity)", re.IGNORECASE)
 
 
 def infer_query(params: dict[str, str]) -> tuple[str, dict]:
     """/v1/infer?prompt=…&max_tokens=…&temperature=…&top_p=…&seed=…&tier=… → (prompt, options).
-    Numbers are ASCII digits only (nan and inf are left to the limits, which name them)."""
+    Integers are ASCII digits only, without a sign (a negative one is out of range anyway); numbers are ASCII
+    (nan and inf are left to the limits, which name them)."""
     typed: dict = {}
     for key, kind in (("max_tokens", int), ("seed", int), ("temperature", float), ("top_p", float)):
         if key in params:

@@ -14,6 +14,7 @@ import base64
 import contextlib
 import json
 import logging
+import re
 import socket
 import threading
 import time
@@ -544,7 +545,9 @@ def test_nul_or_a_surrogate_in_a_data_url_media_type_is_400(daemon, png, no_trac
 @pytest.mark.parametrize("query, param", [(b"prompt=%ed%a0%80", "prompt"), (b"prompt=%ff", "prompt"),
                                           (b"prompt=a+%ff+b", "prompt"), (b"max_tokens=%E0%A5%A7", "max_tokens"),
                                           (b"max_tokens=1_0", "max_tokens"), (b"temperature=%EF%BC%91", "temperature"),
-                                          (b"seed=1_000", "seed")])
+                                          (b"seed=1_000", "seed"), (b"max_tokens=%2B5", "max_tokens"),
+                                          (b"max_tokens=2&max_tokens=3", "max_tokens"), (b"tier=a&tier=b", "tier"),
+                                          (b"prompt=a&prompt=b", "prompt")])
 def test_infer_query_must_be_utf8_and_ascii_numbers(daemon, png, no_tracebacks, query, param):
     with raw_client(sock_path(daemon)) as http:
         response = http.post("/v1/infer?" + query.decode(), content=png)
@@ -629,3 +632,73 @@ def test_a_connection_counts_again_once_its_event_stream_ends(runtime):
         finally:
             for s in listeners:
                 s.close()
+
+
+def stall_bodies(path: str, count: int, declared: int, sent: int) -> list[socket.socket]:
+    """`count` connections that each declare a body of `declared` bytes, send `sent`, and stall."""
+    held = [connect(path) for _ in range(count)]
+    for s in held:
+        s.sendall(b"POST /v1/infer HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % declared + b"x" * sent)
+    return held
+
+
+def test_stalled_bodies_filling_the_body_pool_do_not_lock_bodies_out(runtime, png, no_tracebacks):
+    """queue_size clients each sending max_body_bytes - 1 and stalling: before, every request
+    with a body got 503 for body_timeout_s. Now the slowest upload is closed to make room."""
+    limit = 4 * len(png)
+    with running(runtime, queue_size=2, max_body_bytes=limit, body_timeout_s=60, encoder_batching="off") as d:
+        path = sock_path(d)
+        held = stall_bodies(path, 2, limit, limit - 1)
+        try:
+            wait_until(lambda: sorted(getattr(c, "body_bytes", 0) for c in protocols(d)) == [limit - 1] * 2,
+                       WAIT_S, "both stalled bodies in the pool")
+            time.sleep(BODY_GRACE_S)  # younger bodies are not closed
+            with raw_client(path) as http:
+                response = http.post("/v1/infer", params={"max_tokens": 2}, content=png)
+                assert response.status_code == 200, response.text
+            answers = []
+            for s in held:
+                s.settimeout(0.5)
+                with contextlib.suppress(TimeoutError, OSError):
+                    answers.append(read_response(s))
+            assert [(status, openai_error(body)["code"]) for status, _, body in answers] == [(408, "body_evicted")]
+            assert "body-byte pool" in openai_error(answers[0][2])["message"]
+        finally:
+            for s in held:
+                s.close()
+
+
+def test_a_full_body_pool_with_nothing_to_close_is_503_with_retry_after(runtime, png, monkeypatch, no_tracebacks):
+    limit = 4 * len(png)
+    with running(runtime, queue_size=2, max_body_bytes=limit, body_timeout_s=60, encoder_batching="off") as d:
+        monkeypatch.setattr("edgemm.connections.BODY_GRACE_S", 3600)  # no stalled body is old enough to close
+        path = sock_path(d)
+        held = stall_bodies(path, 2, limit, limit - 1)
+        try:
+            wait_until(lambda: sorted(getattr(c, "body_bytes", 0) for c in protocols(d)) == [limit - 1] * 2,
+                       WAIT_S, "both stalled bodies in the pool")
+            with raw_client(path) as http:
+                response = http.post("/v1/infer", params={"max_tokens": 2}, content=png)
+            error = assert_error(response, 503)
+            assert response.headers["retry-after"] == "1" and error["code"] == "body_pool_full"
+            assert "retry in 1 s" in error["message"] and "server.max_body_bytes" in error["message"]
+        finally:
+            for s in held:
+                s.close()
+
+
+@pytest.mark.parametrize("bad", [b"POST /v1/infer HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n",
+                                 b"GET /readyz HTTP/1.1\nHost: x\n\n"], ids=["cl-negative", "bare-lf"])
+def test_requests_pipelined_before_bad_framing_are_answered_first(daemon, png, no_tracebacks, bad):
+    """Before, only the 400 came back (the writing side shut under the three GETs), and each
+    of their cycles logged 'Cannot call write() after write_eof()'."""
+    with connect(sock_path(daemon)) as s:
+        s.sendall(b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n" * 3 + bad)
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    statuses = re.findall(rb"HTTP/1\.1 (\d{3}) ", data)  # one answer right after another's body
+    assert statuses == [b"200", b"200", b"200", b"400"], data
+    assert b'"code":"malformed"' in data.replace(b" ", b"")
+    time.sleep(0.2)  # a cycle's error, if any, is logged once its task ends
+    assert_answering(sock_path(daemon), png)
