@@ -13,7 +13,7 @@ from edgemm.pipeline import Pipeline, Request
 from edgemm.power import Route, reachable_devices
 from edgemm.placement import place
 from edgemm.loading import ModelComponents
-from edgemm.runtime import Runtime, default_engines_dir
+from edgemm.runtime import default_engines_dir
 
 HAVE_TENSORRT = importlib.util.find_spec("tensorrt") is not None
 

@@ -694,7 +694,8 @@ def test_infer_query_parameters():
 
 def test_admission_is_bounded_and_tickets_release_once():
     admission = Admission(2)
-    first, _second = admission.enter(1), admission.enter(1)
+    first = admission.enter(1)
+    admission.enter(1)  # the second place, held to the end
     with pytest.raises(Overloaded):
         admission.enter(1)
     first.release()

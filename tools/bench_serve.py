@@ -604,8 +604,8 @@ def bench_overhead(pair: dict[str, ServeProcess], scenes: Scenes, n: int) -> dic
                         row["overhead"].append(rtt - total)
         after = {name: duration_sums(pair[name].metrics()) for name in names}
     finally:
-        for http in clients.values():
-            http.close()
+        for client in clients.values():
+            client.close()
         for conn in lean.values():
             conn.close()
     out: dict = {"requests": n}
