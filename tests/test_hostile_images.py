@@ -53,12 +53,13 @@ DECODED_BOMBS = {
                                                r"\(4 x 16-bit samples\) " + ".*" + MEMORY),
     "animated WebP with a 4000x4000 canvas": (lambda: hostile.animated_webp_canvas(4000), MEMORY),
     "RLE8 BMP 4900x4900, 2 KB": (lambda: hostile.bmp_rle8(4900, 4900), MEMORY),
-    "progressive 4:4:4 JPEG frame 4900x4900": (
+}
+if hasattr(hostile.cv2, "IMWRITE_JPEG_SAMPLING_FACTOR"):  # OpenCV >= 4.7 writes 4:4:4 on request (not Debian's 4.6)
+    DECODED_BOMBS["progressive 4:4:4 JPEG frame 4900x4900"] = (
         lambda: hostile.jpeg_with_size(hostile.encode(".jpg", hostile.marked_bgr(), hostile.cv2.IMWRITE_JPEG_PROGRESSIVE, 1,
                                                       hostile.cv2.IMWRITE_JPEG_SAMPLING_FACTOR,
                                                       hostile.cv2.IMWRITE_JPEG_SAMPLING_FACTOR_444), 4900, 4900),
-        MEMORY),
-}
+        MEMORY)
 REFUSED.update(DECODED_BOMBS)
 
 
@@ -128,6 +129,13 @@ print((kb("VmHWM") - before) * 1024 / image.decode_cost(header))
 """
 
 
+def _writes_float_tiff() -> bool:
+    try:
+        return bool(hostile.cv2.imencode(".tif", np.zeros((2, 2, 3)))[0])
+    except hostile.cv2.error:
+        return False
+
+
 @pytest.mark.parametrize("make", [
     "hostile.encode('.png', np.random.default_rng(0).integers(0, 65535, (1500, 1500, 4), dtype=np.uint16))",
     "hostile.encode('.png', np.random.default_rng(0).integers(0, 255, (2500, 2500, 3), dtype=np.uint8))",
@@ -137,6 +145,8 @@ print((kb("VmHWM") - before) * 1024 / image.decode_cost(header))
 def test_the_memory_an_accepted_image_takes_is_what_the_limit_counts(make):
     """decode_cost is what the limit is checked against: a decode that takes much more
     than it (an intermediate it does not know about) would let the limit be outrun."""
+    if ".tif'" in make and not _writes_float_tiff():
+        pytest.skip("this OpenCV cannot write a 64-bit float TIFF (Debian's 4.6)")
     tools = str(Path(__file__).resolve().parent.parent / "tools")
     out = subprocess.run([sys.executable, "-c", PEAK_OF_LOAD, tools, make], capture_output=True, text=True,
                          timeout=WAIT_S)
