@@ -293,18 +293,14 @@ def test_tensorrt_runtime_that_will_not_start_falls_back(monkeypatch, tmp_path):
 
 def test_out_of_device_memory_is_an_engine_error(monkeypatch, tmp_path):
     h.install(monkeypatch, "10.3.0", integrated=False, fail={"cuMemAlloc": CUresult.CUDA_ERROR_OUT_OF_MEMORY})
-    h.build(tmp_path, components=["embed_tokens"])
-    embed = TensorRTBackend.for_model(load_manifest(h.MODEL_DIR), tmp_path).load_component("embed_tokens", "gpu",
-                                                                                           "int8")
+    embed = h.built_embed(tmp_path)
     with pytest.raises(EngineError, match=r"^CUDA cuMemAlloc failed: CUDA_ERROR_OUT_OF_MEMORY \(out of memory\)$"):
         embed.run({"input_ids": np.ones((1, 3), np.int64)})
 
 
 def test_mapping_refused_falls_back_to_device_copies(monkeypatch, tmp_path):
     fakes = h.install(monkeypatch, "10.3.0", fail={"cuMemHostGetDevicePointer": CUresult.CUDA_ERROR_INVALID_VALUE})
-    h.build(tmp_path, components=["embed_tokens"])
-    embed = TensorRTBackend.for_model(load_manifest(h.MODEL_DIR), tmp_path).load_component("embed_tokens", "gpu",
-                                                                                           "int8")
+    embed = h.built_embed(tmp_path)
     out = embed.run({"input_ids": np.ones((1, 3), np.int64)})["inputs_embeds"]
     assert out.shape == (1, 3, 192) and embed.engines[0].zero_copy is False
     assert fakes.memory.allocations["device"] == 2
@@ -358,9 +354,7 @@ def test_tensorrts_own_reason_is_in_the_engine_error_and_in_the_edgemm_log(monke
 
 def test_a_failed_execution_says_tensorrts_reason(monkeypatch, tmp_path, caplog):
     fakes = h.install(monkeypatch, "10.3.0")
-    h.build(tmp_path, components=["embed_tokens"])
-    embed = TensorRTBackend.for_model(load_manifest(h.MODEL_DIR), tmp_path).load_component("embed_tokens", "gpu",
-                                                                                           "int8")
+    embed = h.built_embed(tmp_path)
     fakes.trt._execute_fails = True
     with pytest.raises(EngineError) as raised:
         embed.run({"input_ids": np.ones((1, 3), np.int64)})
@@ -389,18 +383,14 @@ def test_dla_fallback_warnings_and_build_errors_reach_the_edgemm_log(monkeypatch
 
 def test_a_shape_no_engine_accepts_is_refused(monkeypatch, tmp_path):
     h.install(monkeypatch, "10.3.0")
-    h.build(tmp_path, components=["embed_tokens"])
-    embed = TensorRTBackend.for_model(load_manifest(h.MODEL_DIR), tmp_path).load_component("embed_tokens", "gpu",
-                                                                                           "int8")
+    embed = h.built_embed(tmp_path)
     with pytest.raises(Exception, match=r"no engine accepts input shapes \{'input_ids': \(1, 321\)\}"):
         embed.run({"input_ids": np.ones((1, 321), np.int64)})
 
 
 def test_one_component_called_from_two_threads_runs_one_call_at_a_time(monkeypatch, tmp_path):
     fakes = h.install(monkeypatch, "10.3.0")
-    h.build(tmp_path, components=["embed_tokens"])
-    embed = TensorRTBackend.for_model(load_manifest(h.MODEL_DIR), tmp_path).load_component("embed_tokens", "gpu",
-                                                                                           "int8")
+    embed = h.built_embed(tmp_path)
     inside, most = [0], [0]
     execute = fakes.trt.IExecutionContext.execute_async_v3
 

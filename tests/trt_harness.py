@@ -68,6 +68,14 @@ def build(out: Path, device: str = "gpu", precision: str = "int8", model_dir: Pa
     return build_engines(request, model, probe(), echo=lambda *a, **k: None)
 
 
+def built_embed(out: Path):
+    """The embedding built for the GPU at int8 into `out` and loaded there: the smallest component
+    a test of one engine's buffers, copies and failures needs."""
+    from edgemm.backends.tensorrt import TensorRTBackend  # after install(): it imports the fake tensorrt
+    build(out, components=["embed_tokens"])
+    return TensorRTBackend.for_model(load_manifest(MODEL_DIR), out).load_component("embed_tokens", "gpu", "int8")
+
+
 def runtime(engines: Path, precision: str = "int8", model_dir: Path = MODEL_DIR, **placement) -> Runtime:
     placement = {"vision_encoder": ["gpu", "cpu"], "embed_tokens": ["gpu", "cpu"], "decoder": ["gpu", "cpu"],
                  **placement}
