@@ -197,6 +197,14 @@ def trickle(s: socket.socket, stop: threading.Event, every_s: float = 0.1) -> th
     return sender
 
 
+def end_trickles(stop: threading.Event, socks: list[socket.socket], senders: list[threading.Thread]) -> None:
+    stop.set()
+    for s in socks:
+        s.close()
+    for sender in senders:
+        sender.join(WAIT_S)
+
+
 def test_a_body_that_trickles_gets_408_within_body_timeout(daemon, png, no_tracebacks):
     path = sock_path(daemon)
     with connect(path) as s:
@@ -232,11 +240,7 @@ def test_trickled_bodies_hold_no_admission_slot(runtime, png, no_tracebacks):
                     assert http.post("/v1/infer", params={"max_tokens": 2}, content=png).status_code == 200
             assert d.service.admission.count == 0
         finally:
-            stop.set()
-            for s in held:
-                s.close()
-            for sender in senders:
-                sender.join(WAIT_S)
+            end_trickles(stop, held, senders)
 
 
 def test_stalled_and_idle_connections_over_the_cap_do_not_lock_newcomers_out(runtime, png, no_tracebacks):
@@ -327,11 +331,7 @@ def test_trickled_bodies_over_the_cap_are_closed_slowest_first(runtime, png, no_
                     evicted.append(read_response(s))
             assert any(status == 408 and openai_error(body)["code"] == "body_evicted" for status, _, body in evicted)
         finally:
-            stop.set()
-            for s in tricklers:
-                s.close()
-            for sender in senders:
-                sender.join(WAIT_S)
+            end_trickles(stop, tricklers, senders)
 
 
 def test_stream_listeners_are_bounded_and_do_not_lock_requests_out(runtime, png, no_tracebacks):
