@@ -128,8 +128,8 @@ def check_image_file(path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES
 
 
 def read_image_file(path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
-    """The bytes of the regular file at `path`, at most `max_bytes` of them (see check_image_file)."""
-    check_image_file(path, max_bytes)
+    """The bytes of the regular file at `path`, at most `max_bytes` of them (see check_image_file:
+    read_regular_file makes the same check before it opens the file)."""
     return read_regular_file(path, max_bytes, _image_error(path), "limits.max_image_bytes")
 
 
