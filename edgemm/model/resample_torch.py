@@ -1,0 +1,86 @@
+"""Bicubic resize of RGB8 images, bit-exact with torch's antialiased uint8 `interpolate`.
+
+transformers' default image processors for InternVL (`GotOcr2ImageProcessor`, the
+torchvision backend a user gets whenever torchvision is installed) resize uint8
+tensors with torchvision's `resize(..., BICUBIC, antialias=True)`, which on a CPU hands
+the uint8 image straight to torch's `interpolate(mode="bicubic", antialias=True)`.
+That kernel (aten/src/ATen/native/cpu/UpSampleKernel.cpp, the same sums on its AVX2
+and its generic path) is Pillow-SIMD's algorithm, not Pillow's:
+
+* per output pixel, taps over `support = 2 * max(scale, 1)` input pixels, the cubic
+  kernel with a = -0.5 stretched by the scale when shrinking (the antialiasing);
+* weights normalised to sum 1, then int16 fixed point with as many fraction bits as
+  the largest weight of the axis allows (at most 22; Pillow always uses 22);
+* a horizontal pass, then a vertical pass, each rounding to uint8 in between.
+
+So Pillow's BICUBIC (transformers' PIL backend) differs from it by a grey level here
+and there; this module gives torch's pixels. Neither Pillow nor torch is a runtime
+dependency: this is the algorithm in numpy.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+CUBIC_A = -0.5  # torch uses Pillow's a for antialiased bicubic (-0.75 without antialias)
+SUPPORT = 2.0  # the cubic kernel's half-width
+MAX_PRECISION = 22
+
+
+def _cubic(x: np.ndarray) -> np.ndarray:
+    """Keys' cubic convolution kernel with a = -0.5, 0 from |x| = 2 on."""
+    x = np.abs(x)
+    a = CUBIC_A
+    near = ((a + 2) * x - (a + 3)) * x * x + 1
+    far = ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+    return np.where(x < 1, near, np.where(x < 2, far, 0.0))
+
+
+def _coefficients(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """(first input index [out], int16 weights [out, taps], fraction bits) for one axis."""
+    scale = in_size / out_size
+    support = SUPPORT * scale if scale >= 1 else SUPPORT
+    taps = int(math.ceil(support)) * 2 + 1
+    inv_scale = 1 / scale if scale >= 1 else 1.0
+    centers = scale * (np.arange(out_size) + 0.5)
+    # static_cast<int64_t>(v + 0.5): truncation towards zero, as torch writes it
+    first = np.maximum(np.trunc(centers - support + 0.5).astype(np.int64), 0)
+    size = np.clip(np.minimum(np.trunc(centers + support + 0.5).astype(np.int64), in_size) - first, 0, taps)
+    offsets = np.arange(taps)
+    used = offsets[None, :] < size[:, None]
+    weights = np.where(used, _cubic((offsets[None, :] + first[:, None] - centers[:, None] + 0.5) * inv_scale), 0.0)
+    totals = weights.sum(axis=1, keepdims=True)
+    weights = np.divide(weights, totals, out=np.zeros_like(weights), where=totals != 0)
+    top = weights.max(initial=0.0)
+    bits = 0
+    while bits < MAX_PRECISION and int(0.5 + top * (1 << (bits + 1))) < (1 << 15):
+        bits += 1
+    scaled = weights * (1 << bits)
+    fixed = np.trunc(np.where(scaled < 0, scaled - 0.5, scaled + 0.5))
+    return first, fixed.astype(np.int64), bits
+
+
+def _resample_axis(img: np.ndarray, out_size: int, axis: int) -> np.ndarray:
+    """One pass along `axis` (0 rows, 1 columns) of a uint8 (H, W, C) image."""
+    in_size = img.shape[axis]
+    first, weights, bits = _coefficients(in_size, out_size)
+    acc = np.full(img.shape[:axis] + (out_size,) + img.shape[axis + 1:], 1 << (bits - 1), np.int64)
+    for tap in range(weights.shape[1]):
+        index = np.minimum(first + tap, in_size - 1)  # unused taps have weight 0
+        w = weights[:, tap]
+        w = w[:, None, None] if axis == 0 else w[None, :, None]
+        acc += np.take(img, index, axis=axis).astype(np.int64) * w
+    return np.clip(acc >> bits, 0, 255).astype(np.uint8)
+
+
+def resize_bicubic(rgb: np.ndarray, height: int, width: int) -> np.ndarray:
+    """RGB8 (H, W, 3) → (height, width, 3), the pixels torch's antialiased uint8 bicubic gives."""
+    if height < 1 or width < 1:
+        raise ValueError(f"resize target must be positive, got {height}x{width}")
+    out = rgb
+    if out.shape[1] != width:  # torch: horizontal pass first, then vertical
+        out = _resample_axis(out, width, axis=1)
+    if out.shape[0] != height:
+        out = _resample_axis(out, height, axis=0)
+    return out if out is not rgb else rgb.copy()
