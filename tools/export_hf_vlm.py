@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import json
 import os
 import shutil
 import sys
@@ -222,15 +223,34 @@ def export_graphs(model, out: Path) -> None:
             output_names=["logits", *names_out], dynamic_axes=axes, opset_version=OPSET, dynamo=False)
 
 
+def copy_checkpoint_files(checkpoint: Path, out: Path) -> None:
+    """The checkpoint's own JSON and template files, as they are (no processor is built:
+    InternVL's wants torchvision for its video half, which an export does not need).
+    tokenizer.json is written from the tokenizer if the checkpoint has only vocab/merges
+    files; preprocessor_config.json from processor_config.json where transformers 5 nests
+    the image processor's settings there (published folders and edgemm read them on top)."""
+    for file in sorted(checkpoint.iterdir()):
+        if file.is_file() and file.suffix in (".json", ".jinja") and not file.name.endswith(".index.json"):
+            shutil.copyfile(file, out / file.name)
+    if not (out / "tokenizer.json").is_file():
+        from transformers import AutoTokenizer
+        AutoTokenizer.from_pretrained(checkpoint).save_pretrained(out)
+    nested = json.loads((out / "processor_config.json").read_text()).get("image_processor") \
+        if (out / "processor_config.json").is_file() else None
+    if not (out / "preprocessor_config.json").is_file() and isinstance(nested, dict):
+        (out / "preprocessor_config.json").write_text(json.dumps(nested, indent=2) + "\n")
+
+
 def export_checkpoint(checkpoint: Path, out: Path) -> None:
     """Load a local checkpoint folder with transformers and write the edgemm folder."""
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoModelForImageTextToText
     model = AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=torch.float32,
                                                         attn_implementation="eager").eval()
     family_of(model)  # refuse an unknown family before any file is written
-    processor = AutoProcessor.from_pretrained(checkpoint)
     out.mkdir(parents=True, exist_ok=True)
-    save_folder(model, processor, out)
+    copy_checkpoint_files(checkpoint, out)
+    if not (out / "generation_config.json").is_file():
+        model.generation_config.save_pretrained(out)
     export_graphs(model, out)
 
 
