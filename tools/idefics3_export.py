@@ -10,7 +10,9 @@ present.N.key/value. What stays here is SmolVLM's own chat template.
 """
 from __future__ import annotations
 
-from export_hf_vlm import OPSET, export_graphs, save_folder  # noqa: F401  (tools/, beside this file)
+from export_hf_vlm import OPSET, export_graphs, save_folder  # (tools/, beside this file)
+
+__all__ = ["CHAT_TEMPLATE", "OPSET", "export_graphs", "save_folder"]
 
 # SmolVLM's chat template (HuggingFaceTB/SmolVLM-*-Instruct)
 CHAT_TEMPLATE = (

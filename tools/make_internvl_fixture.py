@@ -22,6 +22,7 @@ default image processor for InternVL is its torchvision backend); nothing is dow
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -96,7 +97,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 
 def have_torchvision() -> bool:
     try:
-        import torchvision.transforms.v2.functional  # noqa: F401
+        importlib.import_module("torchvision.transforms.v2.functional")
     except Exception:  # missing, or a build that does not match this torch
         return False
     return True
