@@ -173,7 +173,7 @@ def test_folder_without_model_yaml_is_detected():
 
 
 def test_tiers_follow_max_patches():
-    cfg = {"min_patches": 1, "max_patches": 12, "tile": [448, 448], "image_seq_len": 256}
+    cfg = {"min_patches": 1, "max_patches": 12, "tile": 448, "image_seq_len": 256}
     assert {n: t.image_tokens for n, t in tiers(cfg).items()} == {
         "tiles1": 256, "tiles4": 5 * 256, "tiles6": 7 * 256, "tiles12": 13 * 256}
     assert list(tiers({**cfg, "min_patches": 2, "max_patches": 4})) == ["tiles4"]
@@ -201,6 +201,7 @@ def test_missing_file_is_named(broken, missing):
 @pytest.mark.parametrize("change, message", [
     ({"resample": 2}, "resample 2 is not supported"),
     ({"size": {"height": 32}}, "size.height and size.width"),
+    ({"size": {"height": 32, "width": 64}}, "square tiles"),
     ({"min_patches": 7}, "min_patches and max_patches"),
 ])
 def test_unsupported_preprocessing_is_refused(broken, change, message):
@@ -280,3 +281,16 @@ def test_regenerated_reference_is_the_committed_one(tmp_path):
     subprocess.run([sys.executable, str(tool), "--out", str(tmp_path)], check=True, capture_output=True)
     fresh = json.loads((tmp_path / "reference.json").read_text())
     assert [(c["input_ids"], c["tokens"]) for c in fresh["cases"]] == [(c["input_ids"], c["tokens"]) for c in CASES]
+
+
+# ---- TensorRT engine profiles (planned here; built against the fakes elsewhere) ---------------
+
+def test_gpu_profile_covers_one_tile_to_the_richest_tier_with_its_thumbnail():
+    from edgemm.engines.build import BuildRequest, plan_jobs
+    from edgemm.engines.platform import Platform
+    orin = Platform(tensorrt="10.3.0", gpu="Orin", compute_capability="8.7", integrated=True, dla_cores=2)
+    request = BuildRequest(model_dir=FIXTURE, out=Path("unused"), max_batch=2)
+    encoder = plan_jobs(request, load_manifest(FIXTURE), orin)[0]
+    # [B,T,3,32,32]: 1 tile (tiles1) … 7 (tiles6: 6 tiles + the thumbnail); no pixel_attention_mask
+    assert encoder.profiles == [{"pixel_values": {"min": [1, 1, 3, 32, 32], "opt": [1, 7, 3, 32, 32],
+                                                  "max": [2, 7, 3, 32, 32]}}]

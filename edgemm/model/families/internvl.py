@@ -61,9 +61,9 @@ def family_config(path: Path, config: dict, preprocessor: dict, processor: dict,
     """What the adapter needs from the folder's JSON files, checked, in one flat dict."""
     where = path / "preprocessor_config.json"
     size = preprocessor.get("size") or {}
-    tile_h, tile_w = size.get("height"), size.get("width")
-    if not all(isinstance(v, int) and v > 0 for v in (tile_h, tile_w)):
-        raise ModelError(f"{where}: needs size.height and size.width, positive integers")
+    tile = size.get("height")
+    if not isinstance(tile, int) or tile <= 0 or size.get("width") != tile:
+        raise ModelError(f"{where}: needs size.height and size.width, one positive integer (square tiles)")
     if preprocessor.get("resample", PIL_BICUBIC) != PIL_BICUBIC:
         raise ModelError(f"{where}: resample {preprocessor['resample']} is not supported (only 3, bicubic)")
     if not preprocessor.get("do_resize", True) or not preprocessor.get("do_rescale", True) \
@@ -82,7 +82,7 @@ def family_config(path: Path, config: dict, preprocessor: dict, processor: dict,
                          f"({side}/{patch} patches, downsample_ratio: {expected} tokens per tile)")
     eos = generation.get("eos_token_id", config.get("text_config", {}).get("eos_token_id", []))
     return {
-        "tile": [tile_h, tile_w], "min_patches": low, "max_patches": high, "image_seq_len": int(seq_len),
+        "tile": tile, "min_patches": low, "max_patches": high, "image_seq_len": int(seq_len),
         "rescale_factor": float(preprocessor.get("rescale_factor", 1 / 255)),
         "image_mean": list(preprocessor.get("image_mean", [0.485, 0.456, 0.406])),
         "image_std": list(preprocessor.get("image_std", [0.229, 0.224, 0.225])),
@@ -97,12 +97,11 @@ def tile_count(budget: int) -> int:
 
 def tiers(cfg: dict) -> dict[str, ResolutionTier]:
     """Cheapest first: budgets 1, 4, 6 (those within min..max_patches), then max_patches."""
-    low, high = cfg["min_patches"], cfg["max_patches"]
-    tile_h, tile_w = cfg["tile"]
+    low, high, tile = cfg["min_patches"], cfg["max_patches"], cfg["tile"]
     out = {}
     for budget in sorted({b for b in TIER_BUDGETS if low <= b < high} | {high}):
         side = max(1, math.isqrt(budget))  # a square image of this side uses the budget's square grid
-        out[f"tiles{budget}"] = ResolutionTier(f"tiles{budget}", side * tile_h, side * tile_w,
+        out[f"tiles{budget}"] = ResolutionTier(f"tiles{budget}", side * tile, side * tile,
                                                tile_count(budget) * cfg["image_seq_len"])
     return out
 
@@ -158,12 +157,11 @@ class InternVLAdapter:
             self._id(token)
         self.stop_ids = {self._id(END_OF_TURN), *self.cfg["eos_token_ids"]}
         self.template = _compile_template(manifest.chat_template or "", manifest.path)
-        tile_h, tile_w = self.cfg["tile"]
         # torchvision's fused rescale + normalise: float32 mean and std, each times 1/rescale
         scale = np.float32(1 / self.cfg["rescale_factor"])
         self._mean = (np.asarray(self.cfg["image_mean"], np.float32) * scale)[None, :, None, None]
         self._std = (np.asarray(self.cfg["image_std"], np.float32) * scale)[None, :, None, None]
-        self._tile = (tile_h, tile_w)
+        self._tile = (self.cfg["tile"], self.cfg["tile"])
 
     def _id(self, token: str) -> int:
         return token_id(self.tokenizer, token, f"{self.manifest.path}: token {token!r}")
