@@ -294,3 +294,22 @@ def test_gpu_profile_covers_one_tile_to_the_richest_tier_with_its_thumbnail():
     # [B,T,3,32,32]: 1 tile (tiles1) … 7 (tiles6: 6 tiles + the thumbnail); no pixel_attention_mask
     assert encoder.profiles == [{"pixel_values": {"min": [1, 1, 3, 32, 32], "opt": [1, 7, 3, 32, 32],
                                                   "max": [2, 7, 3, 32, 32]}}]
+
+
+def test_encoder_engine_builds_and_runs_through_the_fake_tensorrt(monkeypatch, tmp_path):
+    """The GPU plan of the InternVL encoder (5-D tiles, no mask) takes every tier's tile count
+    for a wide and a tall image and answers what ONNX Runtime does."""
+    import trt_harness as h
+    fakes = h.install(monkeypatch, "10.3.0")
+    h.build(tmp_path, "gpu", model_dir=FIXTURE, components=["vision_encoder"])
+    assert len(fakes.trt._built) == 1 and set(fakes.trt._built[0]["profiles"][0]) == {"pixel_values"}
+    ours = h.runtime(tmp_path, model_dir=FIXTURE, vision_encoder=["gpu"], embed_tokens=["cpu"], decoder=["cpu"])
+    assert ours.devices["vision_encoder"] == "gpu"
+    reference = make_runtime(model={"precision": "int8"})
+    tiles = []
+    for image in ("wide.png", "tall.png"):
+        for tier in ours.manifest.tiers:
+            pixels, _ = reference.preprocess(FIXTURE / image, tier)
+            assert np.array_equal(ours.generator.encode(pixels), reference.generator.encode(pixels)), (image, tier)
+            tiles.append(pixels.shape[1])
+    assert tiles == [1, 5, 7, 1, 3, 3]
