@@ -137,6 +137,25 @@ def tile_grid(height: int, width: int, tile: tuple[int, int], low: int, high: in
     return best
 
 
+def normalisation(mean, std, rescale: float) -> tuple[np.ndarray, np.ndarray]:
+    """torchvision's fused rescale + normalise: float32 mean and std, each times 1/rescale."""
+    scale = np.float32(1 / rescale)
+    return ((np.asarray(mean, np.float32) * scale)[None, :, None, None],
+            (np.asarray(std, np.float32) * scale)[None, :, None, None])
+
+
+def tile_pixels(rgb: np.ndarray, grid: tuple[int, int], tile: int, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
+    """RGB8 → float32 [1, tiles, 3, tile, tile] for a (cols, rows) grid, as GotOcr2ImageProcessor
+    crops: the image resized to the grid and cut row by row, then the thumbnail (if more than one)."""
+    cols, rows = grid
+    canvas = resize_bicubic(rgb, rows * tile, cols * tile)
+    crops = [canvas[r * tile:(r + 1) * tile, c * tile:(c + 1) * tile] for r in range(rows) for c in range(cols)]
+    if len(crops) > 1:
+        crops.append(resize_bicubic(rgb, tile, tile))
+    x = np.stack(crops).transpose(0, 3, 1, 2).astype(np.float32)
+    return ((x - mean) / std)[None]
+
+
 def expand_image(tiles: int, seq_len: int) -> str:
     """The text that replaces one `<IMG_CONTEXT>`, exactly as InternVLProcessor writes it."""
     return f"{START_IMAGE}{IMAGE_TOKEN * (seq_len * tiles)}{END_IMAGE}"
@@ -157,11 +176,7 @@ class InternVLAdapter:
             self._id(token)
         self.stop_ids = {self._id(END_OF_TURN), *self.cfg["eos_token_ids"]}
         self.template = _compile_template(manifest.chat_template or "", manifest.path)
-        # torchvision's fused rescale + normalise: float32 mean and std, each times 1/rescale
-        scale = np.float32(1 / self.cfg["rescale_factor"])
-        self._mean = (np.asarray(self.cfg["image_mean"], np.float32) * scale)[None, :, None, None]
-        self._std = (np.asarray(self.cfg["image_std"], np.float32) * scale)[None, :, None, None]
-        self._tile = (self.cfg["tile"], self.cfg["tile"])
+        self._normalise = normalisation(self.cfg["image_mean"], self.cfg["image_std"], self.cfg["rescale_factor"])
 
     def _id(self, token: str) -> int:
         return token_id(self.tokenizer, token, f"{self.manifest.path}: token {token!r}")
@@ -172,19 +187,13 @@ class InternVLAdapter:
 
     def grid(self, height: int, width: int, tier: ResolutionTier) -> tuple[int, int]:
         budget = self.budget(tier)
-        return tile_grid(height, width, self._tile, min(self.cfg["min_patches"], budget), budget)
+        tile = self.cfg["tile"]
+        return tile_grid(height, width, (tile, tile), min(self.cfg["min_patches"], budget), budget)
 
     def pixels(self, rgb: np.ndarray, tier: ResolutionTier) -> np.ndarray:
-        """RGB8 → float32 [1, tiles, 3, tile_h, tile_w]: the grid's tiles row by row, then the thumbnail."""
-        tile_h, tile_w = self._tile
-        cols, rows = self.grid(rgb.shape[0], rgb.shape[1], tier)
-        canvas = resize_bicubic(rgb, rows * tile_h, cols * tile_w)
-        crops = [canvas[r * tile_h:(r + 1) * tile_h, c * tile_w:(c + 1) * tile_w]
-                 for r in range(rows) for c in range(cols)]
-        if len(crops) > 1:
-            crops.append(resize_bicubic(rgb, tile_h, tile_w))
-        x = np.stack(crops).transpose(0, 3, 1, 2).astype(np.float32)
-        return ((x - self._mean) / self._std)[None]
+        """RGB8 → float32 [1, tiles, 3, tile, tile]: the grid's tiles row by row, then the thumbnail."""
+        grid = self.grid(rgb.shape[0], rgb.shape[1], tier)
+        return tile_pixels(rgb, grid, self.cfg["tile"], *self._normalise)
 
     def chat_text(self, prompt: str) -> str:
         """The chat template around one image and the user's text, ready for the answer."""
