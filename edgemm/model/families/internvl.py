@@ -46,7 +46,7 @@ from edgemm.model.families.idefics3 import _compile_template
 from edgemm.model.family import FamilyFields, Prompt, register
 from edgemm.model.hf_folder import read_json
 from edgemm.model.manifest_types import ModelManifest, Preprocessing, ResolutionTier
-from edgemm.model.resample_torch import resize_bicubic
+from edgemm.model.resample_torch import resize_planes
 from edgemm.model.tokenizer import load_tokenizer, token_id
 
 IMAGE_TOKEN = "<IMG_CONTEXT>"
@@ -146,13 +146,15 @@ def normalisation(mean, std, rescale: float) -> tuple[np.ndarray, np.ndarray]:
 
 def tile_pixels(rgb: np.ndarray, grid: tuple[int, int], tile: int, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
     """RGB8 → float32 [1, tiles, 3, tile, tile] for a (cols, rows) grid, as GotOcr2ImageProcessor
-    crops: the image resized to the grid and cut row by row, then the thumbnail (if more than one)."""
+    crops: the image resized to the grid and cut row by row, then the thumbnail (if more than one).
+    The resizes work on channel planes, the layout the encoder takes."""
     cols, rows = grid
-    canvas = resize_bicubic(rgb, rows * tile, cols * tile)
-    crops = [canvas[r * tile:(r + 1) * tile, c * tile:(c + 1) * tile] for r in range(rows) for c in range(cols)]
+    planes = rgb.transpose(2, 0, 1)
+    canvas = resize_planes(planes, rows * tile, cols * tile)
+    crops = [canvas[:, r * tile:(r + 1) * tile, c * tile:(c + 1) * tile] for r in range(rows) for c in range(cols)]
     if len(crops) > 1:
-        crops.append(resize_bicubic(rgb, tile, tile))
-    x = np.stack(crops).transpose(0, 3, 1, 2).astype(np.float32)
+        crops.append(resize_planes(planes, tile, tile))
+    x = np.stack([crop.astype(np.float32, copy=False) for crop in crops])  # integers 0..255, exact in float32
     return ((x - mean) / std)[None]
 
 
