@@ -154,7 +154,7 @@ def tile_pixels(rgb: np.ndarray, grid: tuple[int, int], tile: int, mean: np.ndar
     crops = [canvas[:, r * tile:(r + 1) * tile, c * tile:(c + 1) * tile] for r in range(rows) for c in range(cols)]
     if len(crops) > 1:
         crops.append(resize_planes(planes, tile, tile))
-    x = np.stack([crop.astype(np.float32, copy=False) for crop in crops])  # integers 0..255, exact in float32
+    x = np.stack(crops).astype(np.float32)
     return ((x - mean) / std)[None]
 
 
