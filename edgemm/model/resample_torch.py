@@ -61,23 +61,22 @@ def _coefficients(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray, 
     return first, fixed.astype(np.int64), bits
 
 
-def _resample_axis(planes: np.ndarray, out_size: int, axis: int) -> np.ndarray:
-    """One pass along `axis` (1 rows, 2 columns) of uint8 (C, H, W) planes, tap by tap in
+def _resample_rows(planes: np.ndarray, out_size: int) -> np.ndarray:
+    """One pass along the rows of uint8 (C, H, W) planes → (C, out_size, W), tap by tap in
     place, summed in int32 as torch sums (|sum| < 255 * 1.1 * 2**22 < 2**31), then torch's
-    rounding: (sum + 2**(bits-1)) >> bits, clipped to 0..255.
+    rounding: (sum + 2**(bits-1)) >> bits, clipped to 0..255. Whole rows are gathered,
+    which is a plain copy; a column pass runs on the transposed planes.
 
     A tap loop, not matrix products: BLAS would be several times faster on an idle core,
     but its thread pool stalls on a busy one (two prepare threads, the encoder's threads)."""
-    in_size = planes.shape[axis]
-    first, weights, bits = _coefficients(in_size, out_size)
-    shape = planes.shape[:axis] + (out_size,) + planes.shape[axis + 1:]
+    first, weights, bits = _coefficients(planes.shape[1], out_size)
+    shape = (planes.shape[0], out_size, planes.shape[2])
     acc = np.full(shape, 1 << (bits - 1), np.int32)
     gathered, product = np.empty(shape, np.uint8), np.empty(shape, np.int32)
     for tap in range(weights.shape[1]):
-        index = np.minimum(first + tap, in_size - 1)  # unused taps have weight 0
-        w = weights[:, tap].astype(np.int32)
-        np.take(planes, index, axis=axis, out=gathered)
-        np.multiply(gathered, w[:, None] if axis == 1 else w, out=product)
+        index = np.minimum(first + tap, planes.shape[1] - 1)  # unused taps have weight 0
+        np.take(planes, index, axis=1, out=gathered)
+        np.multiply(gathered, weights[:, tap].astype(np.int32)[:, None], out=product)
         acc += product
     acc >>= bits
     return np.clip(acc, 0, 255).astype(np.uint8)
@@ -87,12 +86,13 @@ def resize_planes(planes: np.ndarray, height: int, width: int) -> np.ndarray:
     """uint8 (C, H, W) → (C, height, width), the pixels torch's antialiased uint8 bicubic gives."""
     if height < 1 or width < 1:
         raise ValueError(f"resize target must be positive, got {height}x{width}")
-    out = np.ascontiguousarray(planes)
+    out = planes
     if out.shape[2] != width:  # torch: horizontal pass first, then vertical
-        out = _resample_axis(out, width, axis=2)
+        columns = np.ascontiguousarray(out.transpose(0, 2, 1))
+        out = _resample_rows(columns, width).transpose(0, 2, 1)
     if out.shape[1] != height:
-        out = _resample_axis(out, height, axis=1)
-    return out if out is not planes else planes.copy()
+        out = _resample_rows(np.ascontiguousarray(out), height)
+    return np.ascontiguousarray(out) if out is not planes else planes.copy()
 
 
 def resize_bicubic(rgb: np.ndarray, height: int, width: int) -> np.ndarray:
