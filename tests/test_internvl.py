@@ -203,6 +203,7 @@ def test_missing_file_is_named(broken, missing):
     ({"size": {"height": 32}}, "size.height and size.width"),
     ({"size": {"height": 32, "width": 64}}, "square tiles"),
     ({"min_patches": 7}, "min_patches and max_patches"),
+    ({"max_patches": 10 ** 6}, "max <= 64"),
 ])
 def test_unsupported_preprocessing_is_refused(broken, change, message):
     path = broken / "preprocessor_config.json"

@@ -54,7 +54,8 @@ START_IMAGE = "<img>"
 END_IMAGE = "</img>"
 END_OF_TURN = "<|im_end|>"
 PIL_BICUBIC = 3  # preprocessor_config.json "resample": the filter InternVL3 uses, the only one here
-TIER_BUDGETS = (1, 4, 6)  # tile budgets offered below the folder's max_patches (which is always one)
+TIER_BUDGETS = (1, 4, 6)  # tile budgets offered below the folder's max_patches (itself always a tier)
+MOST_PATCHES = 64  # InternVL3 uses 12; the grid search is quadratic in max_patches, so a bound
 
 
 def family_config(path: Path, config: dict, preprocessor: dict, processor: dict, generation: dict) -> dict:
@@ -70,8 +71,9 @@ def family_config(path: Path, config: dict, preprocessor: dict, processor: dict,
             or not preprocessor.get("do_normalize", True):
         raise ModelError(f"{where}: do_resize, do_rescale and do_normalize must be on (as InternVL3 has them)")
     low, high = preprocessor.get("min_patches", 1), preprocessor.get("max_patches", 12)
-    if not (isinstance(low, int) and isinstance(high, int) and 1 <= low <= high):
-        raise ModelError(f"{where}: min_patches and max_patches must be integers, 1 <= min <= max")
+    if not (isinstance(low, int) and isinstance(high, int) and 1 <= low <= high <= MOST_PATCHES):
+        raise ModelError(f"{where}: min_patches and max_patches must be integers, "
+                         f"1 <= min <= max <= {MOST_PATCHES}")
     vision = config.get("vision_config", {})
     side, patch = vision.get("image_size", 448), vision.get("patch_size", 14)
     side, patch = (side[0] if isinstance(side, list) else side), (patch[0] if isinstance(patch, list) else patch)
