@@ -198,6 +198,15 @@ def test_missing_file_is_named(broken, missing):
         load_manifest(broken)
 
 
+def test_unknown_model_type_lists_the_known_families(broken):
+    config = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**config, "model_type": "internvl_chat"}))
+    with pytest.raises(ModelError, match="model_type 'internvl_chat'") as refused:
+        load_manifest(broken)
+    known = str(refused.value).split("known: ", 1)[1]
+    assert {"idefics3", "internvl"} <= set(known.split(")")[0].split(", "))
+
+
 @pytest.mark.parametrize("change, message", [
     ({"resample": 2}, "resample 2 is not supported"),
     ({"size": {"height": 32}}, "size.height and size.width"),
