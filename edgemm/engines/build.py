@@ -41,7 +41,6 @@ from edgemm.engines.platform import (DEVICES, Platform, TrtLog, dla_core, import
 from edgemm.engines.qdq import translate_file
 from edgemm.errors import EngineError, InputError
 from edgemm.model.manifest import COMPONENTS, ModelManifest
-from edgemm.model.tiling import tile_layout
 
 PRECISIONS = ("int8", "fp16")
 LAST_CALIBRATION_CACHE_DLA = (10, 7)  # TensorRT <= 10.7: DLA INT8 needs implicit quantisation
@@ -125,10 +124,9 @@ def _profile(dims: dict[str, list], sizes: Sizes, graph: str) -> Profile:
 
 
 def _tiles(model: ModelManifest, tier) -> int:
-    """The most encoder images (tiles plus the global image) a tiled family makes at `tier`:
-    a square image's."""
-    side = model.family_config["tile"]
-    return tile_layout(tier.height, tier.height, tier.height, side).tiles
+    """The most encoder images (tiles plus the global image or thumbnail) a tiled family makes
+    at `tier`: its image tokens (the most it gives) over the tokens of one tile."""
+    return tier.image_tokens // model.family_config["image_seq_len"]
 
 
 def encoder_profiles(dims: dict[str, list], model: ModelManifest, tiers: list, max_batch: int, static: bool,
