@@ -31,7 +31,7 @@ from edgemm.config import Config, load_config
 from edgemm.detokenize import TextCallback
 from edgemm.encoding import Encoding
 from edgemm.loading import ModelComponents, default_engines_dir, usable_cpus
-from edgemm.model.family import adapter_for
+from edgemm.model.family import adapter_for, graph_inputs
 from edgemm.model.manifest import ModelManifest, ResolutionTier, load_manifest
 from edgemm.opencv import cv2
 from edgemm.power import Route
@@ -69,7 +69,8 @@ class Runtime:
         self.manifest: ModelManifest = load_manifest(model_dir)
         self.precision = self.config.model.precision
         self.adapter = adapter_for(self.manifest)
-        self.models = ModelComponents(self.config, self.manifest, self.adapter.stop_ids, concurrent)
+        self.models = ModelComponents(self.config, self.manifest, self.adapter.stop_ids, concurrent,
+                                      graph_inputs(self.adapter))
         self.preparation = Preparation(self.config, self.manifest, self.adapter)
         self.encoding = Encoding(self.models, self.preparation, self.manifest)
         self.answering = Answering(self.models, self.encoding, self.adapter, self.manifest)
