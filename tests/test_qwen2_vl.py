@@ -28,6 +28,7 @@ from edgemm.model.contract import check_component
 from edgemm.model.families.qwen2_vl import rope_positions, smart_resize
 from edgemm.model.family import GraphInputs
 from edgemm.model.manifest import load_manifest
+from edgemm.pipeline import Pipeline, Request
 from edgemm.runtime import Runtime
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -204,6 +205,20 @@ def test_int8_variant_runs_through_the_same_family_path(family):
         result = int8.infer(path / case["image"], case["prompt"], tier=tier(case), max_new_tokens=4)
         _, h, w = case["image_grid_thw"]
         assert result.precision == "int8" and result.image_tokens == h * w // 4 and 1 <= len(result.tokens) <= 4
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_pipeline_batches_by_grid_and_answers_every_case(family):
+    """The path `edgemm serve` and `stream` take: images of one grid share an encoder call,
+    others wait for the next (the pixel shape is the grid), decoding is continuous."""
+    rt = make_runtime(FAMILIES[family], cache={"max_bytes": 0})
+    cases = REFERENCE[family]["cases"]
+    with Pipeline(rt, queue_size=8, max_batch=4, batch_timeout_ms=20) as pipeline:
+        futures = [pipeline.submit(Request(FAMILIES[family] / c["image"], c["prompt"],
+                                           {"tier": tier(c), "max_new_tokens": max_new(family)})) for c in cases]
+        results = [f.result(timeout=120) for f in futures]
+    assert [r.tokens for r in results] == [c["tokens"] for c in cases]
+    assert pipeline.stats.failed == 0
 
 
 # ---- the family's parts -----------------------------------------------------------------------
