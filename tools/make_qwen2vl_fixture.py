@@ -48,7 +48,6 @@ from PIL import Image  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 from transformers import PreTrainedTokenizerFast, Qwen2VLImageProcessorPil  # noqa: E402
 from transformers.cache_utils import DynamicCache  # noqa: E402
-from transformers.models.qwen2_vl.modeling_qwen2_vl import apply_rotary_pos_emb_vision  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -207,11 +206,12 @@ class VisionEncoder(torch.nn.Module):
         hidden = visual.patch_embed(pixel_values)
         cos, sin = visual.rotary_pos_emb(hidden, torch.stack([rows, cols], -1))
         same_image = image[:, None] == image[None, :]
-        masks = {"full": torch.zeros(same_image.shape).masked_fill(~same_image, torch.finfo(torch.float32).min)}
+        lowest = torch.finfo(torch.float32).min
+        masks = {"full": torch.where(same_image, 0.0, lowest)}
         if self.windowed:
             window = (unit_row // self.window_units) * 100_000 + unit_col // self.window_units
             same_window = same_image & (window[:, None] == window[None, :])
-            masks["window"] = torch.zeros(same_window.shape).masked_fill(~same_window, torch.finfo(torch.float32).min)
+            masks["window"] = torch.where(same_window, 0.0, lowest)
         for i, block in enumerate(visual.blocks):
             mask = masks["full"] if not self.windowed or i in self.full else masks["window"]
             hidden = hidden + self._attention(block.attn, block.norm1(hidden), cos, sin, mask)
@@ -220,12 +220,22 @@ class VisionEncoder(torch.nn.Module):
 
     @staticmethod
     def _attention(attn, x, cos, sin, mask):
-        n = x.shape[0]
-        q, k, v = attn.qkv(x).reshape(n, 3, attn.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
-        q, k = apply_rotary_pos_emb_vision(q, k, cos, sin)
+        # q, k, v are the thirds of the projection. transformers reshapes and unbinds, and reads
+        # the patch count: Gathers, which a DLA cannot run, in every block; slices and static
+        # reshapes it can
+        dim = attn.num_heads * attn.head_dim
+        q, k, v = (z.reshape(-1, attn.num_heads, attn.head_dim) for z in attn.qkv(x).split(dim, dim=-1))
+        q, k = (_rotary(z, cos, sin, attn.head_dim // 2) for z in (q, k))
         q, k, v = (z.transpose(0, 1) for z in (q, k, v))  # [heads, N, head_dim]
         weights = torch.softmax(q @ k.transpose(1, 2) * attn.scaling + mask, dim=-1, dtype=torch.float32)
-        return attn.proj((weights @ v).transpose(0, 1).reshape(n, -1))
+        return attn.proj((weights @ v).transpose(0, 1).reshape(-1, dim))
+
+
+def _rotary(x, cos, sin, half: int):
+    """transformers' apply_rotary_pos_emb_vision, with the half width static (it reads it from
+    the tensor's shape: a Gather per block)."""
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos.unsqueeze(-2) + rotated * sin.unsqueeze(-2)
 
 
 class EmbedTokens(torch.nn.Module):
