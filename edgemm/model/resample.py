@@ -62,18 +62,38 @@ def _coefficients(in_size: int, out_size: int, kernel=_lanczos,
     return first, fixed.astype(np.int64)
 
 
+CHUNK_BYTES = 256 << 10  # the int32 sums of this many output lines at a time stay in the cache
+
+
 def _resample_axis(img: np.ndarray, out_size: int, axis: int, kernel=_lanczos,
                    kernel_support: float = SUPPORT) -> np.ndarray:
-    """One pass along `axis` (0 rows, 1 columns) of a uint8 (H, W, C) image."""
+    """One pass along `axis` (0 rows, 1 columns) of a uint8 (H, W, C) image.
+
+    The resampled axis is laid out first, so that each tap gathers whole lines (a copy of
+    contiguous bytes, not a strided gather); the sums are int32 as in Pillow (its fixed
+    point is chosen so that they fit), a cache-sized block of output lines at a time."""
     in_size = img.shape[axis]
     first, weights = _coefficients(in_size, out_size, kernel, kernel_support)
-    acc = np.full(img.shape[:axis] + (out_size,) + img.shape[axis + 1:], 1 << (PRECISION_BITS - 1), np.int64)
-    for tap in range(weights.shape[1]):
-        index = np.minimum(first + tap, in_size - 1)  # unused taps have weight 0
-        w = weights[:, tap]
-        w = w[:, None, None] if axis == 0 else w[None, :, None]
-        acc += np.take(img, index, axis=axis).astype(np.int64) * w
-    return np.clip(acc >> PRECISION_BITS, 0, 255).astype(np.uint8)
+    weights = weights.astype(np.int32)
+    moved = np.moveaxis(img, axis, 0)
+    rest = moved.shape[1:]
+    lines = np.ascontiguousarray(moved).reshape(in_size, -1)  # [in, everything else]
+    out = np.empty((out_size, lines.shape[1]), np.uint8)
+    block = max(1, CHUNK_BYTES // (4 * lines.shape[1]))
+    acc = np.empty((block, lines.shape[1]), np.int32)
+    term = np.empty_like(acc)
+    for start in range(0, out_size, block):
+        n = min(block, out_size - start)
+        total, product = acc[:n], term[:n]
+        total.fill(1 << (PRECISION_BITS - 1))
+        for tap in range(weights.shape[1]):
+            index = np.minimum(first[start:start + n] + tap, in_size - 1)  # unused taps have weight 0
+            np.multiply(lines[index], weights[start:start + n, tap, None], out=product)
+            total += product
+        np.right_shift(total, PRECISION_BITS, out=total)
+        np.clip(total, 0, 255, out=total)
+        out[start:start + n] = total
+    return np.ascontiguousarray(np.moveaxis(out.reshape(out_size, *rest), 0, axis))
 
 
 def resize_lanczos(rgb: np.ndarray, height: int, width: int) -> np.ndarray:
