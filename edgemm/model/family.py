@@ -80,6 +80,9 @@ class Family(Protocol):
         """Generated ids → the answer's text (stop tokens left out)."""
         ...
 
+    # Optional (not part of the isinstance check): `graph_inputs: GraphInputs`, what the family
+    # feeds beyond the contract (Qwen2-VL: the encoder's grid, [3, B, S] positions).
+
 
 @dataclass(frozen=True)
 class GraphInputs:
