@@ -289,6 +289,37 @@ class _Graph:
         self.outputs = dict.fromkeys(outputs)
 
 
+def _frozen_copy(folder: Path, grid: list[int]) -> None:
+    """The trap, made by hand: the encoder declares its grid but computes with `grid` (a constant)."""
+    path = folder / "onnx" / "vision_encoder.onnx"
+    model = onnx.load(path)
+    frozen = onnx.helper.make_node("Constant", [], ["frozen_grid"],
+                                   value=onnx.numpy_helper.from_array(np.array([grid], np.int64)))
+    for node in model.graph.node:
+        node.input[:] = ["frozen_grid" if n == "grid_thw" else n for n in node.input]
+    model.graph.node.insert(0, frozen)
+    onnx.save(model, path)
+
+
+def test_check_grid_export_tells_a_frozen_grid_from_a_real_input(broken, tmp_path):
+    tool = [sys.executable, str(Path(__file__).resolve().parent.parent / "tools" / "check_grid_export.py")]
+    for family, path in FAMILIES.items():
+        run = subprocess.run([*tool, str(path), "--precision", "int8"], capture_output=True, text=True)
+        assert run.returncode == 0 and "the grid is an input" in run.stdout, run.stdout + run.stderr
+    _frozen_copy(broken, [1, 16, 8])  # frozen at one of the two grids the tool tries
+    run = subprocess.run([*tool, str(broken)], capture_output=True, text=True)
+    assert run.returncode == 1 and "the grid is FROZEN: grids [1, 16, 8] and [1, 8, 16] give the same" in run.stdout
+    # why it matters: frozen at the tall case's grid, the wide case (same patch count) loads, runs
+    # without an error and answers other tokens; names alone cannot show the trap
+    tall_grid = shutil.copytree(FAMILIES["qwen2_vl"], tmp_path / "frozen-tall")
+    _frozen_copy(tall_grid, [1, 26, 8])
+    case = REFERENCE["qwen2_vl"]["cases"][1]  # wide: 8x26
+    frozen = make_runtime(tall_grid, cache={"max_bytes": 0})
+    assert frozen.infer(tall_grid / case["image"], case["prompt"], tier=tier(case),
+                        max_new_tokens=max_new("qwen2_vl")).tokens != case["tokens"]
+    assert subprocess.run([*tool, str(tall_grid)], capture_output=True).returncode == 1
+
+
 def test_contract_names_what_no_family_feeds():
     encoder = _Graph({"pixel_values": ("n", 1176), "grid_thw": ("i", 3)}, ("image_features",))
     check_component("vision_encoder", encoder, "enc.onnx", GraphInputs(encoder=("grid_thw",), position_axes=3))
