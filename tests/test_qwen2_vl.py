@@ -245,6 +245,14 @@ def test_smart_resize_refuses_extreme_aspect_ratios():
         smart_resize(10, 2010, 28, 3136, 64 * 784)
 
 
+def test_a_request_with_an_extreme_image_is_refused_before_the_encoder():
+    rt = runtime_of("qwen2_vl")
+    with pytest.raises(InputError, match="aspect ratios up to 200:1"):
+        rt.prepare(np.zeros((2, 500, 3), np.uint8), "What is in the image?")
+    one_pixel = rt.infer(np.zeros((1, 1, 3), np.uint8), "What is in the image?", max_new_tokens=1)
+    assert one_pixel.image_tokens == 4  # grown to min_pixels (56x56), as transformers does
+
+
 def test_rope_positions_as_get_rope_index():
     """Text, then a 2x3 image (merged tokens), then text: transformers' get_rope_index."""
     image = 9
