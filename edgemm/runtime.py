@@ -71,6 +71,12 @@ class Runtime:
         self.adapter = adapter_for(self.manifest)
         self.models = ModelComponents(self.config, self.manifest, self.adapter.stop_ids, concurrent,
                                       graph_inputs(self.adapter))
+        if any(device.startswith("dla") for device in self.models.standby["vision_encoder"]):
+            # a DLA plan is static: a family whose image shapes vary within a tier (Qwen2-VL's grid)
+            # takes each tier's own shape instead, on every device, so that answers do not depend on it
+            static = getattr(self.adapter, "use_static_shapes", None)
+            if static is not None:
+                static()
         self.preparation = Preparation(self.config, self.manifest, self.adapter)
         self.encoding = Encoding(self.models, self.preparation, self.manifest)
         self.answering = Answering(self.models, self.encoding, self.adapter, self.manifest)

@@ -583,3 +583,7 @@ def test_qwen2_vl_dla_plans_are_one_static_grid_per_tier(monkeypatch, tmp_path):
     with pytest.raises(BackendError, match=r"no engine accepts input shapes \{'pixel_values': \(48, 1176\), "
                                            r"'grid_thw': \(1, 3\)\}"):
         ours.generator.encode(wide)
+    # so a runtime with its encoder on a DLA takes every image at its tier's square grid
+    for tier in ours.manifest.tiers.values():
+        answer = ours.infer(QWEN2_VL_DIR / "wide.png", "What is in the image?", tier=tier.name, max_new_tokens=3)
+        assert answer.image_tokens == (tier.height // 28) ** 2 and answer.devices["encode"] == "dla0"

@@ -157,6 +157,7 @@ class Qwen2VLAdapter:
     """Prompt building, pixels and positions for Qwen2-VL / Qwen2.5-VL folders (see the module docstring)."""
 
     known_prompts: tuple[str, ...] = ()  # an open vocabulary (byte-level BPE): any text reads
+    static_shapes = False  # every image at its tier's square grid (use_static_shapes), not its own
 
     def __init__(self, manifest: ModelManifest):
         self.manifest = manifest
@@ -174,8 +175,15 @@ class Qwen2VLAdapter:
     def _id(self, token: str) -> int:
         return token_id(self.tokenizer, token, f"{self.manifest.path}: token {token!r}")
 
+    def use_static_shapes(self) -> None:
+        """From now on every image is resized to its tier's square (tier.height x tier.width), the
+        one grid a static (DLA) encoder plan takes, instead of keeping its aspect ratio."""
+        self.static_shapes = True
+
     def resized(self, height: int, width: int, tier: ResolutionTier) -> tuple[int, int]:
         """The size an image of (height, width) is resized to at `tier`'s pixel budget."""
+        if self.static_shapes:
+            return tier.height, tier.width
         return smart_resize(height, width, self.unit, min(self.cfg["min_pixels"], tier.image_tokens * self.unit ** 2),
                             tier.image_tokens * self.unit ** 2)
 
