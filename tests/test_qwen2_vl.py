@@ -341,6 +341,14 @@ def test_contract_names_what_no_family_feeds():
         check_component("decoder", decoder, "dec.onnx")
 
 
+def test_a_flat_config_as_published_gives_its_context(broken):
+    """Qwen2-VL-2B-Instruct's config.json has the text model's keys at the top, no text_config."""
+    config = json.loads((broken / "config.json").read_text())
+    text = config.pop("text_config")
+    (broken / "config.json").write_text(json.dumps({**text, **config, "max_position_embeddings": 777}))
+    assert load_manifest(broken).max_context == 777
+
+
 def test_unknown_model_type_lists_the_known_families(broken):
     config = json.loads((broken / "config.json").read_text())
     (broken / "config.json").write_text(json.dumps({**config, "model_type": "qwen9_vl"}))

@@ -22,6 +22,9 @@ tests/fixtures/qwen2-vl-tiny and tests/fixtures/qwen2.5-vl-tiny:
    pixel_values and image_grid_thw, the features of the unmodified vision tower, and the
    greedy tokens of transformers' own `generate`.
 
+The `_int8` variants next to the graphs come from edgemm's own tool, afterwards:
+`python tools/quantize.py tests/fixtures/qwen2-vl-tiny --scenes 48` (and qwen2.5-vl-tiny).
+
 The trap (see the README, "Qwen2-VL"): transformers' vision tower reads the grid with
 `.tolist()` (rotary positions, cu_seqlens, Qwen2.5-VL's window index), so a traced export
 freezes it to the traced grid. VisionEncoder below computes all of them from the grid
