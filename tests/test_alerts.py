@@ -164,6 +164,18 @@ def test_the_managers_pool_bounds_every_streams_questions_together():
     assert pool.acquire(blocking=False)  # given back once answered
 
 
+def test_synthetic_hold_keeps_each_scene_for_n_frames_with_fresh_noise():
+    from edgemm.sources import open_source
+    with open_source("synthetic://?hold=3&seed=5&count=7") as source:
+        frames = list(source)
+    truths = [f.truth for f in frames]
+    assert len(frames) == 7
+    assert truths[0] is truths[1] is truths[2] and truths[3] is truths[5] and truths[6] is not truths[5]
+    assert truths[0].describe() != truths[3].describe()
+    assert not np.array_equal(frames[0].image, frames[1].image)  # the same scene, not the same pixels
+    assert np.abs(frames[0].image.astype(int) - frames[1].image).max() <= 2 * 3
+
+
 # ---- the config's rules --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("alerts, message", [
