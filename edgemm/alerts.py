@@ -11,9 +11,10 @@ unknown, debounced, and announced when they change.
 
 What is fair and bounded. The stream's own prompt keeps its share of the pipeline
 (edgemm.streams.STREAM_SHARE frames in flight) untouched: alert questions have places of
-their own, ALERT_SHARE per stream, and an alert has at most one question in flight. An
-alert that is due when its last question is unanswered, or no place is free, is asked
-on the next frame instead (counted as skipped); the alerts that waited longest go first.
+their own, ALERT_SHARE per stream, and an alert has at most ALERT_INFLIGHT questions in
+flight. An alert that is due when it has that many unanswered, or no place is free, is
+asked on the next frame instead (counted as skipped); the alerts that waited longest go
+first. A reading about an older frame than one already read (overtaken) is left out.
 Nothing waits for a place: asking never slows the stream's own frames down beyond the
 pipeline work the questions are. The daemon's pipeline keeps max_streams × ALERT_SHARE
 inbox places for them (edgemm.streams.reserved_places), so they never crowd out the API.
@@ -51,6 +52,9 @@ from edgemm.sources import Frame
 log = logging.getLogger("edgemm")
 
 ALERT_SHARE = 4  # alert questions of one stream in the pipeline at once
+# questions of one alert in the pipeline at once: two, so that an alert still reads every
+# frame when an answer takes longer than the time between frames (up to twice as long)
+ALERT_INFLIGHT = 2
 WEBHOOK_QUEUE = 64  # events waiting per webhook; beyond, the oldest is dropped (counted)
 WEBHOOK_MAX_BACKOFF_S = 30.0
 STATES = ("true", "false", "unknown")
@@ -145,7 +149,8 @@ class Alert:
         self.since_frame: int | None = None  # the frame whose reading made the state what it is
         self.since_time: float | None = None
         self.asked: int | None = None  # the stream's processed-frame count when last asked
-        self.busy = False  # a question of this alert is in the pipeline
+        self.in_flight = 0  # this alert's questions in the pipeline (at most ALERT_INFLIGHT)
+        self.read_seq = -1  # the stream's processed-frame count of the latest reading taken (an older one is stale)
 
 
 # ---- a stream's alerts -------------------------------------------------------------------------
@@ -186,7 +191,7 @@ class StreamAlerts:
         due = [a for a in self.alerts if a.asked is None or count - a.asked >= a.cfg.every]
         due.sort(key=lambda a: -1 if a.asked is None else a.asked)  # the longest waiting first
         for alert in due:
-            if alert.busy or not self._take_place():
+            if alert.in_flight >= ALERT_INFLIGHT or not self._take_place():
                 alert.figures.skipped += 1
                 continue
             options: dict = {"max_new_tokens": alert.cfg.max_new_tokens}
@@ -200,8 +205,10 @@ class StreamAlerts:
                 self._give_place()
                 alert.figures.skipped += 1
                 continue
-            alert.busy, alert.asked = True, count
-            future.add_done_callback(partial(self._answered, alert, frame.index))
+            with self._lock:
+                alert.in_flight += 1
+            alert.asked = count
+            future.add_done_callback(partial(self._answered, alert, frame.index, count))
 
     def _take_place(self) -> bool:
         if not self.places.acquire(blocking=False):
@@ -218,7 +225,8 @@ class StreamAlerts:
 
     # -- the pipeline's decode thread --
 
-    def _answered(self, alert: Alert, frame: int, future: Future) -> None:
+    def _answered(self, alert: Alert, frame: int, seq: int, future: Future) -> None:
+        """`frame`: the source's frame number (restarts with the source); `seq`: the stream's count."""
         self._give_place()
         try:
             reading = alert.rule.read(future.result().text)
@@ -226,7 +234,11 @@ class StreamAlerts:
         except Exception:  # the question failed (the error is the pipeline's to log): not readable
             reading, failed = "unknown", True
         with self._lock:
-            alert.busy = False
+            alert.in_flight -= 1
+            if seq <= alert.read_seq:  # overtaken by a later frame's answer: that one is newer news
+                alert.figures.skipped += 1
+                return
+            alert.read_seq = seq
             alert.figures.errors += failed
             alert.figures.readings[reading] += 1
             if not alert.debounce.observe(reading):
@@ -274,6 +286,19 @@ def read_token(cfg: WebhookConfig, where: str, environ: Mapping[str, str] = os.e
     if cfg.token_file is not None:
         return read_key_file(Path(cfg.token_file), f"{where}.token_file")
     return None
+
+
+def without_secrets(spec: dict) -> dict:
+    """A stream's config as GET /v1/streams shows it: a webhook URL is shown as its scheme and
+    host only (a webhook's path often is its secret, as Slack's and Teams' are)."""
+    def hidden(hook: dict | None) -> dict | None:
+        if hook is None:
+            return None
+        parts = urllib.parse.urlsplit(hook["url"])
+        return {**hook, "url": f"{parts.scheme}://{parts.hostname or ''}/…"}
+    return {**spec, "webhook": hidden(spec.get("webhook")),
+            "alerts": {name: {**alert, "webhook": hidden(alert.get("webhook"))}
+                       for name, alert in spec.get("alerts", {}).items()}}
 
 
 # ---- webhooks ------------------------------------------------------------------------------------

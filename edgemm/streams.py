@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from edgemm.alerts import ALERT_SHARE, StreamAlerts, check_webhooks
+from edgemm.alerts import ALERT_SHARE, StreamAlerts, check_webhooks, without_secrets
 from edgemm.backoff import Backoff
 from edgemm.config import ConfigError, LimitsConfig, StreamConfig, config_from_dict
 from edgemm.errors import EdgemmError, InputError
@@ -135,7 +135,7 @@ class ManagedStream:
         with self._lock:
             figures = asdict(self.figures)
         source = self._source
-        return {"id": self.spec.id, "object": "stream", **asdict(self.spec), **figures,
+        return {"id": self.spec.id, "object": "stream", **without_secrets(asdict(self.spec)), **figures,
                 # a live camera that stops delivering is first reopened by the source itself
                 "source_reconnects": source.stats.reconnects if source is not None else 0,
                 "listeners": len(self.listeners), "lagged": self.lagged}

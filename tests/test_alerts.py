@@ -145,7 +145,7 @@ def test_alert_questions_are_bounded_and_the_longest_waiting_goes_first():
     alerts, pipeline, _ = scripted({n: f"is there a {n} ?" for n in names})
     alerts.ask(frame(0))  # nothing is answered: only ALERT_SHARE questions go in
     assert len(pipeline.requests) == ALERT_SHARE
-    alerts.ask(frame(1))  # every place is taken, and the asked ones are unanswered: all wait
+    alerts.ask(frame(1))  # every place is taken: all wait
     assert len(pipeline.requests) == ALERT_SHARE
     assert sum(a.figures.skipped for a in alerts.alerts) == 2 + len(names)
     for request in list(pipeline.requests):
@@ -153,6 +153,18 @@ def test_alert_questions_are_bounded_and_the_longest_waiting_goes_first():
     alerts.ask(frame(2))  # the two never asked go first
     asked = [r.prompt for r in pipeline.requests[ALERT_SHARE:]]
     assert asked[:2] == [f"is there a {n} ?" for n in names[-2:]] and len(asked) == ALERT_SHARE
+
+
+def test_one_alert_has_at_most_two_questions_in_flight_and_a_stale_answer_is_left_out():
+    alerts, pipeline, events = scripted({"p": {"prompt": "is there a person ?", "on_after": 1, "off_after": 1}})
+    for i in range(3):
+        alerts.ask(frame(i))
+    assert [r.tag.index for r in pipeline.requests] == [0, 1]  # frame 2: skipped
+    assert alerts.alerts[0].figures.skipped == 1
+    pipeline.requests[1].future.set_result(SimpleNamespace(text="yes"))  # frame 1 answered first
+    pipeline.requests[0].future.set_result(SimpleNamespace(text="no"))  # older news: left out
+    assert [(e["frame"], e["state"]) for e in events] == [(1, "true")]
+    assert alerts.alerts[0].figures.skipped == 2 and alerts.alerts[0].figures.readings == {"true": 1}
 
 
 def test_the_managers_pool_bounds_every_streams_questions_together():
@@ -421,6 +433,7 @@ def test_daemon_alerts_post_their_changes_to_the_webhook(runtime, hook, monkeypa
     spec = counting_stream("shapes", 30, webhook={"url": hook.url, "token_env": "EDGEMM_HOOK_TOKEN"})
     with running(runtime, {"streams": [spec]}) as d, raw_client(sock_path(d)) as http:
         wait_until(lambda: settled(http, "shapes"), timeout=60, what="the end")
+        described = http.get("/v1/streams/shapes").json()  # the URL's path may be its secret: not shown
         sent = lambda: metric(http.get("/metrics").text,  # noqa: E731
                               'edgemm_alert_transitions_total{stream="shapes",alert="many",state="true"}', 0)
         wait_until(lambda: len([b for _, b in hook.received if b["alert"] == "many" and b["state"] == "true"])
@@ -428,6 +441,7 @@ def test_daemon_alerts_post_their_changes_to_the_webhook(runtime, hook, monkeypa
         text = http.get("/metrics").text
     assert hook.received and all(h["Authorization"] == f"Bearer {TOKEN}" for h, _ in hook.received)
     assert all(set(b) == {"stream", "alert", "state", "frame", "time"} for _, b in hook.received)
+    assert described["webhook"]["url"] == "http://127.0.0.1/…" and "edgemm" not in json.dumps(described["webhook"])
     delivered = metric(text, 'edgemm_alert_webhook_events_total{stream="shapes",webhook="stream",outcome="delivered"}')
     assert delivered >= 1 and metric(text, 'edgemm_alert_webhook_events_total{stream="shapes",webhook="stream",'
                                            'outcome="failed"}') == 0
