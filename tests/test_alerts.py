@@ -477,3 +477,19 @@ def test_webhook_urls_from_the_config_are_never_in_messages_with_credentials(hoo
     wait_until(lambda: sender.figures.failed == 1, what="failure")
     sender.close()
     assert "pw" not in (sender.figures.last_error or "") and os.environ.get("EDGEMM_HOOK_TOKEN") is None
+
+
+def test_a_slow_listener_loses_the_oldest_events_alert_events_counted_too():
+    from edgemm.streams import EVENTS_BUFFER, ManagedStream
+    cfg = config_from_dict({"streams": [{"id": "cam", "source": "synthetic://", "alerts": {"p": "is it ?"}}]})
+    stream = ManagedStream(cfg.streams[0], ScriptedPipeline(), loop=None)
+    queue = stream.listen()
+    stream._deliver(EVENT, "alert")
+    for i in range(EVENTS_BUFFER):  # one more than it holds: the alert event, the oldest, goes
+        stream._deliver({"stream": "cam", "frame": i})
+    assert (stream.lagged, stream.alerts_lagged) == (1, 1)
+    items = [queue.get_nowait() for _ in range(queue.qsize())]
+    assert [i[0] for i in items] == list(range(2, EVENTS_BUFFER + 2))  # SSE ids: the gap shows the loss
+    assert all(event is None for _, _, event in items)
+    stream._deliver(EVENT, "alert")
+    assert queue.get_nowait() == (EVENTS_BUFFER + 2, EVENT, "alert")
