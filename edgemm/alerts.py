@@ -192,7 +192,7 @@ class StreamAlerts:
         due.sort(key=lambda a: -1 if a.asked is None else a.asked)  # the longest waiting first
         for alert in due:
             if alert.in_flight >= ALERT_INFLIGHT or not self._take_place():
-                alert.figures.skipped += 1
+                self._skipped(alert)
                 continue
             options: dict = {"max_new_tokens": alert.cfg.max_new_tokens}
             if self.tier is not None:
@@ -203,12 +203,16 @@ class StreamAlerts:
                 future = self.pipeline.submit(Request(frame.image, alert.cfg.prompt, options, tag=frame), block=False)
             except Overloaded:  # not expected (its places are reserved); closing: asked no more
                 self._give_place()
-                alert.figures.skipped += 1
+                self._skipped(alert)
                 continue
             with self._lock:
                 alert.in_flight += 1
             alert.asked = count
             future.add_done_callback(partial(self._answered, alert, frame.index, count))
+
+    def _skipped(self, alert: Alert) -> None:
+        with self._lock:  # the decode thread counts overtaken answers here too
+            alert.figures.skipped += 1
 
     def _take_place(self) -> bool:
         if not self.places.acquire(blocking=False):
