@@ -493,3 +493,13 @@ def test_a_slow_listener_loses_the_oldest_events_alert_events_counted_too():
     assert all(event is None for _, _, event in items)
     stream._deliver(EVENT, "alert")
     assert queue.get_nowait() == (EVENTS_BUFFER + 2, EVENT, "alert")
+
+
+def test_a_webhook_token_file_is_relative_to_the_config_file(tmp_path):
+    config = tmp_path / "edgemm.yaml"
+    config.write_text("streams:\n- id: door\n  source: synthetic://\n  alerts:\n    p:\n      prompt: is it ?\n"
+                      "      webhook: {url: 'http://127.0.0.1:1/', token_file: hook-token}\n"
+                      "  webhook: {url: 'http://127.0.0.1:1/', token_file: /etc/edgemm/token}\n")
+    stream = load_config(config).streams[0]
+    assert stream.alerts["p"].webhook.token_file == str(tmp_path / "hook-token")
+    assert stream.webhook.token_file == "/etc/edgemm/token"
