@@ -434,6 +434,9 @@ def test_daemon_alerts_post_their_changes_to_the_webhook(runtime, hook, monkeypa
     with running(runtime, {"streams": [spec]}) as d, raw_client(sock_path(d)) as http:
         wait_until(lambda: settled(http, "shapes"), timeout=60, what="the end")
         described = http.get("/v1/streams/shapes").json()  # the URL's path may be its secret: not shown
+        sender = d.service.streams.get("shapes").alerts.senders["stream"]
+        sender.thread.join(10)  # the stream ended: its webhook delivered what it held and stopped
+        assert not sender.thread.is_alive() and sender.queued() == 0
         sent = lambda: metric(http.get("/metrics").text,  # noqa: E731
                               'edgemm_alert_transitions_total{stream="shapes",alert="many",state="true"}', 0)
         wait_until(lambda: len([b for _, b in hook.received if b["alert"] == "many" and b["state"] == "true"])
