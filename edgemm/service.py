@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from starlette.exceptions import HTTPException
 from starlette.requests import Request as HttpRequest
 
+from edgemm.alerts import alert_metrics
 from edgemm.answering import InferenceResult
 from edgemm.config import Config, ServerConfig
 from edgemm.errors import EdgemmError, internal_message
@@ -148,6 +149,7 @@ class Service:
                                      route=self.router.local_route)
         self.draining = False
         self.metrics = ServiceMetrics(self)
+        alert_metrics(self.metrics.registry, self.streams.streams)
 
     def health(self) -> Health:
         """The pipeline's health (Pipeline.health with server.stall_s): /readyz, /healthz,
