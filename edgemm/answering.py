@@ -109,6 +109,7 @@ class RequestBatch(DecodingBatch):
         """An answer ended: the request's InferenceResult, made from the answer itself (no
         Generation in between). This runs once per request, on the caches the decoder call
         left cold, where each object built costs; a failure here fails this request alone."""
+        decode_ms = (time.perf_counter() - a.joined) * 1e3  # first: the decode time ends where the loop's work does
         _, request, _ = a.key
         answering, gen, prompt = self.answering, self.gen, request.prompt
         schedule = request.decision.to_dict() if request.decision else {}
@@ -118,7 +119,7 @@ class RequestBatch(DecodingBatch):
         if reasons:
             schedule["placement"] = "; ".join(reasons)
         timings = dict(request.timings_ms)
-        timings["prefill"], timings["decode"] = a.prefill_ms, (time.perf_counter() - a.joined) * 1e3
+        timings["prefill"], timings["decode"] = a.prefill_ms, decode_ms
         return InferenceResult(
             text=answering.adapter.decode(a.tokens), tokens=a.tokens, finish_reason=reason,
             prompt_tokens=prompt.input_ids.shape[1], tier=request.tier.name, image_tokens=prompt.image_tokens,
