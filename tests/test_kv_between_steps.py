@@ -139,3 +139,27 @@ def test_beams_joining_a_running_batch_with_a_cached_prefix_get_their_tokens_alo
     batch.run_to_end()
     assert results[1].stats["prefix_reused"]
     assert [results[n].tokens for n in range(3)] == want
+
+
+def test_an_answer_whose_result_cannot_be_assembled_fails_alone(runtime, monkeypatch):
+    """RequestBatch builds each InferenceResult as its answer ends, inside the step: a
+    failure there (here the text decode) fails that request, and the others finish with
+    the tokens they get alone."""
+    requests = [runtime.prepare(make_scene(404_040 + n).image, q, tier="high", max_new_tokens=budget)
+                for n, (q, budget) in enumerate(zip(QUESTIONS, (4, 7, 5)))]
+    features = [runtime.encode(r.pixel_values) for r in requests]
+    want = [runtime.decode(r, f).tokens for r, f in zip(requests, features)]
+    adapter = runtime.answering.adapter
+    decode_text = adapter.decode
+    poisoned = want[1]
+    assert poisoned not in (want[0], want[2])
+
+    def refusing(ids):
+        if ids == poisoned:
+            raise RuntimeError("injected: no text for these ids")
+        return decode_text(ids)
+    monkeypatch.setattr(adapter, "decode", refusing)
+    results = runtime.decode_batch(requests, features)
+    assert isinstance(results[1], RuntimeError) and "injected" in str(results[1])
+    assert [results[0].tokens, results[2].tokens] == [want[0], want[2]]
+    assert results[0].text == decode_text(want[0]) and results[0].decode_batch == 3
