@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import onnxruntime as ort
 import pytest
 
 from edgemm.decode import BatchItem, DecodingBatch, generate
@@ -19,6 +20,8 @@ from edgemm.scenes import make_scene
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 from bench_kv_binding import BoundDecoder  # noqa: E402  (tools/)
 
+# onnxruntime before 1.19 copied every output of session.run into a numpy array of its own
+ORT_HANDS_OUT_ITS_BUFFERS = tuple(int(part) for part in ort.__version__.split(".")[:2]) >= (1, 19)
 QUESTIONS = ["describe the image", "how many shapes ?", "what does the text say ?", "what color is the circle ?"]
 
 
@@ -76,7 +79,8 @@ def test_the_present_tensors_become_the_next_past_without_a_copy(runtime):
     for before, after in zip(seen, seen[1:]):
         for past, present in zip(g.past_names, g.present_names):
             assert after["feeds"][past] is before["out"][present]
-            assert not after["feeds"][past].flags.owndata  # onnxruntime's buffer, not a numpy copy
+            if ORT_HANDS_OUT_ITS_BUFFERS:
+                assert not after["feeds"][past].flags.owndata  # onnxruntime's buffer, not a numpy copy
 
 
 def test_a_cached_prefix_reused_after_more_steps_gives_the_same_tokens(runtime, gen):
