@@ -77,7 +77,7 @@ class BoundDecoder:
             binding.bind_output(name, "cpu")
         self.session.run_with_iobinding(binding)
         values = binding.get_outputs()
-        views = [value.numpy() for value in values]  # zero-copy: numpy over onnxruntime's buffer
+        views = [value.numpy() for value in values]  # numpy over onnxruntime's buffer (a copy before 1.19)
         self._last = {id(view): (value, view) for value, view in zip(values, views)}
         self.stats.add(started)
         return dict(zip(self._output_names, views))
