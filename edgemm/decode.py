@@ -125,8 +125,9 @@ class DecodingBatch:
 
     `finished(key, outcome)` is called for each request once, as soon as its answer ends
     (a Generation) or fails (the exception), from the thread that calls join/step, always
-    through `_hand_over`: a subclass that puts answers in its own terms overrides that
-    (edgemm/answering.py's RequestBatch).
+    through `_hand_over`: a subclass that puts answers in its own terms overrides `_ended`,
+    which makes an ending answer's outcome, and `_hand_over` (edgemm/answering.py's
+    RequestBatch).
     """
 
     # the rows' state, an empty batch's as class attributes (a batch is opened for every
@@ -235,13 +236,13 @@ class DecodingBatch:
                     row = start + offset
                     token = best[row] if a.rng is None else sample_token(self.logits[row], a.item.options, a.rng)
                     if token in stop_ids:
-                        outcome = a.generation("stop")
+                        outcome = self._ended(a, "stop")
                     else:
                         a.tokens.append(token)
                         if a.on_token is not None:
                             a.on_token(token)
                         if len(a.tokens) >= a.budget:
-                            outcome = a.generation("length")
+                            outcome = self._ended(a, "length")
                         else:  # it goes on: its one row fed this token, or (row offset, token)
                             outcome = token if width == 1 else [(offset, token)]
             except Exception as e:  # this answer fails alone; the others go on
@@ -338,6 +339,12 @@ class DecodingBatch:
 
     def _beams_end(self, a: _Answer, tokens: list[int], reason: str) -> Generation:
         self._commit(a, tokens)
+        return self._ended(a, reason)
+
+    def _ended(self, a: _Answer, reason: str) -> Any:
+        """What an answer that ends hands over: its Generation. A subclass that puts answers
+        in its own terms builds them here, from the answer itself (RequestBatch). Raising
+        fails this answer alone."""
         return a.generation(reason)
 
     def _commit(self, a: _Answer, tokens: list[int]) -> None:

@@ -224,7 +224,14 @@ class Generator:
         """step() for the decode loop: one dict serves every step of a batch and takes
         the new cache in place. `mask` and `positions` must be in the graph's types. Per
         token this saves two dicts and a few conversions; the loop's Python is most of
-        edgemm's own time in a request."""
+        edgemm's own time in a request.
+
+        The cache crosses steps without a copy: onnxruntime (1.19 on) hands each present
+        back as a numpy array over its own buffer, freshly allocated every run (so the
+        prefix cache's views of it stay valid), and takes it as the next past as it is.
+        IOBinding with the cache kept as OrtValues was measured against this and kept out:
+        it costs more Python per step and saves no copy (tools/bench_kv_binding.py,
+        docs/BENCHMARKS.md). Below 1.19 session.run copied every output."""
         feeds["inputs_embeds"], feeds["attention_mask"], feeds["position_ids"] = embeds, mask, positions
         out = self.decoder.run(feeds)
         for past, present in zip(self.past_names, self.present_names):
