@@ -56,6 +56,9 @@ class StreamOptions:
     # so a removed stream whose last frames are still in flight can't push the total past what
     # the pipeline's inbox keeps for streams
     pool: threading.Semaphore | None = None
+    # edgemm.view's AnnotatedView (--view) or LatestFrame (the daemon's frame.jpg): given every
+    # answer, and (when its every_frame says so) every source frame, once, in source order
+    view: Any = None
 
     def share(self, live: bool) -> int:
         """Most frames of this stream in the pipeline at once."""
@@ -151,6 +154,12 @@ class _Taken:
     reused: bool = False
 
 
+@dataclass
+class _Passed:
+    """A frame the view is shown but the model is not (skipped by --every / --fps), in frame order."""
+    frame: Frame
+
+
 class FrameFilter:
     """--every N and --fps F: which source frames to process at all.
 
@@ -191,7 +200,10 @@ def run_stream(pipeline: Pipeline, source: Source, options: StreamOptions,
     pool = options.pool
     # in frame order: the frames in flight (at most the share) and the reused or failed ones
     # between them; when it is full the reader waits (files) or the slot drops (live)
-    pending: queue.Queue = queue.Queue(maxsize=share_size + PENDING_EXTRA)
+    view = options.view
+    every_frame = view is not None and view.every_frame
+    # a view of a file is shown the skipped frames in order too: room for those between answers
+    pending: queue.Queue = queue.Queue(maxsize=share_size * (options.every if every_frame else 1) + PENDING_EXTRA)
     slot = LatestSlot() if source.live else None
     frame_filter = FrameFilter(options.every, options.fps)
     taken = 0
@@ -257,8 +269,12 @@ def run_stream(pipeline: Pipeline, source: Source, options: StreamOptions,
                     continue
                 if frame is None:
                     break
+                if every_frame and slot is not None:
+                    view.frame(frame)  # live: shown as it comes, with the latest answer there is
                 if not frame_filter.keep(frame):
                     summary.skipped += 1
+                    if every_frame and slot is None:
+                        pending.put(_Passed(frame))
                 elif slot is not None:
                     slot.put(frame)
                 else:
@@ -307,8 +323,16 @@ def run_stream(pipeline: Pipeline, source: Source, options: StreamOptions,
                 summary.errors += 1
                 emit({"error": str(item)})
                 continue
+            if isinstance(item, _Passed):
+                view.frame(item.frame)
+                continue
             summary.dropped = slot.dropped if slot is not None else 0
-            emit(_answer(item, summary))
+            record = _answer(item, summary)
+            if view is not None:
+                view.answer(item.frame, record)
+                if every_frame and slot is None:
+                    view.frame(item.frame)
+            emit(record)
     finally:
         stop.set()
         source.close()  # wakes a reader waiting on a camera or a paced source
