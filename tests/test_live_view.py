@@ -73,6 +73,13 @@ def test_the_page_shows_a_running_streams_frame_and_answer_within_3_s_and_follow
             # the daemon's answers are what the page showed (one listener: the page's /v1/events)
             assert http.get("/v1/streams/yard").json()["listeners"] == 1
             assert d.service.streams.listener_count() == 1
+            # an alert event (issue 23's alerts send them on the stream's events) is a badge on its card
+            alert = {"stream": "yard", "alert": "person", "state": "true", "frame": 7, "time": time.time()}
+            d.service.streams.get("yard")._post(alert)
+            badge = "document.querySelector('[data-stream=yard] .alert')?.textContent"
+            wait_until(lambda: browser.evaluate(badge) == "person: true", 5, "the alert's badge")
+            d.service.streams.get("yard")._post({**alert, "state": "false"})
+            wait_until(lambda: browser.evaluate(badge) == "person: false", 5, "the alert's new state")
 
 
 @needs_browser
