@@ -83,7 +83,7 @@ def live_view_routes(service: Service, read_json: Callable[..., Awaitable[object
         stream = service.streams.get(http.path_params["id"])  # 404 for no such stream
         latest = stream.latest
         # encoding (a few ms for 640 px) off the event loop; a frame already encoded is not encoded again
-        encoded = await asyncio.to_thread(latest.jpeg)
+        encoded = latest.cached() or await asyncio.to_thread(latest.jpeg)
         if encoded is None:
             raise ApiError(f"stream {stream.spec.id!r} has no answered frame yet", status=404, code="no_frame")
         number, data = encoded

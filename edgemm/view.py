@@ -99,6 +99,12 @@ class LatestFrame:
     def frame(self, frame: Frame) -> None:
         pass
 
+    def cached(self) -> tuple[int, bytes] | None:
+        """The latest answer's JPEG if it was encoded already, else None (then: jpeg())."""
+        with self._lock:
+            encoded = self._encoded
+            return encoded if encoded is not None and encoded[0] == self._number else None
+
     def jpeg(self) -> tuple[int, bytes] | None:
         """(the answer's number, the JPEG), or None before the first answer."""
         with self._lock:

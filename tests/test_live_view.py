@@ -189,13 +189,16 @@ def test_latest_frame_is_encoded_once_per_answer_and_bounded():
     big = make_scene(3, size=1000).image
     frame = type("F", (), {"image": big})()
     latest.answer(frame, {"answer": "red"})
+    assert latest.cached() is None  # not encoded until someone asks
     number, data = latest.jpeg()
     assert latest.jpeg()[1] is data  # the same bytes: not encoded again for a second viewer
+    assert latest.cached() == (number, data)
     image = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR)
     assert max(image.shape[:2]) == JPEG_MAX_SIDE
     latest.answer(frame, {"error": "x"})  # an error has no frame to show: the last one stays
     assert latest.jpeg()[0] == number
     latest.answer(frame, {"answer": "blue"})
+    assert latest.cached() is None  # a new answer: the old JPEG is not served for it
     assert latest.jpeg()[0] == number + 1
 
 

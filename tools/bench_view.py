@@ -10,8 +10,8 @@ Each round measures, in turn (order reversed every other round, so drift hits al
 
   none      nothing attached
   requests  what the page asks of the daemon, without a browser: a client in this process
-            reading GET /v1/events and fetching frame.jpg after each event, one at a time
-            (the page's rule), over the UNIX socket
+            reading GET /v1/events and fetching frame.jpg after an event, at most 5 times a
+            second (the page's rule), over the UNIX socket
   browser   the live view page open in a headless chromium (tools/headless_browser.py) over
             TCP, on the same machine: its own CPU competes with the daemon's, which a
             browser on another computer would not
@@ -52,6 +52,7 @@ from headless_browser import HeadlessBrowser  # noqa: E402
 
 STREAM = "bench"
 MODES = ("none", "requests", "browser")
+FRAME_INTERVAL_S = 0.2  # the page fetches a stream's frame at most 5 times a second (FRAME_INTERVAL_MS)
 
 
 def cpu_s(pid: int) -> float:
@@ -132,6 +133,7 @@ class PageRequests:
         self.thread.start()
 
     def _run(self) -> None:
+        last_frame = 0.0
         with client(self.sock, 30) as events, client(self.sock, 30) as frames, \
                 events.stream("GET", "/v1/events") as response:
             for line in response.iter_lines():
@@ -139,8 +141,10 @@ class PageRequests:
                     return
                 if line.startswith("data: "):
                     self.events += 1
-                    if frames.get(f"/v1/streams/{STREAM}/frame.jpg").status_code == 200:
-                        self.frames += 1
+                    if time.monotonic() - last_frame >= FRAME_INTERVAL_S:  # the page's rule, as index.html has it
+                        last_frame = time.monotonic()
+                        if frames.get(f"/v1/streams/{STREAM}/frame.jpg").status_code == 200:
+                            self.frames += 1
 
     def ready(self) -> bool:
         return self.events > 0
@@ -194,6 +198,7 @@ def main() -> None:
     ap.add_argument("--source", default="synthetic://")
     ap.add_argument("--warmup", type=float, default=15.0, help="seconds the stream runs before the first round")
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # a kill still stops the daemon and the browser
     daemon = Daemon([{"id": STREAM, "source": args.source, "prompt": "what color is the circle ?",
                       "max_new_tokens": 2}], args.threads)
     time.sleep(args.warmup)  # the first seconds of a stream are slower (caches, the scheduler's statistics)

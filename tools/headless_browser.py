@@ -11,9 +11,12 @@ Playwright would want its own browser download; this uses whichever chromium the
 from __future__ import annotations
 
 import base64
+import contextlib
 import itertools
 import json
+import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -42,7 +45,8 @@ class HeadlessBrowser:
             [binary, "--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-extensions",
              "--disable-background-networking", "--mute-audio", f"--user-data-dir={self.profile}",
              "--remote-debugging-port=0", f"--window-size={width},{height}", url],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True)  # its own process group: close() ends the renderers and helpers too
         self._ids = itertools.count(1)
         try:
             port = self._debugging_port(timeout_s)
@@ -110,11 +114,13 @@ class HeadlessBrowser:
         if socket is not None:
             socket.close()
         if self.process.poll() is None:
-            self.process.terminate()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGTERM)
             try:
                 self.process.wait(10)
             except subprocess.TimeoutExpired:
-                self.process.kill()
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()
         shutil.rmtree(self.profile, ignore_errors=True)
 
