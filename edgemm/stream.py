@@ -208,6 +208,7 @@ def run_stream(pipeline: Pipeline, source: Source, options: StreamOptions,
     frame_filter = FrameFilter(options.every, options.fps)
     taken = 0
     last: Future | None = None  # the last processed frame's answer: what a reused frame is given
+    last_prompt = options.prompt  # what `last` answered: a new prompt (PATCH) is never answered with it
     started = time.perf_counter()
 
     def take_share() -> None:
@@ -229,17 +230,18 @@ def run_stream(pipeline: Pipeline, source: Source, options: StreamOptions,
     def submit(frame: Frame) -> bool:
         """A frame holding a share: into the pipeline, or answered with the last processed
         frame's answer when the gate says it barely changed. False once max_frames were taken."""
-        nonlocal taken, last
+        nonlocal taken, last, last_prompt
         if options.max_frames is not None and taken >= options.max_frames:
             give_back()
             stop.set()
             return False
         taken += 1
         try:
-            if gate is not None and gate(frame.image) and last is not None:
+            prompt = options.prompt  # read once: the daemon may change it meanwhile
+            if gate is not None and gate(frame.image) and last is not None and last_prompt == prompt:
                 future, reused = last, True
             else:
-                request = Request(frame.image, options.prompt, dict(options.generation), tag=frame)
+                request = Request(frame.image, prompt, dict(options.generation), tag=frame)
                 if options.route is not None:
                     request.options["route"] = options.route()
                 # The shares keep the pipeline's inbox from filling, so this does not wait in
@@ -253,7 +255,7 @@ def run_stream(pipeline: Pipeline, source: Source, options: StreamOptions,
         else:
             future.add_done_callback(give_back)
             future.add_done_callback(forget_if_failed)
-            last = future
+            last, last_prompt = future, prompt
         pending.put(_Taken(frame, future, reused))
         return True
 

@@ -183,6 +183,29 @@ def test_a_browser_that_does_not_read_loses_the_oldest_events_counted(runtime):
         d._loop.call_soon_threadsafe(manager.unlisten_all, listener)
 
 
+def test_a_new_prompt_is_asked_even_of_a_scene_the_change_gate_would_answer_again(runtime):
+    """PATCH on a static camera with change_threshold: the reused answer was to the old prompt."""
+    from test_stream import FAST, StaticLiveSource, run_in_thread
+
+    from edgemm.stream import StreamOptions
+    source = StaticLiveSource(count=8)
+    options = StreamOptions(COLOUR, change_threshold=1.0, generation=FAST)
+    records = []
+
+    def emit(record):
+        records.append(record)
+        if len(records) == 3:
+            options.prompt = COUNT  # what ManagedStream.change_prompt does
+        source.emitted.release()
+
+    run_in_thread(runtime, source, options, emit)
+    asked = [r["reused"] for r in records]
+    assert asked[:3] == [False, True, True]
+    first_after = next(i for i in range(3, 8) if not asked[i])  # the next frame taken is asked anew
+    assert first_after <= 4 and all(asked[first_after + 1:])
+    assert records[first_after]["answer"] != records[0]["answer"]  # a count, not a colour
+
+
 def test_latest_frame_is_encoded_once_per_answer_and_bounded():
     latest = LatestFrame()
     assert latest.jpeg() is None
