@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from test_server import assert_error, raw_client, running, sock_path, wait_until
 
+import edgemm.view
 from edgemm.cli import main
 from edgemm.opencv import cv2
 from edgemm.scenes import make_scene
@@ -286,9 +287,28 @@ def test_view_to_a_folder_draws_each_answer_on_its_frames(tmp_path):
     ("gopher://x", "unknown scheme"),
     ("rtp://host", "an RTP output is rtp://host:port"),
     ("display://zero", "a display is display://N"),
+    ("display://0", "no display here (DISPLAY is not set)"),
+    ("rtp://127.0.0.1:5000", "rtp:// needs OpenCV built with GStreamer"),
 ])
-def test_a_view_that_cannot_work_is_one_line_and_exit_2(out, message, tmp_path):
+def test_a_view_that_cannot_work_is_one_line_and_exit_2(out, message, tmp_path, monkeypatch):
     out, message = out.format(tmp=tmp_path), message.format(tmp=tmp_path)
+    monkeypatch.delenv("DISPLAY", raising=False)
+    monkeypatch.delenv("WAYLAND_DISPLAY", raising=False)
+    monkeypatch.setattr(edgemm.view, "gstreamer_available", lambda: False)  # as PyPI's OpenCV
     result = run_cli(["stream", "synthetic://?count=1", "--view", out])
     assert result.exit_code == 2
     assert message in result.output and "Traceback" not in result.output
+
+
+def test_rtp_without_an_h264_encoder_is_refused(monkeypatch):
+    monkeypatch.setattr(edgemm.view, "gstreamer_available", lambda: True)
+    monkeypatch.setattr(edgemm.view, "gstreamer_element_exists", lambda name: False)
+    result = run_cli(["stream", "synthetic://?count=1", "--view", "rtp://127.0.0.1:5000"])
+    assert result.exit_code == 2 and "GStreamer has no H.264 encoder (nvv4l2h264enc or x264enc)" in result.output
+
+
+def test_the_rtp_pipeline_uses_the_jetsons_encoder_where_there_is_one(monkeypatch):
+    monkeypatch.setattr(edgemm.view, "gstreamer_element_exists", lambda name: name == "nvv4l2h264enc")
+    assert "nvv4l2h264enc" in edgemm.view._h264_encoder()
+    monkeypatch.setattr(edgemm.view, "gstreamer_element_exists", lambda name: name == "x264enc")
+    assert edgemm.view._h264_encoder().startswith("x264enc")
