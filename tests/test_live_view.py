@@ -45,6 +45,7 @@ def page_cards(browser: HeadlessBrowser) -> dict:
         c.dataset.stream, {answer: c.querySelector('.answer').textContent,
                            frame_width: c.querySelector('img.frame').naturalWidth,
                            state: c.querySelector('.state').textContent,
+                           age: c.querySelector('.age').textContent,
                            tier: c.querySelector('.tier').textContent}])))""")
 
 
@@ -67,6 +68,8 @@ def test_the_page_shows_a_running_streams_frame_and_answer_within_3_s_and_follow
                 time.sleep(0.05)
             assert card and card["answer"] and card["frame_width"] > 0, f"within 3 s the page showed {card}"
             assert card["state"] == "running" and card["tier"] == "low"
+            wait_until(lambda: shown(browser)["yard"]["age"].endswith(" s"), 2, "the frame's age")
+            assert 0 <= float(shown(browser)["yard"]["age"][:-2]) < 10  # capture to answer, plus since then
             # the scenes change every frame, so do the colours: the page follows the answers
             answers = {card["answer"]}
             wait_until(lambda: answers.add(shown(browser)["yard"]["answer"]) or len(answers) >= 3, 15,
