@@ -164,6 +164,22 @@ def test_the_all_streams_listener_is_one_of_max_stream_listeners(runtime):
         wait_until(lambda: d.service.streams.listener_count() == 0, 10, "the listener to go")
 
 
+def test_stopping_the_daemon_ends_the_all_streams_listener_even_with_no_stream(runtime):
+    from test_server import in_background
+
+    def read_all(path: str) -> int:
+        with raw_client(path) as http, http.stream("GET", "/v1/events") as response:
+            return sum(1 for _ in response.iter_lines())
+
+    with running(runtime) as d:
+        thread, _ = in_background(read_all, sock_path(d))
+        wait_until(lambda: d.service.streams.all_listeners, 10, "the listener")
+        started = time.monotonic()
+        d.stop()
+        thread.join(30)
+        assert not thread.is_alive() and time.monotonic() - started < 10  # not its 15 s keepalive, nor a timeout
+
+
 def test_a_browser_that_does_not_read_loses_the_oldest_events_counted(runtime):
     """A page that stops reading /v1/events: the stream goes on, the listener's buffer stays at
     EVENTS_BUFFER, and what it lost is counted in the stream's `lagged`."""
