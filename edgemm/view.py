@@ -188,9 +188,9 @@ def _check_rtp(out: str) -> ViewTarget:
 def _h264_encoder() -> str | None:
     """The GStreamer pipeline's encoding part: the Jetson's hardware encoder, else x264."""
     if gstreamer_element_exists("nvv4l2h264enc"):
-        return "nvvidconv ! video/x-raw(memory:NVMM) ! nvv4l2h264enc insert-sps-pps=true ! h264parse"
+        return "nvvidconv ! video/x-raw(memory:NVMM) ! nvv4l2h264enc insert-sps-pps=true"
     if gstreamer_element_exists("x264enc"):
-        return "x264enc tune=zerolatency speed-preset=ultrafast ! h264parse"
+        return "x264enc tune=zerolatency speed-preset=ultrafast"
     return None
 
 

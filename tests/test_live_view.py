@@ -331,3 +331,23 @@ def test_the_rtp_pipeline_uses_the_jetsons_encoder_where_there_is_one(monkeypatc
     assert "nvv4l2h264enc" in edgemm.view._h264_encoder()
     monkeypatch.setattr(edgemm.view, "gstreamer_element_exists", lambda name: name == "x264enc")
     assert edgemm.view._h264_encoder().startswith("x264enc")
+
+
+def test_view_to_rtp_sends_h264_over_rtp(tmp_path):
+    """The real GStreamer pipeline: runs where OpenCV has GStreamer and x264enc (CI's Jetson
+    stand-in: Debian's python3-opencv and GStreamer's good and ugly plugins; on a Jetson,
+    nvv4l2h264enc)."""
+    from edgemm.sources import gstreamer_available, gstreamer_element_exists
+    needed = ("appsrc", "videoconvert", "rtph264pay", "udpsink")
+    if not gstreamer_available() or not all(map(gstreamer_element_exists, needed)) \
+            or edgemm.view._h264_encoder() is None:
+        pytest.skip("needs OpenCV with GStreamer, an H.264 encoder, rtph264pay and udpsink (.ci/run's Jetson install)")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as receiver:
+        receiver.bind(("127.0.0.1", 0))
+        receiver.settimeout(30)
+        port = receiver.getsockname()[1]
+        result = run_cli(["stream", "synthetic://?count=10", "--prompt", COLOUR, "--max-new-tokens", "2",
+                          "--view", f"rtp://127.0.0.1:{port}", "--out", str(tmp_path / "a.jsonl")])
+        assert result.exit_code == 0, result.output
+        packet = receiver.recv(65536)  # the datagrams sent meanwhile wait in the socket's buffer
+    assert packet[0] >> 6 == 2 and packet[1] & 0x7F == 96  # RTP version 2, the payload type rtph264pay was given
