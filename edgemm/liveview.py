@@ -39,9 +39,10 @@ def page() -> bytes:
     return resources.files("edgemm").joinpath("web/index.html").read_bytes()
 
 
-def event_text(record: dict) -> str:
-    """One SSE event: an alert (a record naming an alert) as `event: alert`, a result as a plain one."""
-    kind = "event: alert\n" if "alert" in record else ""
+def event_text(record: dict, event: str | None) -> str:
+    """One SSE event: a result as a plain one, an alert's change as `event: alert` (as the stream's own
+    /v1/streams/{id}/events sends them; their ids are per stream, so none is sent here)."""
+    kind = f"event: {event}\n" if event else ""
     return f"{kind}data: {json.dumps(record)}\n\n"
 
 
@@ -73,7 +74,8 @@ def live_view_routes(service: Service, read_json: Callable[..., Awaitable[object
                         continue
                     if item is END:
                         break
-                    yield event_text(item[1])
+                    _, record, event = item
+                    yield event_text(record, event)
             finally:
                 manager.unlisten_all(listener)
 

@@ -59,6 +59,9 @@ class StreamOptions:
     # edgemm.view's AnnotatedView (--view) or LatestFrame (the daemon's frame.jpg): given every
     # answer, and (when its every_frame says so) every source frame, once, in source order
     view: Any = None
+    # called with each frame that went into the pipeline (not a reused one), right after it:
+    # the daemon's alerts ask their questions about it (edgemm.alerts); must not wait
+    also_ask: Callable[[Frame], None] | None = None
 
     def share(self, live: bool) -> int:
         """Most frames of this stream in the pipeline at once."""
@@ -256,6 +259,8 @@ def run_stream(pipeline: Pipeline, source: Source, options: StreamOptions,
             future.add_done_callback(give_back)
             future.add_done_callback(forget_if_failed)
             last, last_prompt = future, prompt
+            if options.also_ask is not None:
+                options.also_ask(frame)
         pending.put(_Taken(frame, future, reused))
         return True
 

@@ -77,12 +77,12 @@ def test_the_page_shows_a_running_streams_frame_and_answer_within_3_s_and_follow
             # the daemon's answers are what the page showed (one listener: the page's /v1/events)
             assert http.get("/v1/streams/yard").json()["listeners"] == 1
             assert d.service.streams.listener_count() == 1
-            # an alert event (issue 23's alerts send them on the stream's events) is a badge on its card
+            # an alert's change (edgemm.alerts posts them to the stream's listeners) is a badge on its card
             alert = {"stream": "yard", "alert": "person", "state": "true", "frame": 7, "time": time.time()}
-            d.service.streams.get("yard")._post(alert)
+            d.service.streams.get("yard")._post_alert(alert)
             badge = "document.querySelector('[data-stream=yard] .alert')?.textContent"
             wait_until(lambda: browser.evaluate(badge) == "person: true", 5, "the alert's badge")
-            d.service.streams.get("yard")._post({**alert, "state": "false"})
+            d.service.streams.get("yard")._post_alert({**alert, "state": "false"})
             wait_until(lambda: browser.evaluate(badge) == "person: false", 5, "the alert's new state")
 
 
@@ -351,3 +351,19 @@ def test_view_to_rtp_sends_h264_over_rtp(tmp_path):
         assert result.exit_code == 0, result.output
         packet = receiver.recv(65536)  # the datagrams sent meanwhile wait in the socket's buffer
     assert packet[0] >> 6 == 2 and packet[1] & 0x7F == 96  # RTP version 2, the payload type rtph264pay was given
+
+
+@needs_browser
+def test_the_page_shows_a_real_streams_alert_states(runtime):
+    """edgemm.alerts on a running stream: the page's badge for it is its state (from /v1/alerts and
+    the alert events on /v1/events), true or false, never stuck at nothing."""
+    stream = {"id": "yard", "source": "synthetic://?fps=10", "prompt": COLOUR, "tier": "low", "max_new_tokens": 2,
+              "alerts": {"many": {"prompt": COUNT, "above": 2, "on_after": 1, "off_after": 1}}}
+    with running(runtime, {"streams": [stream]}, tcp_port=0) as d, raw_client(sock_path(d)) as http:
+        wait_until(lambda: http.get("/v1/alerts").json()["data"][0]["state"] != "unknown", 30, "the alert's first state")
+        with HeadlessBrowser(tcp_url(d)) as browser:
+            badge = "document.querySelector('[data-stream=yard] .alert')?.textContent || ''"
+            wait_until(lambda: browser.evaluate(badge) in ("many: true", "many: false"), 10, "the alert's badge")
+            states = {browser.evaluate(badge)}
+            # scenes of 1 to 6 shapes: the state goes both ways, and the badge with it
+            wait_until(lambda: states.add(browser.evaluate(badge)) or len(states) == 2, 30, "the badge to change")
