@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""The README's screenshot of the live view: a daemon with two synthetic:// streams, the page
+"""The README's screenshot of the live view: a daemon with two synthetic:// streams (one with two
+alerts), the page
 in a headless chromium (tools/headless_browser.py), a PNG once both streams show a frame.
 
     python tools/live_view_screenshot.py [--out docs/live-view.png]
@@ -19,9 +20,12 @@ from headless_browser import HeadlessBrowser  # noqa: E402
 STREAMS = [{"id": "yard", "source": "synthetic://?fps=2&seed=5", "prompt": "what color is the circle ?",
             "max_new_tokens": 3},
            {"id": "door", "source": "synthetic://?fps=2&seed=40", "prompt": "how many shapes are there ?",
-            "max_new_tokens": 3}]
+            "max_new_tokens": 3,
+            "alerts": {"crowd": {"prompt": "how many shapes are there ?", "above": 2, "on_after": 1, "off_after": 1},
+                       "red": {"prompt": "what color is the circle ?", "match": "red", "on_after": 1}}}]
 SHOWN = ("[...document.querySelectorAll('.card')].length === 2 && [...document.querySelectorAll('.card')]"
-         ".every(c => c.querySelector('img.frame').naturalWidth > 0 && c.querySelector('.answer').textContent)")
+         ".every(c => c.querySelector('img.frame').naturalWidth > 0 && c.querySelector('.answer').textContent)"
+         " && document.querySelectorAll('.alert').length === 2")
 
 
 WIDTH, HEIGHT = 1100, 640
