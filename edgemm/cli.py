@@ -291,9 +291,12 @@ class JsonLines:
 @click.option("--max-new-tokens", type=int, help=f"Most tokens per answer, 1..{MAX_NEW_TOKENS}.")
 @click.option("--latency", "latency_ms", type=click.IntRange(0), default=200, show_default=True,
               help="RTSP jitter buffer in ms.")
+@click.option("--view", "view_out", metavar="OUT",
+              help="Draw each answer on the frames and write them to OUT: a .mp4/.avi file, a folder/, "
+                   "display://0 or rtp://host:port.")
 @reports_errors
 def stream(source_uri, prompt, fps, every, max_frames, out, change_threshold, tier, precision,
-           model_dir, config_path, max_new_tokens, latency_ms) -> None:
+           model_dir, config_path, max_new_tokens, latency_ms, view_out) -> None:
     """Answer PROMPT about every frame of SOURCE, one JSON object per line.
 
     SOURCE: csi://0, v4l2:///dev/video0, rtsp://host/path, a video file, an image,
@@ -310,7 +313,10 @@ def stream(source_uri, prompt, fps, every, max_frames, out, change_threshold, ti
     from edgemm.runtime import Runtime
     from edgemm.sources import open_source
     from edgemm.stream import StreamOptions, run_stream
+    from edgemm.view import open_view, parse_view
 
+    if view_out is not None:
+        parse_view(view_out)  # a --view that cannot work is said before anything opens
     cfg = build_config(config_path, model_dir, precision)
     # a camera that does not open now is reported (exit 2), not waited for; one that opens
     # and later stops delivering is reopened with backoff
@@ -321,8 +327,10 @@ def stream(source_uri, prompt, fps, every, max_frames, out, change_threshold, ti
     sink = JsonLines(out)  # so is an --out that cannot be written
     runtime = Runtime(cfg, concurrent=True)
     generation = {k: v for k, v in (("tier", tier), ("max_new_tokens", max_new_tokens)) if v is not None}
+    # the output keeps the source's frame rate: every source frame is written, with the latest answer
+    view = open_view(view_out, getattr(source, "fps", 0.0)) if view_out is not None else None
     options = StreamOptions(prompt=prompt, every=every, fps=fps, max_frames=max_frames,
-                            change_threshold=change_threshold, generation=generation)
+                            change_threshold=change_threshold, generation=generation, view=view)
     stop = threading.Event()
 
     def on_signal(signum, _frame) -> None:
@@ -344,6 +352,8 @@ def stream(source_uri, prompt, fps, every, max_frames, out, change_threshold, ti
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         sink.close()
+        if view is not None:
+            view.close()
     click.echo("edgemm: summary: " + json.dumps(summary.to_dict()), err=True)
 
 

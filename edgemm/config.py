@@ -302,7 +302,7 @@ class ServerConfig:
     remote_images: bool = False  # fetch http(s) image URLs; off = refused with 400
     remote_timeout_s: float = 10.0  # time allowed to fetch one http(s) image
     max_streams: int = 4  # camera streams run by the daemon at once (config and POST /v1/streams)
-    max_stream_listeners: int = 16  # GET /v1/streams/{id}/events open at once (all streams); more get 503. Not counted in max_connections
+    max_stream_listeners: int = 16  # GET /v1/streams/{id}/events and /v1/events open at once (all streams); more get 503. Not counted in max_connections
 
     def validate(self, path: str) -> None:
         if self.socket is not None:

@@ -27,6 +27,7 @@ from starlette.routing import Route
 
 from edgemm.errors import EdgemmError
 from edgemm.generation_limits import LimitError, check_text
+from edgemm.liveview import live_view_routes
 from edgemm.metrics import CONTENT_TYPE, MeasuredApp
 from edgemm.openai_api import (DEFAULT_PROMPT, ApiError, completion, error_body, generation_options, load_image_url,
                                parse_chat_request, parse_json_body)
@@ -311,6 +312,7 @@ def create_app(service: Service) -> MeasuredApp:
         Route("/readyz", api.readyz, methods=["GET"]),
         Route("/metrics", api.metrics_text, methods=["GET"]),
     ]
+    routes += live_view_routes(service, api.read_json)  # GET /, /v1/events, frame.jpg, PATCH a stream
 
     async def on_error(http: HttpRequest, error: Exception) -> Response:
         status, kind, message = describe(error)

@@ -774,6 +774,11 @@ class VideoFileSource(CaptureSource):
         self.path = path
         self._fps = 0.0
 
+    @property
+    def fps(self) -> float:
+        """The file's nominal frame rate, once open (0 when it does not say): `--view`'s output rate."""
+        return self._fps
+
     def _preflight(self) -> None:
         _require_regular_file(self.path)
 

@@ -33,7 +33,7 @@ import re
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from edgemm.alerts import ALERT_SHARE, StreamAlerts, check_webhooks, without_secrets
@@ -43,6 +43,7 @@ from edgemm.errors import EdgemmError, InputError
 from edgemm.pipeline import Pipeline
 from edgemm.sources import Source, SourceError, SourceUnusable, check_uri, open_source, parse_uri
 from edgemm.stream import StreamOptions, run_stream
+from edgemm.view import LatestFrame
 
 log = logging.getLogger("edgemm")
 
@@ -96,6 +97,24 @@ def stream_spec(data: object) -> StreamConfig:
         raise StreamSpecError(detail, named.group(1) if named else None) from None
 
 
+class AllStreamsListener(asyncio.Queue):
+    """One listener on every stream (GET /v1/events, the live view page's): the same queue sits
+    in each stream's listeners, so it is bounded, and loses its oldest results, like any other
+    listener. One stream's end is not its end: only close() is (the daemon drains)."""
+
+    def __init__(self):
+        super().__init__(EVENTS_BUFFER + 1)  # + room for END
+
+    def put_nowait(self, item) -> None:
+        if item is not END:
+            super().put_nowait(item)
+
+    def close(self) -> None:
+        if self.full():
+            self.get_nowait()
+        super().put_nowait(END)
+
+
 @dataclass
 class StreamFigures:
     state: str = "starting"  # starting | running | retrying | failed | ended | stopped
@@ -116,6 +135,8 @@ class ManagedStream:
         self.spec, self.pipeline, self.loop, self.route = spec, pipeline, loop, route
         self.pool = pool  # the manager's: frames in flight of all streams together
         self.figures = StreamFigures()
+        self.latest = LatestFrame()  # the last answered frame, for GET /v1/streams/{id}/frame.jpg
+        self._options: StreamOptions | None = None  # the current run's: where a new prompt goes
         self.listeners: set[asyncio.Queue] = set()  # touched only from the event loop
         self.lagged = 0  # results (and alert events) a slow listener missed
         self.alerts_lagged = 0  # ... of which alert events
@@ -139,6 +160,13 @@ class ManagedStream:
                 # a live camera that stops delivering is first reopened by the source itself
                 "source_reconnects": source.stats.reconnects if source is not None else 0,
                 "listeners": len(self.listeners), "lagged": self.lagged}
+
+    def change_prompt(self, spec: StreamConfig) -> None:
+        """PATCH /v1/streams/{id}: frames submitted from now on are asked `spec.prompt`."""
+        self.spec = replace(self.spec, prompt=spec.prompt)
+        options = self._options
+        if options is not None:
+            options.prompt = spec.prompt  # read by the stream's feeding thread for each frame it submits
 
     def listen(self) -> asyncio.Queue:
         queue: asyncio.Queue = asyncio.Queue(EVENTS_BUFFER + 1)  # + room for END
@@ -216,7 +244,10 @@ class ManagedStream:
             options = StreamOptions(prompt=spec.prompt, every=spec.every, fps=spec.fps,
                                     change_threshold=spec.change_threshold, generation=generation,
                                     route=self.route, live_inflight=STREAM_SHARE, lossless_inflight=STREAM_SHARE,
-                                    pool=self.pool, also_ask=self.alerts.ask if self.alerts is not None else None)
+                                    pool=self.pool, view=self.latest,
+                                    also_ask=self.alerts.ask if self.alerts is not None else None)
+            self._options = options
+            options.prompt = self.spec.prompt  # a prompt changed while the run was being set up
             run_stream(self.pipeline, self._source, options, lambda record: self._emit(record, failure), run_stop)
         except SourceUnusable:
             raise
@@ -322,6 +353,7 @@ class StreamManager:
         self.alert_pool = threading.BoundedSemaphore(limit * ALERT_SHARE)  # the alerts' questions, likewise
         self.route = route  # the power policy's local placement, asked per frame (Router.local_route)
         self.streams: dict[str, ManagedStream] = {}
+        self.all_listeners: set[AllStreamsListener] = set()  # GET /v1/events
         self.loop: asyncio.AbstractEventLoop | None = None
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -377,6 +409,7 @@ class StreamManager:
             _api_may_start(kind)
             _api_may_use_tokens(spec)
         stream = ManagedStream(spec, self.pipeline, self.loop, self.route, self.pool, self.alert_pool)
+        stream.listeners.update(self.all_listeners)
         self.streams[spec.id] = stream
         stream.start()
         return stream
@@ -389,8 +422,30 @@ class StreamManager:
             raise StreamSpecError(str(e), "source") from None
 
     def listener_count(self) -> int:
-        """SSE listeners of every stream (server.max_stream_listeners bounds them)."""
-        return sum(len(s.listeners) for s in self.streams.values())
+        """SSE listeners of every stream, and of all streams at once, each counted once
+        (server.max_stream_listeners bounds them)."""
+        return len(self.all_listeners) + sum(len(s.listeners - self.all_listeners) for s in self.streams.values())
+
+    def listen_all(self) -> AllStreamsListener:
+        """A listener on every stream, those running and those added later (from the event loop)."""
+        listener = AllStreamsListener()
+        self.all_listeners.add(listener)
+        for stream in self.streams.values():
+            stream.listeners.add(listener)
+        return listener
+
+    def unlisten_all(self, listener: AllStreamsListener) -> None:
+        self.all_listeners.discard(listener)
+        for stream in self.streams.values():
+            stream.listeners.discard(listener)
+
+    def change_prompt(self, stream_id: str, prompt: object) -> ManagedStream:
+        """A running stream's new prompt, checked as POST /v1/streams checks it (400 if wrong)."""
+        stream = self.get(stream_id)
+        spec = stream_spec({**asdict(stream.spec), "prompt": prompt})
+        self.check_settings(spec)
+        stream.change_prompt(spec)
+        return stream
 
     def get(self, stream_id: str) -> ManagedStream:
         try:
@@ -407,6 +462,13 @@ class StreamManager:
     def stop_all(self) -> None:
         for stream in self.streams.values():
             stream.stop()
+        if self.loop is not None:  # the listeners on all streams end now: the daemon is draining
+            with contextlib.suppress(RuntimeError):
+                self.loop.call_soon_threadsafe(self._close_all_listeners)
+
+    def _close_all_listeners(self) -> None:
+        for listener in self.all_listeners:
+            listener.close()
 
     def join(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
