@@ -46,13 +46,14 @@ class InferenceResult:
     decode_batch: int = 1  # most requests decoded together with this one at once (itself included)
     decoder_steps: int = 0  # decoder calls after the prefill that gave it tokens (beam search: rows stepped)
     warnings: list[str] = field(default_factory=list)  # one line each: e.g. words the model cannot read
+    precision_choice: dict[str, str] = field(default_factory=dict)  # precision auto: component → why that variant
 
     def to_dict(self) -> dict:
         """The result as plain data for JSON. Containers are copied one level deep: asdict's
         full recursion was a noticeable part of the daemon's own time per request."""
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         d.update(tokens=list(self.tokens), devices=dict(self.devices), schedule=dict(self.schedule),
-                 warnings=list(self.warnings),
+                 warnings=list(self.warnings), precision_choice=dict(self.precision_choice),
                  timings_ms={k: round(v, 3) for k, v in self.timings_ms.items()})
         return d
 
@@ -133,4 +134,4 @@ class RequestBatch(DecodingBatch):
             timings_ms={**request.timings_ms, **generation.timings_ms}, model=answering.manifest.name,
             schedule=schedule, prefix_reused=bool(stats.get("prefix_reused")),
             decode_batch=int(stats.get("decode_batch", 1)), decoder_steps=int(stats.get("decoder_rows", 0)),
-            warnings=list(request.warnings))
+            warnings=list(request.warnings), precision_choice=answering.models.precision_choices)

@@ -67,9 +67,9 @@ class Runtime:
             cv2.setNumThreads(1)
         model_dir = Path(self.config.model.path) if self.config.model.path else default_model_dir()
         self.manifest: ModelManifest = load_manifest(model_dir)
-        self.precision = self.config.model.precision
         self.adapter = adapter_for(self.manifest)
         self.models = ModelComponents(self.config, self.manifest, self.adapter.stop_ids, concurrent)
+        self.precision = self.models.precision  # model.precision with `auto` resolved (e.g. q4)
         self.preparation = Preparation(self.config, self.manifest, self.adapter)
         self.encoding = Encoding(self.models, self.preparation, self.manifest)
         self.answering = Answering(self.models, self.encoding, self.adapter, self.manifest)
