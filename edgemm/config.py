@@ -103,8 +103,8 @@ class ModelConfig:
     path: str | None = None  # model folder; null = the built-in tiny-vlm shipped inside the package (edgemm/builtin/tiny-vlm)
     # auto | fp32 | fp16 | int8 | q4 | q4f16 | quantized | uint8 | bnb4: the graphs' variant, by file suffix
     # (decoder_model_merged_q4.onnx …), or the TensorRT engines' (int8 | fp16). auto = the fastest one present
-    # for each component's device: on the CPU q4 > quantized > uint8 > bnb4 > fp32 (never the QDQ int8,
-    # slower than fp32 there), on TensorRT int8 > fp16
+    # for each component's device: on the CPU q4, else fp32 (never the QDQ int8, slower than fp32 there, nor
+    # dynamic int8, whose rows depend on their batch mates), on TensorRT int8 > fp16 (README "Precisions")
     precision: str = "auto"
     engines: str | None = None  # TensorRT engine folder (with manifest.yaml); null = <engines root>/<model name>: $EDGEMM_ENGINES, /var/lib/edgemm/engines for root, else ~/.cache/edgemm/engines
 

@@ -24,10 +24,13 @@ COMPONENTS = ("vision_encoder", "embed_tokens", "decoder")
 PRECISIONS = ("fp32", "fp16", "int8", "q4", "q4f16", "quantized", "uint8", "bnb4")
 QUANTIZE_VARIANTS = ("int8", "q4", "q4f16", "quantized", "fp16", "bnb4")  # tools/quantize.py makes these
 AUTO = "auto"  # model.precision / --precision: the fastest variant present for the device
-# What `auto` takes, fastest first, by backend. onnxruntime's CPU provider: fewest weight bytes
-# per token first (docs/BENCHMARKS.md, "CPU quantization at real size"); never the QDQ int8,
-# slower than fp32 there. TensorRT: its engines are built int8 (from the QDQ graphs) or fp16.
-AUTO_ORDER = {"onnxruntime": ("q4", "quantized", "uint8", "bnb4", "fp32"),
+# What `auto` takes, fastest first, by backend. onnxruntime's CPU provider: q4, the fewest weight
+# bytes per token (docs/BENCHMARKS.md, "CPU quantization at real size"), else fp32. Never the QDQ
+# int8 (slower than fp32 there), nor dynamic int8 (quantized, uint8): it scales the activations
+# per call over the whole batch, so a row's tokens would depend on the rows decoded beside it
+# (tests/test_precisions.py); q4 quantizes them per row and block. bnb4 is unmeasured: by name only.
+# TensorRT: its engines are built int8 (from the QDQ graphs) or fp16.
+AUTO_ORDER = {"onnxruntime": ("q4", "fp32"),
               "tensorrt": ("int8", "fp16")}
 
 
