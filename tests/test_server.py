@@ -168,7 +168,7 @@ def test_openai_client_plain_completion(client, sample):
     extras = answer.model_dump()["edgemm"]
     # the built-in model ships its calibration, so the scheduler's default policy is calibrated
     assert extras["tier"] == extras["schedule"]["tier"] and extras["schedule"]["policy"] == "calibrated"
-    assert extras["precision"] == "fp32"
+    assert extras["precision"] == "q4"  # auto: the built-in model's q4 on a CPU
     assert {"preprocess", "encode", "prefill", "decode", "total"} <= set(extras["timings_ms"])
 
 

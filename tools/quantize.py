@@ -37,6 +37,7 @@ import collections
 import fnmatch
 import json
 import logging
+import multiprocessing
 import shutil
 import sys
 import tempfile
@@ -215,8 +216,7 @@ def activation_ranges(prepared: Path, feeds, method: str, percentile: float, mov
             size = sum(v.nbytes for v in feeds_.values())
             if not first or size < first[1]:
                 first[:] = [feeds_, size]
-            values = session.run([names[i] for i in wanted], feeds_)
-            for i, value in zip(wanted, values):
+            for i, value in zip(wanted, session.run([names[i] for i in wanted], feeds_)):
                 name = names[i][:-len(SAVED)]
                 if not np.issubdtype(value.dtype, np.floating) or value.size == 0:
                     continue
@@ -233,10 +233,20 @@ def activation_ranges(prepared: Path, feeds, method: str, percentile: float, mov
                     largest[name] += MOVING_AVERAGE * (r - largest[name])
                 else:
                     largest[name] = max(largest[name], r)
-            del values
     if method == "percentile":
         largest = {name: float(np.percentile(np.concatenate(parts), percentile)) for name, parts in samples.items()}
     return {name: [{"rmin": np.float32(-r), "rmax": np.float32(r)}] for name, r in largest.items() if r > 0}
+
+
+def in_child(function, *args, **kwargs) -> None:
+    """`function(*args, **kwargs)` in a process of its own: onnxruntime's pre-processing and
+    quantizer hold a real-size graph several times over, and a process keeps the peak of what
+    it ever allocated, on top of the fp32 graphs making the calibration feeds."""
+    child = multiprocessing.get_context("spawn").Process(target=function, args=args, kwargs=kwargs)
+    child.start()
+    child.join()
+    if child.exitcode:
+        raise SystemExit(f"error: {getattr(function, '__name__', function)} failed (exit {child.exitcode})")
 
 
 def quantize_graph(src: Path, dst: Path, feeds, method: str, moving_average: bool = False,
@@ -247,14 +257,14 @@ def quantize_graph(src: Path, dst: Path, feeds, method: str, moving_average: boo
     with tempfile.TemporaryDirectory() as tmp:
         prepared = Path(tmp) / "prepared.onnx"
         # symbolic shape inference gives up on the dynamic image-token axis; onnx shape inference suffices
-        quant_pre_process(str(src), str(prepared), skip_symbolic_shape=True)
+        in_child(quant_pre_process, str(src), str(prepared), skip_symbolic_shape=True)
         # ranges by the prepared graph's tensor names, which its optimisation may have changed
         first: list = []
         overrides = activation_ranges(prepared, feeds, method, percentile, moving_average, first)
         if not first:
             raise SystemExit(f"error: no calibration inputs reached {src.name}")
-        quantize_static(
-            str(prepared), str(dst), OneFeed(first[0]), quant_format=QuantFormat.QDQ,
+        in_child(
+            quantize_static, str(prepared), str(dst), OneFeed(first[0]), quant_format=QuantFormat.QDQ,
             op_types_to_quantize=QUANTIZED_OPS, nodes_to_exclude=excluded, per_channel=True,
             activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
             calibrate_method=CalibrationMethod.MinMax,  # its ranges are all overridden
