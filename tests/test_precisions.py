@@ -18,7 +18,7 @@ from edgemm.config import load_config
 from edgemm.errors import ModelError
 from edgemm.model.hf_folder import precisions_present
 from edgemm.model.manifest import load_manifest
-from edgemm.model.manifest_types import AUTO_ORDER, PRECISIONS
+from edgemm.model.manifest_types import PRECISIONS
 from edgemm.runtime import Runtime
 
 ROOT = Path(__file__).resolve().parent.parent
