@@ -910,7 +910,7 @@ def test_serve_without_a_socket_configured_uses_xdg_runtime_dir(folder, sample):
     try:
         path = str(folder / "edgemm.sock")
         read_until(proc, rf"edgemm: info: listening on {re.escape(path)}$")
-        read_until(proc, r"edgemm: info: ready in \d+\.\d s: tiny-vlm \(fp32\) on ")
+        read_until(proc, r"edgemm: info: ready in \d+\.\d s: tiny-vlm \(q4\) on ")
         with raw_client(path) as http:
             assert http.get("/readyz").status_code == 200
             assert http.post("/v1/infer", params={"max_tokens": 1}, content=sample.read_bytes()).status_code == 200
