@@ -56,6 +56,9 @@ class StreamOptions:
     # so a removed stream whose last frames are still in flight can't push the total past what
     # the pipeline's inbox keeps for streams
     pool: threading.Semaphore | None = None
+    # called with each frame that went into the pipeline (not a reused one), right after it:
+    # the daemon's alerts ask their questions about it (edgemm.alerts); must not wait
+    also_ask: Callable[[Frame], None] | None = None
 
     def share(self, live: bool) -> int:
         """Most frames of this stream in the pipeline at once."""
@@ -242,6 +245,8 @@ def run_stream(pipeline: Pipeline, source: Source, options: StreamOptions,
             future.add_done_callback(give_back)
             future.add_done_callback(forget_if_failed)
             last = future
+            if options.also_ask is not None:
+                options.also_ask(frame)
         pending.put(_Taken(frame, future, reused))
         return True
 

@@ -10,7 +10,9 @@ out. Stopping a stream never closes the pipeline; its frames in flight are answe
 
 Its results go to whoever listens on /v1/streams/{id}/events, through a bounded buffer
 per listener: a listener that falls behind loses the oldest results (counted), never
-the daemon's memory.
+the daemon's memory. A stream's `alerts:` (edgemm.alerts) ask their own questions about
+its frames, in places of their own (ALERT_SHARE), and their state changes go to the same
+listeners as `event: alert` (and to their webhooks).
 
 A stream is "starting" until its source delivers its first frame, then "running". A
 source that fails to open or to deliver (a camera unplugged, a network camera down, a
@@ -34,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from edgemm.alerts import ALERT_SHARE, StreamAlerts, check_webhooks, without_secrets
 from edgemm.backoff import Backoff
 from edgemm.config import ConfigError, LimitsConfig, StreamConfig, config_from_dict
 from edgemm.errors import EdgemmError, InputError
@@ -108,12 +111,16 @@ class StreamFigures:
 
 class ManagedStream:
     def __init__(self, spec: StreamConfig, pipeline: Pipeline, loop: asyncio.AbstractEventLoop,
-                 route: Callable[[], Any] | None = None, pool: threading.Semaphore | None = None):
+                 route: Callable[[], Any] | None = None, pool: threading.Semaphore | None = None,
+                 alert_pool: threading.Semaphore | None = None):
         self.spec, self.pipeline, self.loop, self.route = spec, pipeline, loop, route
         self.pool = pool  # the manager's: frames in flight of all streams together
         self.figures = StreamFigures()
         self.listeners: set[asyncio.Queue] = set()  # touched only from the event loop
-        self.lagged = 0  # results a slow listener missed
+        self.lagged = 0  # results (and alert events) a slow listener missed
+        self.alerts_lagged = 0  # ... of which alert events
+        self.alerts = StreamAlerts(spec.id, spec.alerts, spec.webhook, pipeline, self._post_alert, spec.tier, route,
+                                   alert_pool) if spec.alerts else None
         self.sent = 0  # results delivered: the SSE id of the last one
         self.finished = False  # END was delivered: the stream's thread is done
         self._stop = threading.Event()  # the stream is to stop for good
@@ -128,7 +135,7 @@ class ManagedStream:
         with self._lock:
             figures = asdict(self.figures)
         source = self._source
-        return {"id": self.spec.id, "object": "stream", **asdict(self.spec), **figures,
+        return {"id": self.spec.id, "object": "stream", **without_secrets(asdict(self.spec)), **figures,
                 # a live camera that stops delivering is first reopened by the source itself
                 "source_reconnects": source.stats.reconnects if source is not None else 0,
                 "listeners": len(self.listeners), "lagged": self.lagged}
@@ -140,16 +147,17 @@ class ManagedStream:
         self.listeners.add(queue)
         return queue
 
-    def _deliver(self, record: dict | None) -> None:
-        """To every listener: (the event's id, the result), or END."""
+    def _deliver(self, record: dict | None, event: str | None = None) -> None:
+        """To every listener: (the event's id, the result, its SSE event name: None, or "alert"), or END."""
         self.finished = self.finished or record is END
         if record is not END:
             self.sent += 1  # numbered in order, so a listener that lagged sees the gap
         for queue in self.listeners:
             if record is not END and queue.qsize() >= EVENTS_BUFFER:
-                queue.get_nowait()  # the oldest result makes room
+                _, _, lost = queue.get_nowait()  # the oldest event makes room
                 self.lagged += 1
-            queue.put_nowait(END if record is END else (self.sent, record))
+                self.alerts_lagged += lost == "alert"
+            queue.put_nowait(END if record is END else (self.sent, record, event))
 
     # -- from any thread --
 
@@ -188,6 +196,8 @@ class ManagedStream:
             self._stop.wait(delay)
         if self._stop.is_set():
             self._set(state="stopped")
+        if self.alerts is not None:
+            self.alerts.close()
         self._post(END)
 
     def _run_once(self) -> str | None:
@@ -206,7 +216,7 @@ class ManagedStream:
             options = StreamOptions(prompt=spec.prompt, every=spec.every, fps=spec.fps,
                                     change_threshold=spec.change_threshold, generation=generation,
                                     route=self.route, live_inflight=STREAM_SHARE, lossless_inflight=STREAM_SHARE,
-                                    pool=self.pool)
+                                    pool=self.pool, also_ask=self.alerts.ask if self.alerts is not None else None)
             run_stream(self.pipeline, self._source, options, lambda record: self._emit(record, failure), run_stop)
         except SourceUnusable:
             raise
@@ -244,6 +254,11 @@ class ManagedStream:
         with contextlib.suppress(RuntimeError):  # the loop is gone: the daemon is exiting
             self.loop.call_soon_threadsafe(self._deliver, record)
 
+    def _post_alert(self, event: dict) -> None:
+        """From the pipeline's decode thread: an alert changed state."""
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(self._deliver, event, "alert")
+
     def _set(self, **changes) -> None:
         with self._lock:
             for key, value in changes.items():
@@ -256,9 +271,19 @@ def _api_may_start(kind: str) -> None:
                               f"the API starts {', '.join(API_SOURCE_KINDS)} sources")
 
 
+def _api_may_use_tokens(spec: StreamConfig) -> None:
+    """A webhook's token names a variable or a file of the daemon's: only the config file may
+    (else a client could have the daemon send its secrets to a URL of the client's choosing)."""
+    hooks = [spec.webhook, *(alert.webhook for alert in spec.alerts.values())]
+    if any(h is not None and (h.token_env is not None or h.token_file is not None) for h in hooks):
+        raise StreamForbidden("a webhook's token_env or token_file can only be configured in the config file's "
+                              "streams: the API may give a webhook url only")
+
+
 def reserved_places(max_streams: int) -> int:
-    """Pipeline inbox places the daemon's streams may fill, beyond the API's queue_size."""
-    return max_streams * STREAM_SHARE
+    """Pipeline inbox places the daemon's streams may fill, beyond the API's queue_size:
+    each stream's frames and its alerts' questions."""
+    return max_streams * (STREAM_SHARE + ALERT_SHARE)
 
 
 def source_limits(limits: LimitsConfig) -> dict[str, int]:
@@ -293,7 +318,8 @@ class StreamManager:
         self.pipeline, self.specs, self.limit = pipeline, specs, limit
         for i, spec in enumerate(specs):
             self.check_settings(spec, f"config: streams[{i}] ({spec.id}): ")
-        self.pool = threading.BoundedSemaphore(reserved_places(limit))
+        self.pool = threading.BoundedSemaphore(limit * STREAM_SHARE)
+        self.alert_pool = threading.BoundedSemaphore(limit * ALERT_SHARE)  # the alerts' questions, likewise
         self.route = route  # the power policy's local placement, asked per frame (Router.local_route)
         self.streams: dict[str, ManagedStream] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -311,6 +337,7 @@ class StreamManager:
         GStreamer's registry (a subprocess, once per element): call it off the event loop."""
         kind = self._kind(spec)
         _api_may_start(kind)  # before anything looks at the daemon's files
+        _api_may_use_tokens(spec)
         self.check_settings(spec)
         try:
             open_source(spec.source, **self.source_limits).check()
@@ -329,6 +356,14 @@ class StreamManager:
         if len(spec.prompt) > limit:
             raise StreamSpecError(f"{where}'prompt' is {len(spec.prompt)} characters, above the {limit} limit "
                                   "(limits.max_prompt_chars)", "prompt")
+        for name, alert in spec.alerts.items():
+            if len(alert.prompt) > limit:
+                raise StreamSpecError(f"{where}'alerts.{name}.prompt' is {len(alert.prompt)} characters, above the "
+                                      f"{limit} limit (limits.max_prompt_chars)", f"alerts.{name}.prompt")
+        try:  # a token's variable or file missing or unsafe: said now, not at the first event
+            check_webhooks(spec.alerts, spec.webhook, where)
+        except EdgemmError as e:
+            raise StreamSpecError(str(e), "webhook") from None
 
     def add(self, spec: StreamConfig, from_api: bool = False) -> ManagedStream:
         """Start a stream; from the API, `check(spec)` first."""
@@ -340,7 +375,8 @@ class StreamManager:
         kind = self._kind(spec)
         if from_api:
             _api_may_start(kind)
-        stream = ManagedStream(spec, self.pipeline, self.loop, self.route, self.pool)
+            _api_may_use_tokens(spec)
+        stream = ManagedStream(spec, self.pipeline, self.loop, self.route, self.pool, self.alert_pool)
         self.streams[spec.id] = stream
         stream.start()
         return stream
