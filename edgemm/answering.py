@@ -47,13 +47,14 @@ class InferenceResult:
     decode_batch: int = 1  # most requests decoded together with this one at once (itself included)
     decoder_steps: int = 0  # decoder calls after the prefill that gave it tokens (beam search: rows stepped)
     warnings: list[str] = field(default_factory=list)  # one line each: e.g. words the model cannot read
+    precision_choice: dict[str, str] = field(default_factory=dict)  # precision auto: component → why that variant
 
     def to_dict(self) -> dict:
         """The result as plain data for JSON. Containers are copied one level deep: asdict's
         full recursion was a noticeable part of the daemon's own time per request."""
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         d.update(tokens=list(self.tokens), devices=dict(self.devices), schedule=dict(self.schedule),
-                 warnings=list(self.warnings),
+                 warnings=list(self.warnings), precision_choice=dict(self.precision_choice),
                  timings_ms={k: round(v, 3) for k, v in self.timings_ms.items()})
         return d
 
@@ -126,7 +127,8 @@ class RequestBatch(DecodingBatch):
             prompt_tokens=prompt.input_ids.shape[1], tier=request.tier.name, image_tokens=prompt.image_tokens,
             precision=answering.models.precision, devices={"encode": gen.encoder.device, "decode": gen.decoder.device},
             timings_ms=timings, model=answering.manifest.name, schedule=schedule, prefix_reused=a.reused,
-            decode_batch=a.peers, decoder_steps=a.rows_stepped, warnings=list(request.warnings))
+            decode_batch=a.peers, decoder_steps=a.rows_stepped, warnings=list(request.warnings),
+            precision_choice=answering.models.precision_choices)
 
     def _hand_over(self, key: tuple, outcome: InferenceResult | Exception) -> None:
         """An answer ended (its InferenceResult) or failed: a stream gets the text it has

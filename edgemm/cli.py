@@ -22,6 +22,11 @@ import click
 
 from edgemm.errors import EdgemmError, EngineError, InputError, internal_message
 from edgemm.generation_limits import MAX_BEAMS, MAX_NEW_TOKENS, MIN_TEMPERATURE, check_generation, check_text
+from edgemm.model.manifest_types import AUTO, PRECISIONS
+
+PRECISION_CHOICE = click.Choice([AUTO, *PRECISIONS])
+PRECISION_HELP = ("Graph variant to load, by its file suffix (default: model.precision, auto: the fastest "
+                  "present for each device; README 'Precisions').")
 
 DEFAULT_PROMPT = "describe the image"
 # the generation options' flags; their values are checked by edgemm.generation_limits, so the
@@ -188,7 +193,7 @@ def main() -> None:
 @click.option("--beams", type=int, help=f"Beam search width, 1..{MAX_BEAMS} (1 = greedy).")
 @click.option("--beam-gate", type=float,
               help="Collapse beams once the best next token is this likely (0 = greedy, 1 = plain beams).")
-@click.option("--precision", type=click.Choice(["fp32", "int8", "fp16"]), help="Graph variant to load.")
+@click.option("--precision", type=PRECISION_CHOICE, help=PRECISION_HELP)
 @click.option("--model", "model_dir", type=click.Path(), help="Model folder (default: built-in tiny-vlm).")
 @click.option("--config", "config_path", type=click.Path(), envvar="EDGEMM_CONFIG",
               help="YAML config file.")
@@ -285,7 +290,7 @@ class JsonLines:
 @click.option("--change-threshold", type=click.FloatRange(0),
               help="Reuse the last answer when a frame differs by less than this (mean abs pixel change, 0-255).")
 @click.option("--tier", help="Resolution tier for every frame.")
-@click.option("--precision", type=click.Choice(["fp32", "int8", "fp16"]))
+@click.option("--precision", type=PRECISION_CHOICE, help=PRECISION_HELP)
 @click.option("--model", "model_dir", type=click.Path())
 @click.option("--config", "config_path", type=click.Path(), envvar="EDGEMM_CONFIG")
 @click.option("--max-new-tokens", type=int, help=f"Most tokens per answer, 1..{MAX_NEW_TOKENS}.")
@@ -366,7 +371,7 @@ def stream(source_uri, prompt, fps, every, max_frames, out, change_threshold, ti
 @click.option("--port", type=click.IntRange(0, 65535),
               help="Serve HTTP on this TCP port (0 = any free one), as well as the socket when one is named, else TCP only (server.tcp_port).")
 @click.option("--host", help="TCP address for --port (default: server.tcp_host, 127.0.0.1: loopback only).")
-@click.option("--precision", type=click.Choice(["fp32", "int8", "fp16"]))
+@click.option("--precision", type=PRECISION_CHOICE, help=PRECISION_HELP)
 @click.option("--model", "model_dir", type=click.Path())
 @click.option("--threads", type=click.IntRange(0), help="Intra-op threads (0 = onnxruntime decides).")
 @reports_errors

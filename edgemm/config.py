@@ -33,6 +33,7 @@ from typing import Any, ClassVar
 import yaml
 
 from edgemm.errors import EdgemmError
+from edgemm.model.manifest_types import AUTO, PRECISIONS as VARIANTS
 from edgemm.files import load_yaml, read_regular_file
 from edgemm.generation_limits import FIELDS as GENERATION_FIELDS, LimitError, check_generation, check_text
 from edgemm.scheduler import DETAIL_WORDS, STATISTICS
@@ -44,7 +45,7 @@ __all__ = [
     "socket_choices", "creatable_socket", "client_socket",
 ]
 
-PRECISIONS = ("fp32", "int8", "fp16")
+PRECISIONS = (AUTO, *VARIANTS)  # model.precision: auto, or a variant's file suffix (edgemm/model/manifest_types.py)
 BACKENDS = ("onnxruntime",)  # backend.name: only kept so older configs load; TensorRT is chosen by placement
 PROVIDERS = ("cpu", "cuda", "tensorrt")
 SCHEDULER_POLICIES = ("auto", "top", "thresholds", "calibrated")
@@ -100,7 +101,11 @@ def _generation_limits(path: str, nullable: tuple[str, ...] = (), **values: Any)
 @dataclass
 class ModelConfig:
     path: str | None = None  # model folder; null = the built-in tiny-vlm shipped inside the package (edgemm/builtin/tiny-vlm)
-    precision: str = "fp32"  # fp32 | int8 | fp16 (int8/fp16 load the *_int8.onnx / *_fp16.onnx variants, or int8/fp16 TensorRT engines)
+    # auto | fp32 | fp16 | int8 | q4 | q4f16 | quantized | uint8 | bnb4: the graphs' variant, by file suffix
+    # (decoder_model_merged_q4.onnx …), or the TensorRT engines' (int8 | fp16). auto = the fastest one present
+    # for each component's device: on the CPU q4, else fp32 (never the QDQ int8, slower than fp32 there, nor
+    # dynamic int8, whose rows depend on their batch mates), on TensorRT int8 > fp16 (README "Precisions")
+    precision: str = "auto"
     engines: str | None = None  # TensorRT engine folder (with manifest.yaml); null = <engines root>/<model name>: $EDGEMM_ENGINES, /var/lib/edgemm/engines for root, else ~/.cache/edgemm/engines
 
     def validate(self, path: str) -> None:

@@ -67,10 +67,10 @@ class Runtime:
             cv2.setNumThreads(1)
         model_dir = Path(self.config.model.path) if self.config.model.path else default_model_dir()
         self.manifest: ModelManifest = load_manifest(model_dir)
-        self.precision = self.config.model.precision
         self.adapter = adapter_for(self.manifest)
         self.models = ModelComponents(self.config, self.manifest, self.adapter.stop_ids, concurrent,
                                       graph_inputs(self.adapter))
+        self.precision = self.models.precision  # model.precision with `auto` resolved (e.g. q4)
         if any(device.startswith("dla") for device in self.models.standby["vision_encoder"]):
             # a DLA plan is static: a family whose image shapes vary within a tier (Qwen2-VL's grid)
             # takes each tier's own shape instead, on every device, so that answers do not depend on it

@@ -333,7 +333,9 @@ def components(runtime: Runtime) -> dict:
     the power policy can move the stage to (placement.keep_alternatives)."""
     return {c.name: {"device": c.device, "precision": c.precision, "provider": c.provider,
                      "standby": list(runtime.placements[c.name].standby),
-                     "skipped": runtime.placements[c.name].to_dict()["skipped"]}  # earlier devices, and why
+                     "skipped": runtime.placements[c.name].to_dict()["skipped"],  # earlier devices, and why
+                     **({"precision_choice": runtime.models.precision_choices[c.name]}  # precision auto: why
+                        if c.name in runtime.models.precision_choices else {})}
             for c in runtime.components.all()}
 
 

@@ -165,7 +165,7 @@ def error(data) -> str:
 
 def test_defaults_match_the_documented_schema():
     cfg = Config()
-    assert cfg.model == ModelConfig(path=None, precision="fp32")
+    assert cfg.model == ModelConfig(path=None, precision="auto")
     assert cfg.backend == BackendConfig(name="onnxruntime", providers=["cpu"], intra_op_threads=0, warmup=True)
     assert cfg.limits == LimitsConfig(max_pixels=25_000_000, max_image_bytes=50 * 1024 * 1024, max_prompt_chars=4000,
                                       max_decoded_bytes=144 << 20, decode_budget_bytes=160 << 20)
@@ -373,7 +373,7 @@ def test_null_allowed_only_for_optional_fields():
 # ---- ranges and choices ---------------------------------------------------------------
 
 @pytest.mark.parametrize("data, expected", [
-    ({"model": {"precision": "int4"}}, "config: 'model.precision' must be one of fp32, int8, fp16, got 'int4'"),
+    ({"model": {"precision": "int4"}}, "config: 'model.precision' must be one of auto, fp32, fp16, int8, q4, q4f16, quantized, uint8, bnb4, got 'int4'"),
     ({"model": {"path": ""}}, "config: 'model.path' must be a folder or null, got ''"),
     ({"backend": {"name": "tflite"}}, "config: 'backend.name' must be one of onnxruntime, got 'tflite'"),
     ({"server": {"encoder_batching": "sometimes"}},
