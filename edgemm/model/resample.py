@@ -1,4 +1,5 @@
-"""Lanczos resize of RGB8 images, bit-exact with Pillow's `Image.resize(..., LANCZOS)`.
+"""Lanczos resize of RGB8 images, bit-exact with Pillow's `Image.resize(..., LANCZOS)`
+(and its BILINEAR and BICUBIC filters, the same algorithm with another kernel: `resize_pil`).
 
 Idefics3 (SmolVLM) was trained on images resized by Pillow, and its reference
 processor still resizes with Pillow. OpenCV's INTER_LANCZOS4 is another filter
@@ -27,11 +28,31 @@ def _lanczos(x: np.ndarray) -> np.ndarray:
     return np.where(inside, np.sinc(x) * np.sinc(x / SUPPORT), 0.0)
 
 
-def _coefficients(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray]:
+def _bilinear(x: np.ndarray) -> np.ndarray:
+    """Pillow's triangle filter, support 1."""
+    x = np.abs(x)
+    return np.where(x < 1.0, 1.0 - x, 0.0)
+
+
+def _bicubic(x: np.ndarray) -> np.ndarray:
+    """Pillow's cubic convolution with a = -0.5, support 2."""
+    a, x = -0.5, np.abs(x)
+    near = ((a + 2.0) * x - (a + 3.0)) * x * x + 1
+    far = (((x - 5) * x + 8) * x - 4) * a
+    return np.where(x < 1.0, near, np.where(x < 2.0, far, 0.0))
+
+
+# preprocessor_config.json "resample" (PIL's numbering) → (kernel, support)
+FILTERS = {1: (_lanczos, SUPPORT), 2: (_bilinear, 1.0), 3: (_bicubic, 2.0)}
+FILTER_NAMES = {1: "Lanczos", 2: "bilinear", 3: "bicubic"}
+
+
+def _coefficients(in_size: int, out_size: int, kernel=_lanczos, kernel_support: float = SUPPORT
+                  ) -> tuple[np.ndarray, np.ndarray]:
     """(first input index [out], fixed-point weights [out, taps]) for one axis."""
     scale = in_size / out_size
     filter_scale = max(scale, 1.0)
-    support = SUPPORT * filter_scale
+    support = kernel_support * filter_scale
     taps = int(math.ceil(support)) * 2 + 1
     centers = (np.arange(out_size) + 0.5) * scale
     # Pillow rounds with (int)(v + 0.5), which truncates towards zero
@@ -39,7 +60,7 @@ def _coefficients(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray]:
     last = np.clip(np.trunc(centers + support + 0.5).astype(np.int64), None, in_size)
     offsets = np.arange(taps)
     used = offsets[None, :] < (last - first)[:, None]
-    weights = _lanczos((first[:, None] + offsets[None, :] - centers[:, None] + 0.5) / filter_scale)
+    weights = kernel((first[:, None] + offsets[None, :] - centers[:, None] + 0.5) / filter_scale)
     weights = np.where(used, weights, 0.0)
     totals = weights.sum(axis=1, keepdims=True)
     weights = np.divide(weights, totals, out=weights, where=totals != 0)
@@ -47,10 +68,10 @@ def _coefficients(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray]:
     return first, fixed.astype(np.int64)
 
 
-def _resample_axis(img: np.ndarray, out_size: int, axis: int) -> np.ndarray:
+def _resample_axis(img: np.ndarray, out_size: int, axis: int, resample: int = 1) -> np.ndarray:
     """One pass along `axis` (0 rows, 1 columns) of a uint8 (H, W, C) image."""
     in_size = img.shape[axis]
-    first, weights = _coefficients(in_size, out_size)
+    first, weights = _coefficients(in_size, out_size, *FILTERS[resample])
     acc = np.full(img.shape[:axis] + (out_size,) + img.shape[axis + 1:], 1 << (PRECISION_BITS - 1), np.int64)
     for tap in range(weights.shape[1]):
         index = np.minimum(first + tap, in_size - 1)  # unused taps have weight 0
@@ -62,11 +83,19 @@ def _resample_axis(img: np.ndarray, out_size: int, axis: int) -> np.ndarray:
 
 def resize_lanczos(rgb: np.ndarray, height: int, width: int) -> np.ndarray:
     """RGB8 (H, W, 3) → (height, width, 3), the pixels Pillow's LANCZOS resize gives."""
+    return resize_pil(rgb, height, width, 1)
+
+
+def resize_pil(rgb: np.ndarray, height: int, width: int, resample: int) -> np.ndarray:
+    """RGB8 (H, W, 3) → (height, width, 3), the pixels Pillow's resize gives with the filter
+    `resample` (PIL's numbering: 1 Lanczos, 2 bilinear, 3 bicubic; see FILTERS)."""
     if height < 1 or width < 1:
         raise ValueError(f"resize target must be positive, got {height}x{width}")
+    if resample not in FILTERS:
+        raise ValueError(f"resample {resample} is not one of Pillow's filters implemented here ({sorted(FILTERS)})")
     out = rgb
     if out.shape[1] != width:  # Pillow: horizontal pass first, then vertical
-        out = _resample_axis(out, width, axis=1)
+        out = _resample_axis(out, width, axis=1, resample=resample)
     if out.shape[0] != height:
-        out = _resample_axis(out, height, axis=0)
+        out = _resample_axis(out, height, axis=0, resample=resample)
     return out if out is not rgb else rgb.copy()
