@@ -86,6 +86,16 @@ def test_a_second_question_reuses_the_image_prefix_and_stays_exact():
     assert (a.tokens, b.tokens) == (first["tokens"], second["tokens"])
 
 
+def test_a_family_that_says_its_prefix_is_not_causal_is_never_reused(monkeypatch):
+    monkeypatch.setattr(Gemma3Adapter, "reuses_image_prefix", False)
+    cached = make_runtime()
+    first, second = CASES[0], CASES[2]
+    a = cached.infer(FIXTURE / first["image"], first["prompt"], max_new_tokens=MAX_NEW)
+    b = cached.infer(FIXTURE / second["image"], second["prompt"], max_new_tokens=MAX_NEW)
+    assert not a.prefix_reused and not b.prefix_reused
+    assert (a.tokens, b.tokens) == (first["tokens"], second["tokens"])
+
+
 def test_a_batch_of_three_gives_each_row_its_own_tokens(runtime):
     chosen = CASES[1:4]
     requests = [runtime.prepare(FIXTURE / c["image"], c["prompt"], max_new_tokens=MAX_NEW) for c in chosen]

@@ -20,9 +20,10 @@ Two choices, both checked by tests/test_gemma3.py against transformers:
   generate feeds them. transformers.js feeds Gemma 3 1-based positions; rotary embeddings
   only see differences of positions, so the two differ by rounding, not by meaning.
 
-The image prefix is question-independent, so prefix reuse stays on: the decoder is causal,
-and even transformers' bidirectional block covers only the soft tokens of the image, all of
-which come before the end of the prefix edgemm keeps (edgemm/generate.py's PrefixReuse).
+Prefix reuse (`reuses_image_prefix`, see edgemm/model/family.py) stays on: the prefix edgemm
+keeps ends after the last soft token, and no position in it sees the question. The graph is
+causal; and even transformers' bidirectional block (with token_type_ids) covers only the
+soft tokens of the one image, all of which lie inside that prefix.
 
 Registered for the model type `gemma3`; its folders are Hugging Face folders.
 """
@@ -126,6 +127,8 @@ class Gemma3Adapter:
     """Prompt building and pixels for Gemma 3 folders (see the module docstring)."""
 
     known_prompts: tuple[str, ...] = ()  # an open vocabulary: any text reads
+    # the prefix up to the last soft token never sees the question (the module docstring)
+    reuses_image_prefix = True
 
     def __init__(self, manifest: ModelManifest):
         self.manifest = manifest

@@ -17,7 +17,8 @@ read from processor_config.json (LLaVA-1.5: 24 * 24 + 1 - 1 = 576; FastVLM: patc
 
 LLaVA-OneVision / LLaVA-NeXT (anyres: a grid of crops chosen per image, then unpadding
 and newline tokens per row) are out: their model types are not registered here.
-The decoder is causal, so the image prefix is reused for a second question.
+The decoder is causal, so the image prefix is reused for a second question
+(`reuses_image_prefix`).
 
 Registered for the model types `llava` and `llava_qwen2` (FastVLM's config.json, as
 transformers.js keys it); its folders are Hugging Face folders.
@@ -166,6 +167,7 @@ class LlavaAdapter:
     """Prompt building and pixels for LLaVA-1.5 and FastVLM folders (see the module docstring)."""
 
     known_prompts: tuple[str, ...] = ()  # an open vocabulary: any text reads
+    reuses_image_prefix = True  # a causal decoder: the image prefix never sees the question
 
     def __init__(self, manifest: ModelManifest):
         self.manifest = manifest
