@@ -187,6 +187,10 @@ def export(model, out: Path) -> None:
                   text.hidden_size, text.num_key_value_heads, text.head_dim)
 
 
+def without_stop(tokens: list[int], model) -> list[int]:
+    return tokens[:-1] if tokens and tokens[-1] in model.generation_config.eos_token_id else tokens
+
+
 def reference_cases(model, processor, out: Path) -> tuple[list[dict], dict[str, np.ndarray]]:
     cases, pixels = [], {}
     for i, (image_name, prompt) in enumerate(CASES):
@@ -194,21 +198,25 @@ def reference_cases(model, processor, out: Path) -> tuple[list[dict], dict[str, 
         messages = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": prompt}]}]
         inputs = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                return_dict=True, return_tensors="pt")
-        inputs.pop("token_type_ids")  # the causal reference (see the module docstring)
+        token_type_ids = inputs.pop("token_type_ids")  # the causal reference (see the module docstring)
         with torch.no_grad():
             generated = model.generate(**inputs, max_new_tokens=MAX_NEW_TOKENS, do_sample=False,
                                        output_scores=True, return_dict_in_generate=True)
+            # what the approximation costs: transformers' own answer with the bidirectional image block
+            bidirectional = model.generate(**inputs, token_type_ids=token_type_ids, max_new_tokens=MAX_NEW_TOKENS,
+                                           do_sample=False)
         prompt_len = inputs["input_ids"].shape[1]
         tokens = generated.sequences[0, prompt_len:].tolist()
-        stopped = bool(tokens) and tokens[-1] in model.generation_config.eos_token_id
+        stopped = without_stop(tokens, model) != tokens
         margins = [float(torch.topk(s[0], 2).values.diff().abs()) for s in generated.scores]
         pixels[f"case{i}"] = inputs["pixel_values"].numpy()
         cases.append({"image": image_name, "prompt": prompt,
                       "text": processor.apply_chat_template(messages, add_generation_prompt=True),
                       "input_ids": inputs["input_ids"][0].tolist(),
-                      "tokens": tokens[:-1] if stopped else tokens, "finish_reason": "stop" if stopped else "length",
+                      "tokens": without_stop(tokens, model), "finish_reason": "stop" if stopped else "length",
                       "answer": processor.tokenizer.decode(tokens, skip_special_tokens=True),
-                      "min_top2_margin": round(min(margins), 4)})
+                      "min_top2_margin": round(min(margins), 4),
+                      "tokens_with_token_type_ids": without_stop(bidirectional[0, prompt_len:].tolist(), model)})
     return cases, pixels
 
 
