@@ -195,6 +195,22 @@ def test_int8_variant_runs_through_the_same_family_path(runtime, case):
     assert result.precision == "int8" and 1 <= len(result.tokens) <= 4
 
 
+def test_int8_engines_build_and_answer_as_onnxruntime_through_the_fake_tensorrt(monkeypatch, tmp_path):
+    """TensorRT cannot run here: tests/fake_tensorrt.py builds the three Gemma 3 int8 graphs from the
+    profiles edgemm derives from their named dimensions, and its plans compute what ONNX Runtime
+    computes. Every component placed on the GPU answers like the CPU, case by case."""
+    import trt_harness as h
+    h.install(monkeypatch, "10.3.0")
+    h.build(tmp_path, "gpu", model_dir=FIXTURE)
+    on_gpu = h.runtime(tmp_path, model_dir=FIXTURE)
+    assert on_gpu.devices == {"vision_encoder": "gpu", "embed_tokens": "gpu", "decoder": "gpu"}
+    on_cpu = make_runtime(model={"precision": "int8"}, cache={"max_bytes": 0})
+    for case in CASES:
+        a = on_gpu.infer(FIXTURE / case["image"], case["prompt"], max_new_tokens=8)
+        b = on_cpu.infer(FIXTURE / case["image"], case["prompt"], max_new_tokens=8)
+        assert a.devices == {"encode": "gpu", "decode": "gpu"} and a.tokens == b.tokens
+
+
 # ---- the reference itself ---------------------------------------------------------------------
 
 @pytest.mark.slow
