@@ -24,6 +24,7 @@ from edgemm.config import load_config
 from edgemm.errors import InputError, ModelError
 from edgemm.model.families.gemma3 import Gemma3Adapter, expand_image
 from edgemm.model.manifest import load_manifest
+from edgemm.model import resample as resample_module
 from edgemm.model.resample import resize_pil
 from edgemm.runtime import Runtime
 
@@ -123,17 +124,41 @@ def test_prompt_with_an_image_token_is_refused(runtime, token):
         runtime.adapter.build_prompt(f"look {token}", runtime.manifest.tiers["32x32"])
 
 
+@pytest.mark.parametrize("chunk", [40, resample_module.COEFFICIENTS_PER_CHUNK])
 @pytest.mark.parametrize("resample", [1, 2, 3])
-def test_pillow_filters_are_bit_exact(resample):
+def test_pillow_filters_are_bit_exact_whole_and_windowed(resample, chunk, monkeypatch):
+    """Pillow's own resize, also for strips (over 100 times taller than wide: Pillow 12 runs
+    the vertical pass first), for a window of the result alone, and with the weights made
+    a few outputs at a time (`chunk` entries: more taps than outputs per chunk)."""
     if int(pytest.importorskip("PIL").__version__.split(".")[0]) >= 13:
         pytest.skip("Pillow 13 orders its two resize passes differently")
     from PIL import Image as pil
+    monkeypatch.setattr(resample_module, "COEFFICIENTS_PER_CHUNK", chunk)
     rng = np.random.default_rng(resample)
-    for _ in range(20):
-        h, w, out_h, out_w = (int(v) for v in rng.integers(1, 120, 4))
+    for i in range(24):
+        h, w = (int(v) for v in rng.integers(1, 400, 2))
+        h, w = (h, int(rng.integers(1, 4))) if i % 3 == 0 else (int(rng.integers(1, 4)), w) if i % 3 == 1 else (h, w)
+        out_h, out_w = (int(v) for v in rng.integers(1, 40, 2))
         rgb = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
         expected = np.asarray(pil.fromarray(rgb).resize((out_w, out_h), resample))
         assert np.array_equal(resize_pil(rgb, out_h, out_w, resample), expected), (h, w, out_h, out_w)
+        top, left = int(rng.integers(0, out_h)), int(rng.integers(0, out_w))
+        rows, cols = (top, int(rng.integers(top + 1, out_h + 1))), (left, int(rng.integers(left + 1, out_w + 1)))
+        window = resize_pil(rgb, out_h, out_w, resample, rows, cols)
+        assert np.array_equal(window, expected[rows[0]:rows[1], cols[0]:cols[1]]), (h, w, out_h, out_w, rows, cols)
+
+
+def test_a_strip_of_many_megapixels_is_resized_in_bounded_pieces(monkeypatch):
+    """A 1 x 4 000 000 strip shrunk to 32 px: 250 000 bilinear taps per output. The weights are
+    made COEFFICIENTS_PER_CHUNK at a time, never all 32 x 250 000 at once."""
+    made = []
+    real = resample_module._coefficients
+    monkeypatch.setattr(resample_module, "_coefficients", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+    strip = np.zeros((1, 4_000_000, 3), np.uint8)
+    strip[:, ::2] = 200
+    out = resize_pil(strip, 32, 32, 2)
+    assert out.shape == (32, 32, 3) and np.abs(out.astype(int) - 100).max() <= 1
+    assert max(w.size for _, w in made) <= resample_module.COEFFICIENTS_PER_CHUNK
 
 
 # ---- folder detection and errors --------------------------------------------------------------

@@ -23,6 +23,7 @@ from edgemm.config import load_config
 from edgemm.errors import InputError, ModelError
 from edgemm.model.families.llava import LlavaAdapter, center_crop, resized_size
 from edgemm.model.manifest import load_manifest
+from edgemm.model.resample import resize_pil
 from edgemm.runtime import Runtime
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "llava-tiny"
@@ -117,6 +118,27 @@ def test_center_crop_zero_pads_an_image_smaller_than_the_crop():
     assert (out[1:4, :, 0] == 9).all() and (out[0] == 0).all()  # one row of padding on top (ceil)
 
 
+def test_a_long_strip_is_cropped_without_making_the_whole_resize(runtime, monkeypatch):
+    """Shortest edge 32 makes a 2 x 5 000 000 strip 32 x 80 000 000 (7.7 GB as RGB8); only its
+    centre crop is computed. A smaller strip checks the pixels against Pillow's full resize."""
+    from edgemm.model.families import llava
+    asked = []
+    monkeypatch.setattr(llava, "resize_pil", lambda *a: asked.append(a[1:]) or resize_pil(*a))
+    huge = np.zeros((2, 5_000_000, 3), np.uint8)
+    assert runtime.adapter.pixels(huge, runtime.manifest.tiers["32x32"]).shape == (1, 3, 32, 32)
+    assert asked == [(32, 80_000_000, 3, (0, 32), (39_999_984, 40_000_016))]
+    monkeypatch.undo()
+    pil = pytest.importorskip("PIL.Image")
+    strip = np.random.default_rng(0).integers(0, 256, (4, 3000, 3), dtype=np.uint8)
+    resized = np.asarray(pil.fromarray(strip).resize((24000, 32), 3))  # (w, h), as transformers sizes it
+    crop = resized[:, (24000 - 32) // 2:][:, :32].transpose(2, 0, 1)[None]
+    cfg = runtime.adapter.cfg
+    expected = ((crop.astype(np.float64) * cfg["rescale_factor"]).astype(np.float32)
+                - np.asarray(cfg["image_mean"], np.float32)[None, :, None, None]) \
+        / np.asarray(cfg["image_std"], np.float32)[None, :, None, None]
+    np.testing.assert_array_equal(runtime.adapter.pixels(strip, runtime.manifest.tiers["32x32"]), expected)
+
+
 def test_stop_token_is_eos(runtime):
     assert isinstance(runtime.adapter, LlavaAdapter)
     assert {runtime.adapter.tokenizer.id_to_token(i) for i in runtime.adapter.stop_ids} == {"</s>"}
@@ -153,6 +175,14 @@ def test_do_pad_pixels_equal_llava_image_processor(broken, name):
     np.testing.assert_allclose(request.pixel_values, expected, rtol=0, atol=1e-6)
     plain = np.load(FIXTURE / "reference_pixels.npz")[f"case{[c['image'] for c in CASES].index(name)}"]
     assert np.abs(expected - plain).max() > 0.1  # padding really changes the pixels
+
+
+def test_do_pad_refuses_a_square_bigger_than_any_image_accepted(broken):
+    path = broken / "preprocessor_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "do_pad": True}))
+    adapter = make_runtime(broken).adapter
+    with pytest.raises(InputError, match="padded to a square"):
+        adapter.pixels(np.zeros((2, 6000, 3), np.uint8), load_manifest(broken).tiers["32x32"])
 
 
 def fastvlm_style(folder: Path) -> Path:

@@ -10,7 +10,8 @@ levels. Pillow is not a runtime dependency, so this is Pillow's algorithm
 * per output pixel, taps over `support = 3 * max(scale, 1)` input pixels, the
   Lanczos-3 kernel stretched by the scale when shrinking (that is the antialiasing);
 * weights normalised to sum 1, then fixed point with 22 fraction bits;
-* a horizontal pass, then a vertical pass, each rounding to uint8 in between.
+* a horizontal pass, then a vertical pass, each rounding to uint8 in between (the
+  other way round for an image over 100 times taller than wide, as Pillow 12 does).
 """
 from __future__ import annotations
 
@@ -42,19 +43,23 @@ def _bicubic(x: np.ndarray) -> np.ndarray:
     return np.where(x < 1.0, near, np.where(x < 2.0, far, 0.0))
 
 
+COEFFICIENTS_PER_CHUNK = 1 << 21  # weights (outputs x taps) made at once: 16 MB per array
+
 # preprocessor_config.json "resample" (PIL's numbering) → (kernel, support)
 FILTERS = {1: (_lanczos, SUPPORT), 2: (_bilinear, 1.0), 3: (_bicubic, 2.0)}
 FILTER_NAMES = {1: "Lanczos", 2: "bilinear", 3: "bicubic"}
 
 
-def _coefficients(in_size: int, out_size: int, kernel=_lanczos, kernel_support: float = SUPPORT
-                  ) -> tuple[np.ndarray, np.ndarray]:
-    """(first input index [out], fixed-point weights [out, taps]) for one axis."""
+def _coefficients(in_size: int, out_size: int, kernel=_lanczos, kernel_support: float = SUPPORT,
+                  span: tuple[int, int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(first input index [out], fixed-point weights [out, taps]) for one axis; for the
+    outputs in `span` (start, stop) only, if given: each output's weights depend on its
+    own index alone, so a part of the resize is exactly that part of the whole."""
     scale = in_size / out_size
     filter_scale = max(scale, 1.0)
     support = kernel_support * filter_scale
     taps = int(math.ceil(support)) * 2 + 1
-    centers = (np.arange(out_size) + 0.5) * scale
+    centers = (np.arange(*(span or (0, out_size))) + 0.5) * scale
     # Pillow rounds with (int)(v + 0.5), which truncates towards zero
     first = np.clip(np.trunc(centers - support + 0.5).astype(np.int64), 0, None)
     last = np.clip(np.trunc(centers + support + 0.5).astype(np.int64), None, in_size)
@@ -68,16 +73,38 @@ def _coefficients(in_size: int, out_size: int, kernel=_lanczos, kernel_support: 
     return first, fixed.astype(np.int64)
 
 
-def _resample_axis(img: np.ndarray, out_size: int, axis: int, resample: int = 1) -> np.ndarray:
-    """One pass along `axis` (0 rows, 1 columns) of a uint8 (H, W, C) image."""
+def _resample_axis(img: np.ndarray, out_size: int, axis: int, resample: int = 1,
+                   span: tuple[int, int] | None = None) -> np.ndarray:
+    """One pass along `axis` (0 rows, 1 columns) of a uint8 (H, W, C) image (the outputs in
+    `span` only, if given). The weights of a strong shrink of a long axis (a 25-megapixel
+    strip to 896 pixels: 56 000 taps each) are made a chunk of outputs at a time, so their
+    memory stays near COEFFICIENTS_PER_CHUNK entries instead of growing with the image."""
+    start, stop = span or (0, out_size)
+    kernel, support = FILTERS[resample]
+    taps = int(math.ceil(support * max(img.shape[axis] / out_size, 1.0))) * 2 + 1
+    step = max(1, COEFFICIENTS_PER_CHUNK // taps)
+    if stop - start > step:
+        parts = [_resample_axis(img, out_size, axis, resample, (a, min(a + step, stop)))
+                 for a in range(start, stop, step)]
+        return np.concatenate(parts, axis=axis)
     in_size = img.shape[axis]
-    first, weights = _coefficients(in_size, out_size, *FILTERS[resample])
-    acc = np.full(img.shape[:axis] + (out_size,) + img.shape[axis + 1:], 1 << (PRECISION_BITS - 1), np.int64)
-    for tap in range(weights.shape[1]):
-        index = np.minimum(first + tap, in_size - 1)  # unused taps have weight 0
-        w = weights[:, tap]
-        w = w[:, None, None] if axis == 0 else w[None, :, None]
-        acc += np.take(img, index, axis=axis).astype(np.int64) * w
+    first, weights = _coefficients(in_size, out_size, kernel, support, span=(start, stop))
+    acc = np.full(img.shape[:axis] + (len(first),) + img.shape[axis + 1:], 1 << (PRECISION_BITS - 1), np.int64)
+    if weights.shape[1] <= len(first):  # the usual case: a few taps, one array operation per tap
+        for tap in range(weights.shape[1]):
+            index = np.minimum(first + tap, in_size - 1)  # unused taps have weight 0
+            w = weights[:, tap]
+            w = w[:, None, None] if axis == 0 else w[None, :, None]
+            acc += np.take(img, index, axis=axis).astype(np.int64) * w
+    else:  # more taps than outputs (a strong shrink): one integer dot product per output
+        for i, (a, w) in enumerate(zip(first, weights)):
+            n = min(len(w), in_size - a)
+            seg = img[a:a + n] if axis == 0 else img[:, a:a + n]
+            dot = np.tensordot(seg.astype(np.int64), w[:n], axes=([axis], [0]))
+            if axis == 0:
+                acc[i] += dot
+            else:
+                acc[:, i] += dot
     return np.clip(acc >> PRECISION_BITS, 0, 255).astype(np.uint8)
 
 
@@ -86,16 +113,28 @@ def resize_lanczos(rgb: np.ndarray, height: int, width: int) -> np.ndarray:
     return resize_pil(rgb, height, width, 1)
 
 
-def resize_pil(rgb: np.ndarray, height: int, width: int, resample: int) -> np.ndarray:
+def resize_pil(rgb: np.ndarray, height: int, width: int, resample: int,
+               rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None) -> np.ndarray:
     """RGB8 (H, W, 3) → (height, width, 3), the pixels Pillow's resize gives with the filter
-    `resample` (PIL's numbering: 1 Lanczos, 2 bilinear, 3 bicubic; see FILTERS)."""
+    `resample` (PIL's numbering: 1 Lanczos, 2 bilinear, 3 bicubic; see FILTERS).
+
+    `rows` / `cols` (start, stop): only that window of the result, computed without the
+    rest (a centre crop of a huge resize costs the crop, not the resize)."""
     if height < 1 or width < 1:
         raise ValueError(f"resize target must be positive, got {height}x{width}")
     if resample not in FILTERS:
         raise ValueError(f"resample {resample} is not one of Pillow's filters implemented here ({sorted(FILTERS)})")
-    out = rgb
-    if out.shape[1] != width:  # Pillow: horizontal pass first, then vertical
-        out = _resample_axis(out, width, axis=1, resample=resample)
-    if out.shape[0] != height:
-        out = _resample_axis(out, height, axis=0, resample=resample)
-    return out if out is not rgb else rgb.copy()
+    rows, cols = rows or (0, height), cols or (0, width)
+    if not (0 <= rows[0] < rows[1] <= height and 0 <= cols[0] < cols[1] <= width):
+        raise ValueError(f"window rows {rows} cols {cols} is not inside {height}x{width}")
+    def horizontal(img: np.ndarray) -> np.ndarray:  # an axis kept at its size is only cut
+        return _resample_axis(img, width, 1, resample, cols) if img.shape[1] != width else img[:, cols[0]:cols[1]]
+
+    def vertical(img: np.ndarray) -> np.ndarray:
+        return _resample_axis(img, height, 0, resample, rows) if img.shape[0] != height else img[rows[0]:rows[1]]
+
+    # Pillow 12's Image.resize: horizontal pass first, then vertical; but an image more than
+    # 100 times taller than wide, shrunk in height, goes through the vertical pass first
+    tall = rgb.shape[0] > rgb.shape[1] * 100 and height < rgb.shape[0]
+    out = horizontal(vertical(rgb)) if tall else vertical(horizontal(rgb))
+    return out.copy() if np.may_share_memory(out, rgb) else out  # never a view of the caller's image

@@ -36,11 +36,13 @@ from edgemm.model.families.gemma3 import eos_ids, rescale_normalize, special_tok
 from edgemm.model.families.idefics3 import _compile_template
 from edgemm.model.family import FamilyFields, Prompt, register
 from edgemm.model.hf_folder import read_json
+from edgemm.model.image import DEFAULT_MAX_PIXELS
 from edgemm.model.manifest_types import ModelManifest, Preprocessing, ResolutionTier
 from edgemm.model.resample import FILTER_NAMES, resize_pil
 from edgemm.model.tokenizer import load_tokenizer, token_id
 
 IMAGE_TOKEN = "<image>"
+MAX_PADDED_PIXELS = DEFAULT_MAX_PIXELS  # do_pad's square: no bigger than the largest image accepted
 PIL_BICUBIC = 3  # the CLIP image processor's default filter
 # transformers' {% generation %} marks the assistant's text for training masks; it renders nothing
 GENERATION_TAG = re.compile(r"{%-?\s*(end)?generation\s*-?%}")
@@ -149,6 +151,14 @@ def pad_to_square(rgb: np.ndarray, mean) -> np.ndarray:
     return out
 
 
+def crop_window(size: int, crop: int) -> tuple[int, int]:
+    """The part of an axis of `size` a centre crop of `crop` keeps (all of it if shorter)."""
+    if size < crop:
+        return 0, size
+    start = (size - crop) // 2
+    return start, start + crop
+
+
 def center_crop(image: np.ndarray, height: int, width: int) -> np.ndarray:
     """transformers' center_crop: the centre, zero-padded first where the image is smaller."""
     h, w = image.shape[:2]
@@ -185,12 +195,22 @@ class LlavaAdapter:
         return token_id(self.tokenizer, token, f"{self.manifest.path}: token {token!r}")
 
     def pixels(self, rgb: np.ndarray, tier: ResolutionTier) -> np.ndarray:
-        """RGB8 → float32 [1, 3, crop h, crop w]."""
+        """RGB8 → float32 [1, 3, crop h, crop w]. Of the resize only the crop is computed: a
+        shortest-edge resize of a long strip would be gigapixels, its centre crop is not."""
         cfg = self.cfg
-        image = pad_to_square(rgb, cfg["image_mean"]) if cfg["do_pad"] else rgb
-        image = resize_pil(image, *resized_size(*image.shape[:2], cfg["resize"]), cfg["resample"])
+        if cfg["do_pad"]:
+            side = max(rgb.shape[:2])
+            if side * side > MAX_PADDED_PIXELS:
+                raise InputError(f"the image ({rgb.shape[0]}x{rgb.shape[1]}) padded to a square ({side}x{side}) "
+                                 f"has more than {MAX_PADDED_PIXELS} pixels; this model pads before it resizes: "
+                                 "send an image closer to square")
+            rgb = pad_to_square(rgb, cfg["image_mean"])
+        height, width = resized_size(*rgb.shape[:2], cfg["resize"])
         if cfg["do_center_crop"]:
-            image = center_crop(image, tier.height, tier.width)
+            rows, cols = crop_window(height, tier.height), crop_window(width, tier.width)
+            image = center_crop(resize_pil(rgb, height, width, cfg["resample"], rows, cols), tier.height, tier.width)
+        else:
+            image = resize_pil(rgb, height, width, cfg["resample"])
         rescale = cfg["rescale_factor"] if cfg["do_rescale"] else 1.0
         mean, std = (cfg["image_mean"], cfg["image_std"]) if cfg["do_normalize"] else ([0.0] * 3, [1.0] * 3)
         return rescale_normalize(image, rescale, mean, std)
