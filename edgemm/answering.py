@@ -104,7 +104,8 @@ class RequestBatch(DecodingBatch):
                 and self.answering.reuses_prefix else None
             prompt = request.prompt
             items.append(((key, request, stream), BatchItem(features, prompt.input_ids, prompt.image_positions,
-                                                            request.options, stream, reuse, cancelled)))
+                                                            request.options, stream, reuse, cancelled,
+                                                            prompt.position_ids, prompt.rope_delta)))
         DecodingBatch.join(self, items)
 
     def _hand_over(self, key: tuple, outcome: Generation | Exception) -> None:

@@ -21,6 +21,7 @@ from edgemm.config import Config, ConfigError
 from edgemm.errors import EdgemmError
 from edgemm.generate import Generator
 from edgemm.model.contract import check_component
+from edgemm.model.family import GraphInputs
 from edgemm.model.manifest import COMPONENTS, ModelManifest
 from edgemm.placement import Placement, place
 from edgemm.power import Route, reachable_devices
@@ -64,8 +65,11 @@ class ModelComponents:
     `concurrent`: the encoder and the decoder run at the same time (the pipeline of
     `serve` and `stream`); backend.intra_op_threads 0 then splits the cores between them."""
 
-    def __init__(self, config: Config, manifest: ModelManifest, stop_ids: set[int], concurrent: bool = False):
+    def __init__(self, config: Config, manifest: ModelManifest, stop_ids: set[int], concurrent: bool = False,
+                 fed: GraphInputs | None = None):
+        """`fed`: what the model's family feeds the graphs beyond the contract (its GraphInputs)."""
         self.config, self.manifest, self.stop_ids, self.concurrent = config, manifest, stop_ids, concurrent
+        self.fed = fed
         self.precision = config.model.precision
         self._ort: OnnxRuntimeBackend | None = None
         self._trt = None  # TensorRTBackend, made on the first gpu/dla placement
@@ -83,7 +87,7 @@ class ModelComponents:
                                        extra={"missing_providers": missing,
                                               "placement": {k: p.to_dict() for k, p in self.placements.items()}})
         self.generator = Generator(self.loaded.vision_encoder, self.loaded.embed_tokens, self.loaded.decoder,
-                                   manifest.max_context, stop_ids)
+                                   manifest.max_context, stop_ids, fed)
         self._generators = {self.resolve(None): self.generator}  # (encoder, embed, decoder device) → Generator
 
     def _load_alternatives(self, kind: str, devices: list[str]) -> None:
@@ -111,7 +115,7 @@ class ModelComponents:
         else:
             path = self.engines_dir
             component = self._tensorrt().load_component(kind, device, self.precision)
-        check_component(kind, component, str(path))
+        check_component(kind, component, str(path), self.fed)
         return component
 
     @property
@@ -167,5 +171,6 @@ class ModelComponents:
         generator = self._generators.get(devices)
         if generator is None:
             parts = [self.standby[kind][device] for kind, device in zip(COMPONENTS, devices)]
-            generator = self._generators[devices] = Generator(*parts, self.manifest.max_context, self.stop_ids)
+            generator = self._generators[devices] = Generator(*parts, self.manifest.max_context, self.stop_ids,
+                                                                             self.fed)
         return generator

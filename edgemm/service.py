@@ -57,7 +57,8 @@ class Admission:
 
     def __init__(self, limit: int):
         self.limit = limit
-        self.count = 0
+        self.count = 0  # in flight now
+        self.admitted = 0  # ever, for tests and figures that wait for requests to be in
         self._lock = threading.Lock()  # released from pipeline threads too
 
     def enter(self, retry_after_s: int) -> "Ticket":
@@ -66,6 +67,7 @@ class Admission:
                 raise Overloaded(f"server busy: {self.limit} requests in flight (server.queue_size); "
                                  f"retry in {retry_after_s} s")
             self.count += 1
+            self.admitted += 1
         return Ticket(self)
 
     def leave(self) -> None:

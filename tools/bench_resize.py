@@ -1,96 +1,69 @@
 #!/usr/bin/env python3
-"""Time and peak memory of edgemm's Pillow-exact resizes on the images that cost the most.
+"""The Pillow-exact resizes (edgemm/model/resample.py) against Pillow itself, on a camera frame.
 
-    python tools/bench_resize.py [--repeat 3] [--baseline REV]
+    OMP_NUM_THREADS=1 python tools/bench_resize.py [--repeats 15] [--frame 1080x1920]
 
-Each case runs in a fresh child process (its peak RSS is then the case's own, the input
-image included), the cases interleaved round by round; prints, as JSON, the median and
-min-max seconds and the peak RSS per case. The cases: a photo-sized square and the
-longest strips edgemm accepts (limits.max_pixels, 25 MP) through Gemma 3's stretch
-(bilinear to 896) and SmolVLM's first resize (Lanczos to 2048), and a strip through
-LLaVA's shortest-edge resize to 336 with its centre crop (the window of the resize alone).
-`--baseline REV` also runs edgemm/model/resample.py as it was at git revision REV, in the
-same rounds, on the cases small enough for it (a 5 MP strip: the older code holds all the
-weights at once, several GB at 25 MP), and prints the ratios.
+Pillow is not a runtime dependency (the `fixture` extra has it); edgemm resizes in numpy
+so that its pixels equal the reference processors' (SmolVLM: Lanczos, Qwen2-VL: bicubic).
+Each target size is run alternately by both, `--repeats` times, and the outputs compared
+bit for bit; prints the median and min–max ms of each and their ratio.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
-import subprocess
 import sys
-import tempfile
+import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-
-CASES = {  # name → (input h, w, output h, w, filter, output window or None)
-    "5000x5000 → 896 bilinear (gemma3)": (5000, 5000, 896, 896, 2, None),
-    "5000x5000 → 2048 Lanczos (idefics3's first resize)": (5000, 5000, 2048, 2048, 1, None),
-    "1x5M strip → 2048x1 Lanczos (idefics3's first resize)": (1, 5_000_000, 1, 2048, 1, None),
-    "1x25M strip → 896 bilinear (gemma3)": (1, 25_000_000, 896, 896, 2, None),
-    "1x25M strip → 2048x1 Lanczos": (1, 25_000_000, 1, 2048, 1, None),
-    "2x12.5M strip → 336 crop of 336x2.1G bicubic (llava)": (2, 12_500_000, 336, 2_100_000_000, 3,
-                                                                 ((0, 336), (1_049_999_832, 1_050_000_168))),
-}
-# the baseline (before this tool) had Lanczos only
-BASELINE_CASES = ("5000x5000 → 2048 Lanczos (idefics3's first resize)",
-                  "1x5M strip → 2048x1 Lanczos (idefics3's first resize)")
-
-CHILD = """
-import importlib.util, json, resource, sys, time
 import numpy as np
-sys.path.insert(0, {root!r})
-h, w, oh, ow, f, window = json.loads(sys.argv[1])
-if len(sys.argv) > 2:  # the baseline's resample.py (Lanczos only: resize_lanczos)
-    spec = importlib.util.spec_from_file_location("baseline_resample", sys.argv[2])
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    resize = lambda rgb: module.resize_lanczos(rgb, oh, ow)
-else:
-    from edgemm.model.resample import resize_pil
-    resize = lambda rgb: resize_pil(rgb, oh, ow, f, *(window or ()))
-rgb = np.random.default_rng(0).integers(0, 256, (h, w, 3), dtype=np.uint8)
-start = time.perf_counter()
-resize(rgb)
-print(json.dumps({{"s": time.perf_counter() - start, "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}}))
-"""
+from PIL import Image
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-def summary(rs: list[dict]) -> dict:
-    return {"median_s": round(statistics.median(r["s"] for r in rs), 3),
-            "min_max_s": [round(min(r["s"] for r in rs), 3), round(max(r["s"] for r in rs), 3)],
-            "peak_rss_mb": round(max(r["peak_mb"] for r in rs))}
+from edgemm.model.families.qwen2_vl import smart_resize  # noqa: E402
+from edgemm.model.resample import resize_bicubic, resize_lanczos  # noqa: E402
+
+FILTERS = {"bicubic": (resize_bicubic, Image.BICUBIC), "lanczos": (resize_lanczos, Image.LANCZOS)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--baseline", metavar="REV", help="also run edgemm/model/resample.py of this git revision")
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--frame", default="1080x1920", help="HxW of the source frame")
     args = ap.parse_args()
-    code = CHILD.format(root=str(ROOT))
-    jobs = [(name, None) for name in CASES]
-    with tempfile.TemporaryDirectory() as tmp:
-        if args.baseline:
-            old = Path(tmp) / "baseline_resample.py"
-            old.write_text(subprocess.run(["git", "-C", str(ROOT), "show", f"{args.baseline}:edgemm/model/resample.py"],
-                                          check=True, capture_output=True, text=True).stdout)
-            jobs += [(name, str(old)) for name in BASELINE_CASES]
-        runs: dict[tuple, list[dict]] = {job: [] for job in jobs}
-        for _ in range(args.repeat):  # round by round, so machine noise spreads over every case
-            for name, baseline in jobs:
-                out = subprocess.run([sys.executable, "-c", code, json.dumps(CASES[name]), *([baseline] if baseline else [])],
-                                     check=True, capture_output=True, text=True, env={"OMP_NUM_THREADS": "1", "PATH": ""})
-                runs[(name, baseline)].append(json.loads(out.stdout))
-    report = {name: summary(runs[(name, None)]) for name in CASES}
-    for name, baseline in jobs:
-        if baseline:
-            old = report[f"{name} [{args.baseline}]"] = summary(runs[(name, baseline)])
-            report[name]["time_ratio_to_baseline"] = round(report[name]["median_s"] / old["median_s"], 2)
-            report[name]["peak_ratio_to_baseline"] = round(report[name]["peak_rss_mb"] / old["peak_rss_mb"], 2)
-    print(json.dumps(report, indent=1, ensure_ascii=False))
+    h, w = (int(v) for v in args.frame.split("x"))
+    frame = np.random.default_rng(0).integers(0, 256, (h, w, 3), dtype=np.uint8)
+    # Qwen2-VL's three budgets (256, 512, 1024 image tokens) on this frame
+    targets = [smart_resize(h, w, 28, 3136, tokens * 28 * 28) for tokens in (256, 512, 1024)]
+    rows = []
+    for name, (ours, pillow_filter) in FILTERS.items():
+        for out_h, out_w in targets:
+            times: dict[str, list[float]] = {"edgemm": [], "pillow": []}
+            for i in range(args.repeats):
+                runs = [("edgemm", lambda: ours(frame, out_h, out_w)),
+                        ("pillow", lambda: np.asarray(Image.fromarray(frame).resize((out_w, out_h), pillow_filter)))]
+                results = {}
+                for who, run in runs if i % 2 else runs[::-1]:
+                    started = time.perf_counter()
+                    results[who] = run()
+                    times[who].append((time.perf_counter() - started) * 1e3)
+                assert np.array_equal(results["edgemm"], results["pillow"]), (name, out_h, out_w)
+            med = {who: statistics.median(ms) for who, ms in times.items()}
+            rows.append({"filter": name, "to": f"{out_h}x{out_w}", "edgemm_ms": round(med["edgemm"], 1),
+                         "edgemm_range": [round(min(times["edgemm"]), 1), round(max(times["edgemm"]), 1)],
+                         "pillow_ms": round(med["pillow"], 1),
+                         "pillow_range": [round(min(times["pillow"]), 1), round(max(times["pillow"]), 1)],
+                         "ratio": round(med["edgemm"] / med["pillow"], 2)})
+    print(json.dumps({"frame": args.frame, "repeats": args.repeats, "rows": rows}, indent=1))
+    print()
+    print(f"| {args.frame} to | filter | edgemm ms median (min–max) | Pillow ms median (min–max) | edgemm / Pillow |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['to']} | {r['filter']} | {r['edgemm_ms']} ({r['edgemm_range'][0]}–{r['edgemm_range'][1]}) | "
+              f"{r['pillow_ms']} ({r['pillow_range'][0]}–{r['pillow_range'][1]}) | {r['ratio']} |")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

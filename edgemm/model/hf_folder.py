@@ -76,7 +76,7 @@ def load_hf_manifest(path: Path) -> ModelManifest:
             raise ModelError(f"{path} is a Hugging Face model folder without {name}")
     assert entry.hf_folder is not None  # family_entry(hf_folder=True) only returns such families
     own = entry.hf_folder(path, config)
-    text = config.get("text_config", {})
+    text = config.get("text_config") or config  # a flat config.json (Qwen2-VL as published) has it at the top
     return ModelManifest(
         path=path, name=path.name, family=entry.name, files={**ONNX_FILES, "tokenizer": "tokenizer.json"},
         tiers=own.tiers, default_tier=own.default_tier or list(own.tiers)[-1], preprocessing=own.preprocessing,

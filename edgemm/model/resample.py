@@ -1,5 +1,4 @@
-"""Lanczos resize of RGB8 images, bit-exact with Pillow's `Image.resize(..., LANCZOS)`
-(and its BILINEAR and BICUBIC filters, the same algorithm with another kernel: `resize_pil`).
+"""Lanczos, bicubic and bilinear resize of RGB8 images, bit-exact with Pillow's `Image.resize`.
 
 Idefics3 (SmolVLM) was trained on images resized by Pillow, and its reference
 processor still resizes with Pillow. OpenCV's INTER_LANCZOS4 is another filter
@@ -12,6 +11,10 @@ levels. Pillow is not a runtime dependency, so this is Pillow's algorithm
 * weights normalised to sum 1, then fixed point with 22 fraction bits;
 * a horizontal pass, then a vertical pass, each rounding to uint8 in between (the
   other way round for an image over 100 times taller than wide, as Pillow 12 does).
+
+Qwen2-VL's and LLaVA's reference processors resize with Pillow's BICUBIC: the same passes
+with Pillow's cubic kernel (a = -0.5, support 2); Gemma 3's with BILINEAR (support 1).
+`resize_pil` takes the filter by PIL's number and can compute a window of the result alone.
 """
 from __future__ import annotations
 
@@ -21,6 +24,8 @@ import numpy as np
 
 PRECISION_BITS = 32 - 8 - 2  # Pillow's fixed point for 8-bit images
 SUPPORT = 3.0  # Lanczos-3
+BICUBIC_SUPPORT = 2.0
+BICUBIC_A = -0.5  # Pillow's bicubic_filter
 
 
 def _lanczos(x: np.ndarray) -> np.ndarray:
@@ -29,24 +34,25 @@ def _lanczos(x: np.ndarray) -> np.ndarray:
     return np.where(inside, np.sinc(x) * np.sinc(x / SUPPORT), 0.0)
 
 
+def _bicubic(x: np.ndarray) -> np.ndarray:
+    """Pillow's bicubic_filter: Keys' cubic convolution with a = -0.5 on (-2, 2)."""
+    x = np.abs(x)
+    a = BICUBIC_A
+    near = ((a + 2.0) * x - (a + 3.0)) * x * x + 1
+    far = (((x - 5) * x + 8) * x - 4) * a
+    return np.where(x < 1.0, near, np.where(x < 2.0, far, 0.0))
+
+
 def _bilinear(x: np.ndarray) -> np.ndarray:
     """Pillow's triangle filter, support 1."""
     x = np.abs(x)
     return np.where(x < 1.0, 1.0 - x, 0.0)
 
 
-def _bicubic(x: np.ndarray) -> np.ndarray:
-    """Pillow's cubic convolution with a = -0.5, support 2."""
-    a, x = -0.5, np.abs(x)
-    near = ((a + 2.0) * x - (a + 3.0)) * x * x + 1
-    far = (((x - 5) * x + 8) * x - 4) * a
-    return np.where(x < 1.0, near, np.where(x < 2.0, far, 0.0))
-
-
 COEFFICIENTS_PER_CHUNK = 1 << 21  # weights (outputs x taps) made at once: 16 MB per array
 
 # preprocessor_config.json "resample" (PIL's numbering) → (kernel, support)
-FILTERS = {1: (_lanczos, SUPPORT), 2: (_bilinear, 1.0), 3: (_bicubic, 2.0)}
+FILTERS = {1: (_lanczos, SUPPORT), 2: (_bilinear, 1.0), 3: (_bicubic, BICUBIC_SUPPORT)}
 FILTER_NAMES = {1: "Lanczos", 2: "bilinear", 3: "bicubic"}
 
 
@@ -73,44 +79,66 @@ def _coefficients(in_size: int, out_size: int, kernel=_lanczos, kernel_support: 
     return first, fixed.astype(np.int64)
 
 
-def _resample_axis(img: np.ndarray, out_size: int, axis: int, resample: int = 1,
-                   span: tuple[int, int] | None = None) -> np.ndarray:
+CHUNK_BYTES = 256 << 10  # the int32 sums of this many output lines at a time stay in the cache
+
+
+def _resample_axis(img: np.ndarray, out_size: int, axis: int, kernel=_lanczos,
+                   kernel_support: float = SUPPORT, span: tuple[int, int] | None = None) -> np.ndarray:
     """One pass along `axis` (0 rows, 1 columns) of a uint8 (H, W, C) image (the outputs in
-    `span` only, if given). The weights of a strong shrink of a long axis (a 25-megapixel
-    strip to 896 pixels: 56 000 taps each) are made a chunk of outputs at a time, so their
-    memory stays near COEFFICIENTS_PER_CHUNK entries instead of growing with the image."""
+    `span` only, if given).
+
+    The resampled axis is laid out first, so that each tap gathers whole lines (a copy of
+    contiguous bytes, not a strided gather); the sums are int32 as in Pillow (its fixed
+    point is chosen so that they fit), a cache-sized block of output lines at a time.
+    The weights of a strong shrink of a long axis (a 25-megapixel strip to 896 pixels:
+    56 000 taps each) are made a chunk of outputs at a time, so their memory stays near
+    COEFFICIENTS_PER_CHUNK entries instead of growing with the image."""
     start, stop = span or (0, out_size)
-    kernel, support = FILTERS[resample]
-    taps = int(math.ceil(support * max(img.shape[axis] / out_size, 1.0))) * 2 + 1
+    in_size = img.shape[axis]
+    taps = int(math.ceil(kernel_support * max(in_size / out_size, 1.0))) * 2 + 1
     step = max(1, COEFFICIENTS_PER_CHUNK // taps)
     if stop - start > step:
-        parts = [_resample_axis(img, out_size, axis, resample, (a, min(a + step, stop)))
+        parts = [_resample_axis(img, out_size, axis, kernel, kernel_support, (a, min(a + step, stop)))
                  for a in range(start, stop, step)]
         return np.concatenate(parts, axis=axis)
-    in_size = img.shape[axis]
-    first, weights = _coefficients(in_size, out_size, kernel, support, span=(start, stop))
-    acc = np.full(img.shape[:axis] + (len(first),) + img.shape[axis + 1:], 1 << (PRECISION_BITS - 1), np.int64)
-    if weights.shape[1] <= len(first):  # the usual case: a few taps, one array operation per tap
-        for tap in range(weights.shape[1]):
-            index = np.minimum(first + tap, in_size - 1)  # unused taps have weight 0
-            w = weights[:, tap]
-            w = w[:, None, None] if axis == 0 else w[None, :, None]
-            acc += np.take(img, index, axis=axis).astype(np.int64) * w
-    else:  # more taps than outputs (a strong shrink): one integer dot product per output
+    first, weights = _coefficients(in_size, out_size, kernel, kernel_support, (start, stop))
+    count = len(first)
+    moved = np.moveaxis(img, axis, 0)
+    rest = moved.shape[1:]
+    lines = np.ascontiguousarray(moved).reshape(in_size, -1)  # [in, everything else]
+    out = np.empty((count, lines.shape[1]), np.uint8)
+    if weights.shape[1] > count:  # more taps than outputs (a strong shrink): one dot product per output
         for i, (a, w) in enumerate(zip(first, weights)):
             n = min(len(w), in_size - a)
-            seg = img[a:a + n] if axis == 0 else img[:, a:a + n]
-            dot = np.tensordot(seg.astype(np.int64), w[:n], axes=([axis], [0]))
-            if axis == 0:
-                acc[i] += dot
-            else:
-                acc[:, i] += dot
-    return np.clip(acc >> PRECISION_BITS, 0, 255).astype(np.uint8)
+            total = (1 << (PRECISION_BITS - 1)) + w[:n] @ lines[a:a + n].astype(np.int64)
+            out[i] = np.clip(total >> PRECISION_BITS, 0, 255)
+        return np.ascontiguousarray(np.moveaxis(out.reshape(count, *rest), 0, axis))
+    weights = weights.astype(np.int32)
+    block = max(1, CHUNK_BYTES // (4 * lines.shape[1]))
+    acc = np.empty((block, lines.shape[1]), np.int32)
+    term = np.empty_like(acc)
+    for begin in range(0, count, block):
+        n = min(block, count - begin)
+        total, product = acc[:n], term[:n]
+        total.fill(1 << (PRECISION_BITS - 1))
+        for tap in range(weights.shape[1]):
+            index = np.minimum(first[begin:begin + n] + tap, in_size - 1)  # unused taps have weight 0
+            np.multiply(lines[index], weights[begin:begin + n, tap, None], out=product)
+            total += product
+        np.right_shift(total, PRECISION_BITS, out=total)
+        np.clip(total, 0, 255, out=total)
+        out[begin:begin + n] = total
+    return np.ascontiguousarray(np.moveaxis(out.reshape(count, *rest), 0, axis))
 
 
 def resize_lanczos(rgb: np.ndarray, height: int, width: int) -> np.ndarray:
     """RGB8 (H, W, 3) → (height, width, 3), the pixels Pillow's LANCZOS resize gives."""
     return resize_pil(rgb, height, width, 1)
+
+
+def resize_bicubic(rgb: np.ndarray, height: int, width: int) -> np.ndarray:
+    """RGB8 (H, W, 3) → (height, width, 3), the pixels Pillow's BICUBIC resize gives."""
+    return resize_pil(rgb, height, width, 3)
 
 
 def resize_pil(rgb: np.ndarray, height: int, width: int, resample: int,
@@ -127,11 +155,15 @@ def resize_pil(rgb: np.ndarray, height: int, width: int, resample: int,
     rows, cols = rows or (0, height), cols or (0, width)
     if not (0 <= rows[0] < rows[1] <= height and 0 <= cols[0] < cols[1] <= width):
         raise ValueError(f"window rows {rows} cols {cols} is not inside {height}x{width}")
+    kernel, support = FILTERS[resample]
+
     def horizontal(img: np.ndarray) -> np.ndarray:  # an axis kept at its size is only cut
-        return _resample_axis(img, width, 1, resample, cols) if img.shape[1] != width else img[:, cols[0]:cols[1]]
+        return _resample_axis(img, width, 1, kernel, support, cols) if img.shape[1] != width \
+            else img[:, cols[0]:cols[1]]
 
     def vertical(img: np.ndarray) -> np.ndarray:
-        return _resample_axis(img, height, 0, resample, rows) if img.shape[0] != height else img[rows[0]:rows[1]]
+        return _resample_axis(img, height, 0, kernel, support, rows) if img.shape[0] != height \
+            else img[rows[0]:rows[1]]
 
     # Pillow 12's Image.resize: horizontal pass first, then vertical; but an image more than
     # 100 times taller than wide, shrunk in height, goes through the vertical pass first
