@@ -88,31 +88,37 @@ def _resample_axis(img: np.ndarray, out_size: int, axis: int, kernel=_lanczos,
     `span` only, if given).
 
     The resampled axis is laid out first, so that each tap gathers whole lines (a copy of
-    contiguous bytes, not a strided gather); the sums are int32 as in Pillow (its fixed
-    point is chosen so that they fit), a cache-sized block of output lines at a time.
-    The weights of a strong shrink of a long axis (a 25-megapixel strip to 896 pixels:
-    56 000 taps each) are made a chunk of outputs at a time, so their memory stays near
-    COEFFICIENTS_PER_CHUNK entries instead of growing with the image."""
+    contiguous bytes, not a strided gather). The weights of a strong shrink of a long axis
+    (a 25-megapixel strip to 896 pixels: 56 000 taps each) are made a chunk of outputs at
+    a time, so their memory stays near COEFFICIENTS_PER_CHUNK entries instead of growing
+    with the image."""
     start, stop = span or (0, out_size)
     in_size = img.shape[axis]
-    taps = int(math.ceil(kernel_support * max(in_size / out_size, 1.0))) * 2 + 1
-    step = max(1, COEFFICIENTS_PER_CHUNK // taps)
-    if stop - start > step:
-        parts = [_resample_axis(img, out_size, axis, kernel, kernel_support, (a, min(a + step, stop)))
-                 for a in range(start, stop, step)]
-        return np.concatenate(parts, axis=axis)
-    first, weights = _coefficients(in_size, out_size, kernel, kernel_support, (start, stop))
-    count = len(first)
     moved = np.moveaxis(img, axis, 0)
     rest = moved.shape[1:]
     lines = np.ascontiguousarray(moved).reshape(in_size, -1)  # [in, everything else]
+    out = np.empty((stop - start, lines.shape[1]), np.uint8)
+    taps = int(math.ceil(kernel_support * max(in_size / out_size, 1.0))) * 2 + 1
+    step = max(1, COEFFICIENTS_PER_CHUNK // taps)
+    for a in range(start, stop, step):
+        b = min(a + step, stop)
+        first, weights = _coefficients(in_size, out_size, kernel, kernel_support, (a, b))
+        out[a - start:b - start] = _resample_lines(lines, first, weights)
+    return np.ascontiguousarray(np.moveaxis(out.reshape(stop - start, *rest), 0, axis))
+
+
+def _resample_lines(lines: np.ndarray, first: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """uint8 [in, X] → [len(first), X]: each output line the weighted sum of its taps' lines."""
+    in_size, count = lines.shape[0], len(first)
     out = np.empty((count, lines.shape[1]), np.uint8)
     if weights.shape[1] > count:  # more taps than outputs (a strong shrink): one dot product per output
         for i, (a, w) in enumerate(zip(first, weights)):
             n = min(len(w), in_size - a)
             total = (1 << (PRECISION_BITS - 1)) + w[:n] @ lines[a:a + n].astype(np.int64)
             out[i] = np.clip(total >> PRECISION_BITS, 0, 255)
-        return np.ascontiguousarray(np.moveaxis(out.reshape(count, *rest), 0, axis))
+        return out
+    # the sums are int32 as in Pillow (its fixed point is chosen so that they fit), a
+    # cache-sized block of output lines at a time
     weights = weights.astype(np.int32)
     block = max(1, CHUNK_BYTES // (4 * lines.shape[1]))
     acc = np.empty((block, lines.shape[1]), np.int32)
@@ -128,7 +134,7 @@ def _resample_axis(img: np.ndarray, out_size: int, axis: int, kernel=_lanczos,
         np.right_shift(total, PRECISION_BITS, out=total)
         np.clip(total, 0, 255, out=total)
         out[begin:begin + n] = total
-    return np.ascontiguousarray(np.moveaxis(out.reshape(count, *rest), 0, axis))
+    return out
 
 
 def resize_lanczos(rgb: np.ndarray, height: int, width: int) -> np.ndarray:
