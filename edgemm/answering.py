@@ -69,6 +69,9 @@ class Answering:
 
     def __init__(self, models: ModelComponents, encoding: Encoding, adapter: Family, manifest: ModelManifest):
         self.models, self.encoding, self.adapter, self.manifest = models, encoding, adapter, manifest
+        # a family whose image prefix attends to the text after it says so (Family's
+        # `reuses_image_prefix`, True when absent): its prefixes are neither kept nor reused
+        self.reuses_prefix = bool(getattr(adapter, "reuses_image_prefix", True))
         # a component that did not load on the first device of its list, and why (CUDA that would
         # not start, a missing engine …): every answer says where it ran instead
         self.placement_notes = [f"{name} on {p.device} ({'; '.join(f'{device}: {why}' for device, why in p.skipped)})"
@@ -100,7 +103,7 @@ class RequestBatch(DecodingBatch):
             stream = TextStream(tokenizer, on_token) if on_token is not None else None
             # the image's prompt prefix is kept in, and reused from, the feature cache
             reuse = PrefixReuse(cache, request.cache_key) if cache is not None and request.cache_key is not None \
-                else None
+                and self.answering.reuses_prefix else None
             prompt = request.prompt
             items.append(((key, request, stream), BatchItem(features, prompt.input_ids, prompt.image_positions,
                                                             request.options, stream, reuse, cancelled,

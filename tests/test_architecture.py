@@ -16,7 +16,9 @@ import pytest
 import edgemm
 from edgemm.errors import ModelError
 from edgemm.model import family
+from edgemm.model.families.gemma3 import Gemma3Adapter
 from edgemm.model.families.idefics3 import Idefics3Adapter
+from edgemm.model.families.llava import LlavaAdapter
 from edgemm.model.families.tiny_vlm import TinyVLMAdapter
 from edgemm.model.family import Family, family_entry, family_for, register, registered
 from edgemm.model.manifest import load_manifest
@@ -150,7 +152,9 @@ def test_built_in_families_are_registered_by_model_type():
 
 
 @pytest.mark.parametrize("folder, cls", [(PACKAGE.parent / "models" / "tiny-vlm", TinyVLMAdapter),
-                                         (IDEFICS3_FIXTURE, Idefics3Adapter)])
+                                         (IDEFICS3_FIXTURE, Idefics3Adapter),
+                                         (IDEFICS3_FIXTURE.parent / "gemma3-tiny", Gemma3Adapter),
+                                         (IDEFICS3_FIXTURE.parent / "llava-tiny", LlavaAdapter)])
 def test_each_family_is_what_the_runtime_expects(folder, cls):
     adapter = family_for(load_manifest(folder))
     assert type(adapter) is cls and isinstance(adapter, Family)
@@ -158,10 +162,10 @@ def test_each_family_is_what_the_runtime_expects(folder, cls):
 
 def test_unknown_model_type_is_one_line_naming_the_known_ones():
     with pytest.raises(ModelError) as info:
-        family_entry("llava", "models/x/config.json: unknown model_type")
+        family_entry("no_such_vlm", "models/x/config.json: unknown model_type")
     message = str(info.value)
     assert "\n" not in message
-    assert message.startswith("models/x/config.json: unknown model_type 'llava' (known: ")
+    assert message.startswith("models/x/config.json: unknown model_type 'no_such_vlm' (known: ")
     assert all(name in message for name in ("idefics3", "smolvlm", "tiny-vlm"))
 
 
@@ -172,10 +176,10 @@ def test_a_new_family_is_one_new_module(tmp_path, monkeypatch):
     package.mkdir()
     (package / "__init__.py").write_text("")
     (package / "_helpers.py").write_text("raise AssertionError('modules starting with _ are skipped')\n")
-    (package / "llava.py").write_text(
+    (package / "florence2.py").write_text(
         "from edgemm.model.family import register\n\n\n"
-        "@register('llava', 'llava_next')\n"
-        "class Llava:\n"
+        "@register('florence2', 'florence2_large')\n"
+        "class Florence2:\n"
         "    def __init__(self, manifest):\n"
         "        self.manifest = manifest\n")
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -183,8 +187,8 @@ def test_a_new_family_is_one_new_module(tmp_path, monkeypatch):
     monkeypatch.setattr(family, "_registry", dict(family._registry))  # restored afterwards
     monkeypatch.setattr(family, "_discovered", False)
     monkeypatch.delitem(sys.modules, "more_families", raising=False)
-    entry = family_entry("llava_next", "unknown model_type")
-    assert entry.name == "llava" and entry.adapter.__module__ == "more_families.llava"
+    entry = family_entry("florence2_large", "unknown model_type")
+    assert entry.name == "florence2" and entry.adapter.__module__ == "more_families.florence2"
     assert "tiny-vlm" in registered()  # the built-ins are still there
 
 

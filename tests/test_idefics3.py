@@ -205,8 +205,8 @@ def test_graph_with_a_wrong_tensor_name_is_refused(broken):
 
 def test_unknown_model_type_is_refused(broken):
     config = json.loads((broken / "config.json").read_text())
-    (broken / "config.json").write_text(json.dumps({**config, "model_type": "llava"}))
-    with pytest.raises(ModelError, match="model_type 'llava'"):
+    (broken / "config.json").write_text(json.dumps({**config, "model_type": "no_such_vlm"}))
+    with pytest.raises(ModelError, match="model_type 'no_such_vlm'"):
         load_manifest(broken)
 
 

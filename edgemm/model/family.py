@@ -59,7 +59,13 @@ class Prompt:
 
 @runtime_checkable
 class Family(Protocol):
-    """What the runtime asks of a loaded model's family (Runtime.adapter)."""
+    """What the runtime asks of a loaded model's family (Runtime.adapter).
+
+    Optional: `reuses_image_prefix: bool` (True when absent). The decode loop keeps the
+    KV cache of the prompt up to the last image placeholder and reuses it for the next
+    question about the same image; that is exact only if no position of that prefix
+    attends to the text after it. A family whose decoder lets it (a prefix-LM that
+    attends bidirectionally over image and question) sets it False."""
 
     manifest: ModelManifest
     tokenizer: Tokenizer

@@ -1,4 +1,4 @@
-"""Lanczos and bicubic resize of RGB8 images, bit-exact with Pillow's `Image.resize`.
+"""Lanczos, bicubic and bilinear resize of RGB8 images, bit-exact with Pillow's `Image.resize`.
 
 Idefics3 (SmolVLM) was trained on images resized by Pillow, and its reference
 processor still resizes with Pillow. OpenCV's INTER_LANCZOS4 is another filter
@@ -9,10 +9,12 @@ levels. Pillow is not a runtime dependency, so this is Pillow's algorithm
 * per output pixel, taps over `support = 3 * max(scale, 1)` input pixels, the
   Lanczos-3 kernel stretched by the scale when shrinking (that is the antialiasing);
 * weights normalised to sum 1, then fixed point with 22 fraction bits;
-* a horizontal pass, then a vertical pass, each rounding to uint8 in between.
+* a horizontal pass, then a vertical pass, each rounding to uint8 in between (the
+  other way round for an image over 100 times taller than wide, as Pillow 12 does).
 
-Qwen2-VL's reference processor resizes with Pillow's BICUBIC: the same passes with
-Pillow's cubic kernel (a = -0.5, support 2).
+Qwen2-VL's and LLaVA's reference processors resize with Pillow's BICUBIC: the same passes
+with Pillow's cubic kernel (a = -0.5, support 2); Gemma 3's with BILINEAR (support 1).
+`resize_pil` takes the filter by PIL's number and can compute a window of the result alone.
 """
 from __future__ import annotations
 
@@ -41,14 +43,29 @@ def _bicubic(x: np.ndarray) -> np.ndarray:
     return np.where(x < 1.0, near, np.where(x < 2.0, far, 0.0))
 
 
-def _coefficients(in_size: int, out_size: int, kernel=_lanczos,
-                  kernel_support: float = SUPPORT) -> tuple[np.ndarray, np.ndarray]:
-    """(first input index [out], fixed-point weights [out, taps]) for one axis."""
+def _bilinear(x: np.ndarray) -> np.ndarray:
+    """Pillow's triangle filter, support 1."""
+    x = np.abs(x)
+    return np.where(x < 1.0, 1.0 - x, 0.0)
+
+
+COEFFICIENTS_PER_CHUNK = 1 << 21  # weights (outputs x taps) made at once: 16 MB per array
+
+# preprocessor_config.json "resample" (PIL's numbering) → (kernel, support)
+FILTERS = {1: (_lanczos, SUPPORT), 2: (_bilinear, 1.0), 3: (_bicubic, BICUBIC_SUPPORT)}
+FILTER_NAMES = {1: "Lanczos", 2: "bilinear", 3: "bicubic"}
+
+
+def _coefficients(in_size: int, out_size: int, kernel=_lanczos, kernel_support: float = SUPPORT,
+                  span: tuple[int, int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(first input index [out], fixed-point weights [out, taps]) for one axis; for the
+    outputs in `span` (start, stop) only, if given: each output's weights depend on its
+    own index alone, so a part of the resize is exactly that part of the whole."""
     scale = in_size / out_size
     filter_scale = max(scale, 1.0)
     support = kernel_support * filter_scale
     taps = int(math.ceil(support)) * 2 + 1
-    centers = (np.arange(out_size) + 0.5) * scale
+    centers = (np.arange(*(span or (0, out_size))) + 0.5) * scale
     # Pillow rounds with (int)(v + 0.5), which truncates towards zero
     first = np.clip(np.trunc(centers - support + 0.5).astype(np.int64), 0, None)
     last = np.clip(np.trunc(centers + support + 0.5).astype(np.int64), None, in_size)
@@ -66,55 +83,96 @@ CHUNK_BYTES = 256 << 10  # the int32 sums of this many output lines at a time st
 
 
 def _resample_axis(img: np.ndarray, out_size: int, axis: int, kernel=_lanczos,
-                   kernel_support: float = SUPPORT) -> np.ndarray:
-    """One pass along `axis` (0 rows, 1 columns) of a uint8 (H, W, C) image.
+                   kernel_support: float = SUPPORT, span: tuple[int, int] | None = None) -> np.ndarray:
+    """One pass along `axis` (0 rows, 1 columns) of a uint8 (H, W, C) image (the outputs in
+    `span` only, if given).
 
     The resampled axis is laid out first, so that each tap gathers whole lines (a copy of
-    contiguous bytes, not a strided gather); the sums are int32 as in Pillow (its fixed
-    point is chosen so that they fit), a cache-sized block of output lines at a time."""
+    contiguous bytes, not a strided gather). The weights of a strong shrink of a long axis
+    (a 25-megapixel strip to 896 pixels: 56 000 taps each) are made a chunk of outputs at
+    a time, so their memory stays near COEFFICIENTS_PER_CHUNK entries instead of growing
+    with the image."""
+    start, stop = span or (0, out_size)
     in_size = img.shape[axis]
-    first, weights = _coefficients(in_size, out_size, kernel, kernel_support)
-    weights = weights.astype(np.int32)
     moved = np.moveaxis(img, axis, 0)
     rest = moved.shape[1:]
     lines = np.ascontiguousarray(moved).reshape(in_size, -1)  # [in, everything else]
-    out = np.empty((out_size, lines.shape[1]), np.uint8)
+    out = np.empty((stop - start, lines.shape[1]), np.uint8)
+    taps = int(math.ceil(kernel_support * max(in_size / out_size, 1.0))) * 2 + 1
+    step = max(1, COEFFICIENTS_PER_CHUNK // taps)
+    for a in range(start, stop, step):
+        b = min(a + step, stop)
+        first, weights = _coefficients(in_size, out_size, kernel, kernel_support, (a, b))
+        out[a - start:b - start] = _resample_lines(lines, first, weights)
+    return np.ascontiguousarray(np.moveaxis(out.reshape(stop - start, *rest), 0, axis))
+
+
+def _resample_lines(lines: np.ndarray, first: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """uint8 [in, X] → [len(first), X]: each output line the weighted sum of its taps' lines."""
+    in_size, count = lines.shape[0], len(first)
+    out = np.empty((count, lines.shape[1]), np.uint8)
+    if weights.shape[1] > count:  # more taps than outputs (a strong shrink): one dot product per output
+        for i, (a, w) in enumerate(zip(first, weights)):
+            n = min(len(w), in_size - a)
+            total = (1 << (PRECISION_BITS - 1)) + w[:n] @ lines[a:a + n].astype(np.int64)
+            out[i] = np.clip(total >> PRECISION_BITS, 0, 255)
+        return out
+    # the sums are int32 as in Pillow (its fixed point is chosen so that they fit), a
+    # cache-sized block of output lines at a time
+    weights = weights.astype(np.int32)
     block = max(1, CHUNK_BYTES // (4 * lines.shape[1]))
     acc = np.empty((block, lines.shape[1]), np.int32)
     term = np.empty_like(acc)
-    for start in range(0, out_size, block):
-        n = min(block, out_size - start)
+    for begin in range(0, count, block):
+        n = min(block, count - begin)
         total, product = acc[:n], term[:n]
         total.fill(1 << (PRECISION_BITS - 1))
         for tap in range(weights.shape[1]):
-            index = np.minimum(first[start:start + n] + tap, in_size - 1)  # unused taps have weight 0
-            np.multiply(lines[index], weights[start:start + n, tap, None], out=product)
+            index = np.minimum(first[begin:begin + n] + tap, in_size - 1)  # unused taps have weight 0
+            np.multiply(lines[index], weights[begin:begin + n, tap, None], out=product)
             total += product
         np.right_shift(total, PRECISION_BITS, out=total)
         np.clip(total, 0, 255, out=total)
-        out[start:start + n] = total
-    return np.ascontiguousarray(np.moveaxis(out.reshape(out_size, *rest), 0, axis))
+        out[begin:begin + n] = total
+    return out
 
 
 def resize_lanczos(rgb: np.ndarray, height: int, width: int) -> np.ndarray:
     """RGB8 (H, W, 3) → (height, width, 3), the pixels Pillow's LANCZOS resize gives."""
-    if height < 1 or width < 1:
-        raise ValueError(f"resize target must be positive, got {height}x{width}")
-    out = rgb
-    if out.shape[1] != width:  # Pillow: horizontal pass first, then vertical
-        out = _resample_axis(out, width, axis=1)
-    if out.shape[0] != height:
-        out = _resample_axis(out, height, axis=0)
-    return out if out is not rgb else rgb.copy()
+    return resize_pil(rgb, height, width, 1)
 
 
 def resize_bicubic(rgb: np.ndarray, height: int, width: int) -> np.ndarray:
     """RGB8 (H, W, 3) → (height, width, 3), the pixels Pillow's BICUBIC resize gives."""
+    return resize_pil(rgb, height, width, 3)
+
+
+def resize_pil(rgb: np.ndarray, height: int, width: int, resample: int,
+               rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None) -> np.ndarray:
+    """RGB8 (H, W, 3) → (height, width, 3), the pixels Pillow's resize gives with the filter
+    `resample` (PIL's numbering: 1 Lanczos, 2 bilinear, 3 bicubic; see FILTERS).
+
+    `rows` / `cols` (start, stop): only that window of the result, computed without the
+    rest (a centre crop of a huge resize costs the crop, not the resize)."""
     if height < 1 or width < 1:
         raise ValueError(f"resize target must be positive, got {height}x{width}")
-    out = rgb
-    if out.shape[1] != width:  # Pillow: horizontal pass first, then vertical
-        out = _resample_axis(out, width, 1, _bicubic, BICUBIC_SUPPORT)
-    if out.shape[0] != height:
-        out = _resample_axis(out, height, 0, _bicubic, BICUBIC_SUPPORT)
-    return out if out is not rgb else rgb.copy()
+    if resample not in FILTERS:
+        raise ValueError(f"resample {resample} is not one of Pillow's filters implemented here ({sorted(FILTERS)})")
+    rows, cols = rows or (0, height), cols or (0, width)
+    if not (0 <= rows[0] < rows[1] <= height and 0 <= cols[0] < cols[1] <= width):
+        raise ValueError(f"window rows {rows} cols {cols} is not inside {height}x{width}")
+    kernel, support = FILTERS[resample]
+
+    def horizontal(img: np.ndarray) -> np.ndarray:  # an axis kept at its size is only cut
+        return _resample_axis(img, width, 1, kernel, support, cols) if img.shape[1] != width \
+            else img[:, cols[0]:cols[1]]
+
+    def vertical(img: np.ndarray) -> np.ndarray:
+        return _resample_axis(img, height, 0, kernel, support, rows) if img.shape[0] != height \
+            else img[rows[0]:rows[1]]
+
+    # Pillow 12's Image.resize: horizontal pass first, then vertical; but an image more than
+    # 100 times taller than wide, shrunk in height, goes through the vertical pass first
+    tall = rgb.shape[0] > rgb.shape[1] * 100 and height < rgb.shape[0]
+    out = horizontal(vertical(rgb)) if tall else vertical(horizontal(rgb))
+    return out.copy() if np.may_share_memory(out, rgb) else out  # never a view of the caller's image

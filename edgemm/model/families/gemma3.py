@@ -1,0 +1,174 @@
+"""The gemma3 family (Gemma 3 with vision): one square image, chat template, image-token expansion.
+
+The image is stretched to the processor's one size (896x896 in the released models: one
+resolution tier, no pan-and-scan) with Pillow's filter of the folder's `resample`
+(bilinear), rescaled and normalised as Gemma3ImageProcessor does. The prompt is the
+folder's chat template with one `<start_of_image>` before the user's text, which expands
+as Gemma3Processor expands it:
+
+    \\n\\n<start_of_image><image_soft_token>*N<end_of_image>\\n\\n    (N = image_seq_length, 256)
+
+The encoder's N output tokens fill the `<image_soft_token>` positions in order.
+
+Two choices, both checked by tests/test_gemma3.py against transformers:
+
+* Attention is causal everywhere. transformers lets one image's soft tokens attend to
+  each other both ways when it is given `token_type_ids`; a decoder graph whose only mask
+  is the 2-D attention_mask cannot express that, so edgemm (like transformers.js) is exact
+  against transformers run without token_type_ids, and approximate against it with them.
+* Positions are 0-based (cumsum(mask) - 1, the model contract), as transformers' own
+  generate feeds them. transformers.js feeds Gemma 3 1-based positions; rotary embeddings
+  only see differences of positions, so the two differ by rounding, not by meaning.
+
+Prefix reuse (`reuses_image_prefix`, see edgemm/model/family.py) stays on: the prefix edgemm
+keeps ends after the last soft token, and no position in it sees the question. The graph is
+causal; and even transformers' bidirectional block (with token_type_ids) covers only the
+soft tokens of the one image, all of which lie inside that prefix.
+
+Registered for the model type `gemma3`; its folders are Hugging Face folders.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from edgemm.errors import InputError, ModelError
+from edgemm.model.families.idefics3 import _compile_template
+from edgemm.model.family import FamilyFields, Prompt, register
+from edgemm.model.hf_folder import read_json
+from edgemm.model.manifest_types import ModelManifest, Preprocessing, ResolutionTier
+from edgemm.model.resample import FILTER_NAMES, resize_pil
+from edgemm.model.tokenizer import load_tokenizer, token_id
+
+# the names Gemma 3's tokenizer_config.json gives them, and their usual values
+TOKEN_DEFAULTS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                  "image_token": "<image_soft_token>", "bos_token": "<bos>"}
+END_OF_TURN = "<end_of_turn>"
+PIL_BILINEAR = 2  # Gemma3ImageProcessor's default filter
+
+
+def special_token(tokenizer_config: dict, key: str, default: str) -> str:
+    """A named token of tokenizer_config.json (a string, or an AddedToken's dict; at the top
+    level or under extra_special_tokens), or `default` where the folder names none."""
+    extra = tokenizer_config.get("extra_special_tokens")
+    value = tokenizer_config.get(key, extra.get(key) if isinstance(extra, dict) else None)
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else default
+
+
+def eos_ids(generation: dict, config: dict) -> list[int]:
+    """generation_config.json's eos_token_id (one id or a list), else config.json's."""
+    eos = generation.get("eos_token_id", config.get("eos_token_id", (config.get("text_config") or {}).get(
+        "eos_token_id", [])))
+    eos = eos if isinstance(eos, list) else [eos]
+    return [int(e) for e in eos if isinstance(e, int)]
+
+
+def family_config(path: Path, config: dict, preprocessor: dict, processor: dict, tokenizer_config: dict,
+                  generation: dict) -> dict:
+    """What the adapter needs from the folder's JSON files, checked, in one flat dict."""
+    where = path / "preprocessor_config.json"
+    size = preprocessor.get("size") or {}
+    height, width = size.get("height"), size.get("width")
+    if not all(isinstance(v, int) and v > 0 for v in (height, width)):
+        raise ModelError(f"{where}: needs size.height and size.width, positive integers")
+    if preprocessor.get("do_pan_and_scan"):
+        raise ModelError(f"{where}: do_pan_and_scan true is not supported (edgemm feeds the one square image)")
+    for key in ("do_resize", "do_rescale", "do_normalize"):
+        if preprocessor.get(key, True) is not True:
+            raise ModelError(f"{where}: {key} false is not supported")
+    resample = preprocessor.get("resample", PIL_BILINEAR)
+    if resample not in FILTER_NAMES:
+        raise ModelError(f"{where}: resample {resample} is not supported "
+                         f"({', '.join(f'{k} {v}' for k, v in FILTER_NAMES.items())})")
+    seq_len = processor.get("image_seq_length", config.get("mm_tokens_per_image", 256))
+    if not isinstance(seq_len, int) or seq_len <= 0:
+        raise ModelError(f"{path / 'processor_config.json'}: image_seq_length must be a positive integer")
+    return {
+        "height": height, "width": width, "resample": resample, "image_seq_len": seq_len,
+        "rescale_factor": float(preprocessor.get("rescale_factor", 1 / 255)),
+        "image_mean": list(preprocessor.get("image_mean", [0.5] * 3)),
+        "image_std": list(preprocessor.get("image_std", [0.5] * 3)),
+        **{key: special_token(tokenizer_config, key, value) for key, value in TOKEN_DEFAULTS.items()},
+        "eos_token_ids": eos_ids(generation, config),
+    }
+
+
+def read_hf_folder(path: Path, config: dict) -> FamilyFields:
+    """This family's part of a Hugging Face folder's manifest (edgemm.model.hf_folder)."""
+    cfg = family_config(path, config, read_json(path / "preprocessor_config.json"),
+                        read_json(path / "processor_config.json", required=False),
+                        read_json(path / "tokenizer_config.json", required=False),
+                        read_json(path / "generation_config.json", required=False))
+    name = f"{cfg['height']}x{cfg['width']}"
+    return FamilyFields(tiers={name: ResolutionTier(name, cfg["height"], cfg["width"], cfg["image_seq_len"])},
+                        image_token=cfg["image_token"], stop_tokens=[END_OF_TURN],
+                        preprocessing=Preprocessing(tuple(cfg["image_mean"]), tuple(cfg["image_std"]), "rgb",
+                                                    "stretch"),
+                        family_config=cfg)
+
+
+def expand_image(cfg: dict) -> str:
+    """The text that replaces one `<start_of_image>`, exactly as Gemma3Processor writes it."""
+    return f"\n\n{cfg['boi_token']}{cfg['image_token'] * cfg['image_seq_len']}{cfg['eoi_token']}\n\n"
+
+
+def rescale_normalize(image: np.ndarray, rescale: float, mean, std) -> np.ndarray:
+    """uint8 [H, W, 3] → float32 [1, 3, H, W] as transformers' PIL backend computes it:
+    rescale in float64, store float32, normalise in float32."""
+    x = (image.transpose(2, 0, 1)[None].astype(np.float64) * rescale).astype(np.float32)
+    return (x - np.asarray(mean, np.float32)[None, :, None, None]) / np.asarray(std, np.float32)[None, :, None, None]
+
+
+@register("gemma3", hf_folder=read_hf_folder)
+class Gemma3Adapter:
+    """Prompt building and pixels for Gemma 3 folders (see the module docstring)."""
+
+    known_prompts: tuple[str, ...] = ()  # an open vocabulary: any text reads
+    # the prefix up to the last soft token never sees the question (the module docstring)
+    reuses_image_prefix = True
+
+    def __init__(self, manifest: ModelManifest):
+        self.manifest = manifest
+        self.cfg = manifest.family_config
+        self.tokenizer = load_tokenizer(manifest.path / manifest.files["tokenizer"])
+        self.image_id = self._id(self.cfg["image_token"])
+        for key in ("boi_token", "eoi_token"):
+            self._id(self.cfg[key])
+        self.stop_ids = {self._id(END_OF_TURN), *self.cfg["eos_token_ids"]}
+        self.template = _compile_template(manifest.chat_template or "", manifest.path)
+
+    def _id(self, token: str) -> int:
+        return token_id(self.tokenizer, token, f"{self.manifest.path}: token {token!r}")
+
+    def pixels(self, rgb: np.ndarray, tier: ResolutionTier) -> np.ndarray:
+        """RGB8 → float32 [1, 3, H, W]: the whole image stretched to the tier's size."""
+        image = resize_pil(rgb, tier.height, tier.width, self.cfg["resample"])
+        return rescale_normalize(image, self.cfg["rescale_factor"], self.cfg["image_mean"], self.cfg["image_std"])
+
+    def chat_text(self, prompt: str) -> str:
+        """The chat template around one image and the user's text, ready for the answer."""
+        boi = self.cfg["boi_token"]
+        for token in (boi, self.cfg["image_token"], self.cfg["eoi_token"]):
+            if token in prompt:
+                raise InputError(f"the prompt must not contain the image token {token}")
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
+        text = self.template.render(messages=messages, add_generation_prompt=True, bos_token=self.cfg["bos_token"])
+        if text.count(boi) != 1:
+            raise ModelError(f"{self.manifest.path}: the chat template gave {text.count(boi)} {boi} tokens "
+                             "for one image")
+        return text
+
+    def build_prompt(self, prompt: str, tier: ResolutionTier, image_size: tuple[int, int] | None = None) -> Prompt:
+        """Input ids with the image expanded; `image_size` is unused (one square image)."""
+        text = self.chat_text(prompt).replace(self.cfg["boi_token"], expand_image(self.cfg))
+        # as the processor's apply_chat_template: no second <bos> when the template wrote one
+        special = not text.startswith(self.cfg["bos_token"])
+        ids = np.asarray([self.tokenizer.encode(text, add_special_tokens=special).ids], np.int64)
+        positions = np.flatnonzero(ids[0] == self.image_id)
+        return Prompt(ids, int(positions[0]), len(positions), (), positions)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode([i for i in ids if i not in self.stop_ids], skip_special_tokens=True)

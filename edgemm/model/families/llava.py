@@ -1,0 +1,242 @@
+"""The llava family (LLaVA-1.5, and FastVLM as `llava_qwen2`): one image, one `<image>` expanded to N.
+
+The image goes through the CLIP image processor's steps as the folder's
+preprocessor_config.json sets them, each as transformers' PIL backend does it: pad to a
+square in the mean colour (`do_pad`, LlavaImageProcessor only), resize (shortest edge,
+or height and width) with Pillow's filter of `resample`, centre crop, rescale,
+normalise. One resolution tier: the crop (336x336 for LLaVA-1.5, 1024x1024 for FastVLM).
+
+The prompt is the folder's chat template around one image and the user's text; its
+one `<image>` expands to N copies, as LlavaProcessor (and transformers.js's) expands it:
+
+    N = (crop height // patch_size) * (crop width // patch_size) + num_additional_image_tokens
+        - 1 if vision_feature_select_strategy is "default" (the CLS token dropped)
+
+read from processor_config.json (LLaVA-1.5: 24 * 24 + 1 - 1 = 576; FastVLM: patch_size
+64, 16 * 16 = 256). The encoder's N output tokens fill the `<image>` positions in order.
+
+LLaVA-OneVision / LLaVA-NeXT (anyres: a grid of crops chosen per image, then unpadding
+and newline tokens per row) are out: their model types are not registered here.
+The decoder is causal, so the image prefix is reused for a second question
+(`reuses_image_prefix`).
+
+Registered for the model types `llava` and `llava_qwen2` (FastVLM's config.json, as
+transformers.js keys it); its folders are Hugging Face folders.
+"""
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+
+from edgemm.errors import InputError, ModelError
+from edgemm.model.families.gemma3 import eos_ids, rescale_normalize, special_token
+from edgemm.model.families.idefics3 import _compile_template
+from edgemm.model.family import FamilyFields, Prompt, register
+from edgemm.model.hf_folder import read_json
+from edgemm.model.image import DEFAULT_MAX_PIXELS
+from edgemm.model.manifest_types import ModelManifest, Preprocessing, ResolutionTier
+from edgemm.model.resample import FILTER_NAMES, resize_pil
+from edgemm.model.tokenizer import load_tokenizer, token_id
+
+IMAGE_TOKEN = "<image>"
+MAX_PADDED_PIXELS = DEFAULT_MAX_PIXELS  # do_pad's square: no bigger than the largest image accepted
+PIL_BICUBIC = 3  # the CLIP image processor's default filter
+# transformers' {% generation %} marks the assistant's text for training masks; it renders nothing
+GENERATION_TAG = re.compile(r"{%-?\s*(end)?generation\s*-?%}")
+
+
+def _positive(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def family_config(path: Path, config: dict, preprocessor: dict, processor: dict, tokenizer_config: dict,
+                  generation: dict) -> dict:
+    """What the adapter needs from the folder's JSON files, checked, in one flat dict."""
+    where = path / "preprocessor_config.json"
+    size = preprocessor.get("size") or {}
+    if _positive(size.get("shortest_edge")):
+        resize = {"shortest_edge": size["shortest_edge"]}
+    elif _positive(size.get("height")) and _positive(size.get("width")):
+        resize = {"height": size["height"], "width": size["width"]}
+    else:
+        raise ModelError(f"{where}: needs size.shortest_edge, or size.height and size.width (positive integers)")
+    crop = preprocessor.get("crop_size") or {}
+    if preprocessor.get("do_center_crop", True):
+        if not (_positive(crop.get("height")) and _positive(crop.get("width"))):
+            raise ModelError(f"{where}: needs crop_size.height and crop_size.width, positive integers")
+        out_h, out_w = crop["height"], crop["width"]
+    elif "height" in resize:
+        out_h, out_w = resize["height"], resize["width"]
+    else:
+        raise ModelError(f"{where}: do_center_crop false with size.shortest_edge gives images of "
+                         "varying size, which this family does not feed")
+    if not preprocessor.get("do_resize", True):
+        raise ModelError(f"{where}: do_resize false is not supported")
+    resample = preprocessor.get("resample", PIL_BICUBIC)
+    if resample not in FILTER_NAMES:
+        raise ModelError(f"{where}: resample {resample} is not supported "
+                         f"({', '.join(f'{k} {v}' for k, v in FILTER_NAMES.items())})")
+
+    # the image token count, as LlavaProcessor computes it (processor_config.json; config.json's
+    # vision tower and strategy where the processor leaves them out)
+    vision = config.get("vision_config") or {}
+    patch = processor.get("patch_size", vision.get("patch_size"))
+    if not _positive(patch):
+        raise ModelError(f"{path / 'processor_config.json'}: needs patch_size, a positive integer "
+                         "(the image tokens per side are the crop over it)")
+    strategy = processor.get("vision_feature_select_strategy", config.get("vision_feature_select_strategy"))
+    extra = processor.get("num_additional_image_tokens", 0)
+    tokens = (out_h // patch) * (out_w // patch) + (extra if isinstance(extra, int) else 0)
+    tokens -= 1 if strategy == "default" else 0
+    if tokens <= 0:
+        raise ModelError(f"{path}: the image gives {tokens} image tokens (crop {out_h}x{out_w}, patch {patch})")
+    image_token = processor.get("image_token") or special_token(tokenizer_config, "image_token", IMAGE_TOKEN)
+    return {
+        "resize": resize, "do_center_crop": bool(preprocessor.get("do_center_crop", True)),
+        "height": out_h, "width": out_w, "resample": resample, "image_tokens": tokens,
+        "do_pad": bool(preprocessor.get("do_pad", False)),
+        "do_rescale": bool(preprocessor.get("do_rescale", True)),
+        "do_normalize": bool(preprocessor.get("do_normalize", True)),
+        "rescale_factor": float(preprocessor.get("rescale_factor", 1 / 255)),
+        "image_mean": list(preprocessor.get("image_mean", [0.48145466, 0.4578275, 0.40821073])),
+        "image_std": list(preprocessor.get("image_std", [0.26862954, 0.26130258, 0.27577711])),
+        "image_token": image_token, "bos_token": special_token(tokenizer_config, "bos_token", ""),
+        "eos_token": special_token(tokenizer_config, "eos_token", ""),
+        "eos_token_ids": eos_ids(generation, config),
+    }
+
+
+def read_hf_folder(path: Path, config: dict) -> FamilyFields:
+    """This family's part of a Hugging Face folder's manifest (edgemm.model.hf_folder)."""
+    cfg = family_config(path, config, read_json(path / "preprocessor_config.json"),
+                        read_json(path / "processor_config.json", required=False),
+                        read_json(path / "tokenizer_config.json", required=False),
+                        read_json(path / "generation_config.json", required=False))
+    name = f"{cfg['height']}x{cfg['width']}"
+    stop = [cfg["eos_token"]] if cfg["eos_token"] else []
+    return FamilyFields(tiers={name: ResolutionTier(name, cfg["height"], cfg["width"], cfg["image_tokens"])},
+                        image_token=cfg["image_token"], stop_tokens=stop,
+                        preprocessing=Preprocessing(tuple(cfg["image_mean"]), tuple(cfg["image_std"]), "rgb",
+                                                    "crop"),
+                        family_config=cfg)
+
+
+def resized_size(height: int, width: int, resize: dict) -> tuple[int, int]:
+    """The (h, w) transformers resizes to: get_resize_output_image_size for a shortest edge
+    (the long side truncated, as int() does), else the size itself."""
+    if "shortest_edge" not in resize:
+        return resize["height"], resize["width"]
+    short, long = sorted((height, width))
+    new_short, new_long = resize["shortest_edge"], int(resize["shortest_edge"] * long / short)
+    return (new_long, new_short) if width <= height else (new_short, new_long)
+
+
+def pad_to_square(rgb: np.ndarray, mean) -> np.ndarray:
+    """LlavaImageProcessor's pad_to_square: centred on a square of the mean colour (as uint8)."""
+    height, width = rgb.shape[:2]
+    if height == width:
+        return rgb
+    side = max(height, width)
+    out = np.empty((side, side, 3), np.uint8)
+    out[:] = [int(m * 255) for m in mean]
+    if width > height:
+        start = (side - height) // 2
+        out[start:start + height] = rgb
+    else:
+        start = (side - width) // 2
+        out[:, start:start + width] = rgb
+    return out
+
+
+def crop_window(size: int, crop: int) -> tuple[int, int]:
+    """The part of an axis of `size` a centre crop of `crop` keeps (all of it if shorter)."""
+    if size < crop:
+        return 0, size
+    start = (size - crop) // 2
+    return start, start + crop
+
+
+def center_crop(image: np.ndarray, height: int, width: int) -> np.ndarray:
+    """transformers' center_crop: the centre, zero-padded first where the image is smaller."""
+    h, w = image.shape[:2]
+    if h < height or w < width:
+        big_h, big_w = max(h, height), max(w, width)
+        padded = np.zeros((big_h, big_w, image.shape[2]), image.dtype)
+        top, left = math.ceil((big_h - h) / 2), math.ceil((big_w - w) / 2)
+        padded[top:top + h, left:left + w] = image
+        image, h, w = padded, big_h, big_w
+    top, left = (h - height) // 2, (w - width) // 2
+    return image[top:top + height, left:left + width]
+
+
+@register("llava", "llava_qwen2", hf_folder=read_hf_folder)
+class LlavaAdapter:
+    """Prompt building and pixels for LLaVA-1.5 and FastVLM folders (see the module docstring)."""
+
+    known_prompts: tuple[str, ...] = ()  # an open vocabulary: any text reads
+    reuses_image_prefix = True  # a causal decoder: the image prefix never sees the question
+
+    def __init__(self, manifest: ModelManifest):
+        self.manifest = manifest
+        self.cfg = manifest.family_config
+        self.tokenizer = load_tokenizer(manifest.path / manifest.files["tokenizer"])
+        self.image_id = self._id(self.cfg["image_token"])
+        self.stop_ids = {*(self._id(t) for t in manifest.stop_tokens), *self.cfg["eos_token_ids"]}
+        if not self.stop_ids:
+            raise ModelError(f"{manifest.path}: no stop token (generation_config.json eos_token_id, or "
+                             "tokenizer_config.json eos_token)")
+        source = GENERATION_TAG.sub("", manifest.chat_template or "")
+        self.template = _compile_template(source, manifest.path)
+
+    def _id(self, token: str) -> int:
+        return token_id(self.tokenizer, token, f"{self.manifest.path}: token {token!r}")
+
+    def pixels(self, rgb: np.ndarray, tier: ResolutionTier) -> np.ndarray:
+        """RGB8 → float32 [1, 3, crop h, crop w]. Of the resize only the crop is computed: a
+        shortest-edge resize of a long strip would be gigapixels, its centre crop is not."""
+        cfg = self.cfg
+        if cfg["do_pad"]:
+            side = max(rgb.shape[:2])
+            if side * side > MAX_PADDED_PIXELS:
+                raise InputError(f"the image ({rgb.shape[0]}x{rgb.shape[1]}) padded to a square ({side}x{side}) "
+                                 f"has more than {MAX_PADDED_PIXELS} pixels; this model pads before it resizes: "
+                                 "send an image closer to square")
+            rgb = pad_to_square(rgb, cfg["image_mean"])
+        height, width = resized_size(*rgb.shape[:2], cfg["resize"])
+        if cfg["do_center_crop"]:
+            rows, cols = crop_window(height, tier.height), crop_window(width, tier.width)
+            image = center_crop(resize_pil(rgb, height, width, cfg["resample"], rows, cols), tier.height, tier.width)
+        else:
+            image = resize_pil(rgb, height, width, cfg["resample"])
+        rescale = cfg["rescale_factor"] if cfg["do_rescale"] else 1.0
+        mean, std = (cfg["image_mean"], cfg["image_std"]) if cfg["do_normalize"] else ([0.0] * 3, [1.0] * 3)
+        return rescale_normalize(image, rescale, mean, std)
+
+    def chat_text(self, prompt: str) -> str:
+        """The chat template around one image and the user's text, ready for the answer."""
+        image_token = self.cfg["image_token"]
+        if image_token in prompt:
+            raise InputError(f"the prompt must not contain the image token {image_token}")
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
+        text = self.template.render(messages=messages, add_generation_prompt=True, bos_token=self.cfg["bos_token"],
+                                    eos_token=self.cfg["eos_token"])
+        if text.count(image_token) != 1:
+            raise ModelError(f"{self.manifest.path}: the chat template gave {text.count(image_token)} "
+                             f"{image_token} tokens for one image")
+        return text
+
+    def build_prompt(self, prompt: str, tier: ResolutionTier, image_size: tuple[int, int] | None = None) -> Prompt:
+        """Input ids with the `<image>` expanded; `image_size` is unused (one crop per image)."""
+        text = self.chat_text(prompt).replace(self.cfg["image_token"], self.cfg["image_token"] * tier.image_tokens)
+        # as the processor's apply_chat_template: the tokenizer's own <s> only when the template wrote none
+        bos = self.cfg["bos_token"]
+        special = not (bos and text.startswith(bos))
+        ids = np.asarray([self.tokenizer.encode(text, add_special_tokens=special).ids], np.int64)
+        positions = np.flatnonzero(ids[0] == self.image_id)
+        return Prompt(ids, int(positions[0]), len(positions), (), positions)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode([i for i in ids if i not in self.stop_ids], skip_special_tokens=True)
