@@ -353,7 +353,7 @@ class WebhookConfig:
     url: str = ""  # http:// or https:// URL the events are POSTed to
     token_env: str | None = None  # environment variable holding the bearer token; null = none
     token_file: str | None = None  # or: a file holding it, readable by its owner only (0600/0400); relative: to this file
-    timeout_s: float = 5.0  # per attempt: connecting, sending and waiting for the reply
+    timeout_s: float = 5.0  # per attempt, as a whole: connecting, sending and the reply (however slowly it comes)
     retries: int = 3  # further attempts after a timeout, a connection error, 429 or 5xx
     backoff_s: float = 0.5  # wait before retry n: backoff_s * 2**(n-1)
 

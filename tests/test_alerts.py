@@ -15,6 +15,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import Future
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -426,6 +427,128 @@ def test_a_hanging_webhook_drops_its_oldest_events_and_never_waits():
         sender.close()
         sender.send(EVENT)  # after close: dropped, counted
         assert sender.figures.dropped == 7
+
+
+class Replying:
+    """A real socket server that reads each request and answers with `reply(conn)` (bytes it
+    writes itself); `sent` counts what it wrote, `cut` is set when the client hung up first."""
+
+    def __init__(self, reply):
+        self.sent, self.cut, self.requests = 0, threading.Event(), 0
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(8)
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}/"
+        self.reply = reply
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
+
+    def _one(self, conn: socket.socket) -> None:
+        with conn:
+            request = b""
+            while b"\r\n\r\n" not in request:
+                request += conn.recv(65536)
+            head, body = request.split(b"\r\n\r\n", 1)
+            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length")))
+            while len(body) < length:
+                body += conn.recv(65536)
+            self.requests += 1
+            try:
+                for piece in self.reply():
+                    conn.sendall(piece)
+                    self.sent += len(piece)
+            except OSError:  # reset or broken pipe: the client closed the connection
+                self.cut.set()
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_a_webhook_reads_a_few_kb_of_a_huge_reply_then_closes_the_connection():
+    """The reply's status is what counts: of an endless body, the sender reads REPLY_BYTES at
+    most and hangs up, so the server's writes fail (its kernel buffers aside, nothing more is read)."""
+    def endless():
+        yield b"HTTP/1.1 200 OK\r\nContent-Length: 400000000000\r\n\r\n"
+        while True:
+            yield b"x" * 65536
+    server = Replying(endless)
+    try:
+        sender = WebhookSender(WebhookConfig(url=server.url, timeout_s=30, retries=0), "w")
+        sender.send(EVENT)
+        wait_until(lambda: sender.figures.delivered == 1, what="the event to be delivered")
+        assert server.cut.wait(30), "the sender kept reading the reply"
+        sender.close()
+        sender.thread.join(30)
+        assert not sender.thread.is_alive()
+        assert (sender.figures.delivered, sender.figures.failed, server.requests) == (1, 0, 1)
+        assert server.sent < 400_000_000_000
+    finally:
+        server.close()
+
+
+def dripping(total: int, pause_s: float):
+    """A reply that is `total` bytes of status line and headers, one byte every pause_s."""
+    def reply():
+        time.sleep(pause_s)
+        for _ in range(total):
+            yield b"X"
+            time.sleep(pause_s)
+    return reply
+
+
+def test_timeout_s_caps_a_whole_attempt_even_against_a_server_that_drips_its_reply():
+    """A byte every 0.1 s never trips a 0.5 s read timeout; the attempt's deadline does: it fails
+    as a timeout, and the sender hangs up long before the 1000 bytes (100 s) are dripped."""
+    server = Replying(dripping(1000, 0.1))
+    try:
+        sender = WebhookSender(WebhookConfig(url=server.url, timeout_s=0.5, retries=1, backoff_s=0.01), "w")
+        sender.send(EVENT)
+        wait_until(lambda: sender.figures.failed == 1, timeout=30, what="the attempts to time out")
+        assert sender.figures.last_error == "no reply from 127.0.0.1 within 0.5 s (timeout_s)"
+        assert (sender.figures.delivered, sender.figures.retries, server.requests) == (0, 1, 2)
+        assert server.cut.wait(30) and server.sent < 1000
+        sender.close()
+    finally:
+        server.close()
+
+
+def test_a_closed_webhook_gives_up_what_it_holds_after_one_timeout_s():
+    """Closing behind a hanging endpoint: what is in flight fails within one timeout_s of the
+    close and what is queued is dropped (counted), instead of one timeout_s per event."""
+    with hanging() as url:
+        sender = WebhookSender(WebhookConfig(url=url, timeout_s=1, retries=0), "w")
+        sender.send({**EVENT, "frame": 0})
+        wait_until(lambda: sender.queued() == 0, what="the first event to be sent (it hangs)")
+        for i in range(1, 6):
+            sender.send({**EVENT, "frame": i})
+        sender.close()
+        sender.thread.join(30)
+        assert not sender.thread.is_alive()
+        figures = sender.figures
+        assert figures.failed + figures.dropped == 6 and figures.failed <= 2 and figures.delivered == 0
+
+
+def test_beyond_max_draining_a_closed_webhook_is_abandoned_at_once(monkeypatch):
+    """With MAX_DRAINING closed webhooks draining already, close() shuts the connection in
+    flight and drops the queue: the thread ends now, not after its 300 s timeout."""
+    monkeypatch.setattr(edgemm.alerts, "MAX_DRAINING", 0)
+    with hanging() as url:
+        sender = WebhookSender(WebhookConfig(url=url, timeout_s=300, retries=3), "w")
+        sender.send({**EVENT, "frame": 0})
+        wait_until(lambda: sender.queued() == 0, what="the first event to be sent (it hangs)")
+        sender.send({**EVENT, "frame": 1})
+        sender.close()
+        sender.thread.join(30)  # 30 of its 300 s: it is not waiting for the endpoint
+        assert not sender.thread.is_alive()
+        assert (sender.figures.failed, sender.figures.dropped, sender.figures.retries) == (1, 1, 0)
 
 
 def test_daemon_alerts_post_their_changes_to_the_webhook(runtime, hook, monkeypatch):
