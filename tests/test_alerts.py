@@ -202,8 +202,24 @@ def test_synthetic_hold_keeps_each_scene_for_n_frames_with_fresh_noise():
                                             "match, max_new_tokens, off_after, on_after, prompt, webhook)"),
     ({"a b": "x"}, "'streams[0].alerts' must have names of letters, digits, '_', '.', '-' (at most 64), got 'a b'"),
     ({f"a{i}": "x" for i in range(9)}, "'streams[0].alerts' must have at most 8 alerts, got 9"),
-    ({"p": {"prompt": "x", "webhook": {"url": "ftp://x"}}},
-     "'streams[0].alerts.p.webhook.url' must be an http:// or https:// URL, got 'ftp://x'"),
+    ({"p": {"prompt": "x", "webhook": {"url": 'ftp://x'}}},
+     "'streams[0].alerts.p.webhook.url' must be an http:// or https:// URL with a host name and no spaces, "
+     "got 'ftp://x'"),
+    ({"p": {"prompt": "x", "webhook": {"url": 'http://'}}},
+     "'streams[0].alerts.p.webhook.url' must be an http:// or https:// URL with a host name and no spaces, "
+     "got 'http://'"),
+    ({"p": {"prompt": "x", "webhook": {"url": 'http:///x'}}},
+     "'streams[0].alerts.p.webhook.url' must be an http:// or https:// URL with a host name and no spaces, "
+     "got 'http:///x'"),
+    ({"p": {"prompt": "x", "webhook": {"url": 'https://a b/'}}},
+     "'streams[0].alerts.p.webhook.url' must be an http:// or https:// URL with a host name and no spaces, "
+     "got 'https://a b/'"),
+    ({"p": {"prompt": "x", "webhook": {"url": 'http://h\tx/'}}},
+     "'streams[0].alerts.p.webhook.url' must be an http:// or https:// URL with a host name and no spaces, "
+     "got 'http://h\\tx/'"),
+    ({"p": {"prompt": "x", "webhook": {"url": 'http://h:99999/'}}},
+     "'streams[0].alerts.p.webhook.url' must be an http:// or https:// URL with a host name and no spaces, "
+     "got 'http://h:99999/'"),
     ({"p": {"prompt": "x", "webhook": {"url": "http://x", "token_env": "A", "token_file": "f"}}},
      "'streams[0].alerts.p.webhook.token_file' must not be given with token_env (one token), got 'f'"),
 ])
@@ -592,6 +608,39 @@ def test_a_hanging_webhook_does_not_slow_the_stream(runtime, monkeypatch):
     assert metric(text, hook + '"delivered"}') == 0
     assert metric(text, hook + '"dropped"}') == changes - 1 - 2
     assert metric(text, 'edgemm_alert_events_dropped_total{stream="shapes",sink="webhook"}') == changes - 3
+
+
+def test_the_api_may_give_webhook_urls_only_for_the_hosts_of_server_webhook_hosts(runtime, hook):
+    """No blind requests for a client: with server.webhook_hosts empty, no webhook URL from the
+    API (loopback, 169.254.169.254 or the LAN alike); with it set, only those hosts (and ports)."""
+    body = {**counting_stream("api", 20), "webhook": {"url": "http://169.254.169.254/latest/meta-data/"}}
+    with running(runtime) as d, raw_client(sock_path(d)) as http:
+        error = assert_error(http.post("/v1/streams", json=body), 403)
+        assert error["type"] == "permission_error"
+        assert error["message"] == ("the API may not give webhook URLs: server.webhook_hosts is empty (list there "
+                                    "the hosts POST /v1/streams may send alert events to)")
+        body["webhook"] = {"url": hook.url}
+        assert_error(http.post("/v1/streams", json=body), 403)  # loopback is no exception
+        assert http.get("/v1/streams").json()["data"] == []
+    allowed = hook.url.split("/")[2]  # 127.0.0.1:PORT
+    with running(runtime, webhook_hosts=[allowed]) as d, raw_client(sock_path(d)) as http:
+        body["alerts"]["red"] = {**body["alerts"]["red"], "webhook": {"url": "http://127.0.0.1:1/admin"}}
+        error = assert_error(http.post("/v1/streams", json=body), 403)  # the host, not its other ports
+        assert error["message"] == f"a webhook to 127.0.0.1 port 1 is not in server.webhook_hosts ({allowed})"
+        del body["alerts"]["red"]["webhook"]
+        created = http.post("/v1/streams", json=body)
+        assert created.status_code == 201, created.text
+        wait_until(lambda: settled(http, "api"), timeout=60, what="the stream to end")
+        wait_until(lambda: d.service.streams.get("api").alerts.senders["stream"].figures.delivered
+                   == len(hook.received) >= 1, what="the allowed webhook to receive the changes")
+
+
+@pytest.mark.parametrize("entry", ["http://h", "h/x", "u@h:80", "h:", "h:99999", "::1", "", "a b"])
+def test_bad_webhook_hosts_are_one_line_config_errors(entry):
+    with pytest.raises(ConfigError) as info:
+        config_from_dict({"server": {"webhook_hosts": ["ok.example", entry]}})
+    assert str(info.value) == ("config: 'server.webhook_hosts[1]' must be a host name or address, or host:port "
+                               f"('[::1]:8080' for IPv6), got {entry!r}")
 
 
 def test_webhook_urls_from_the_config_are_never_in_messages_with_credentials(hook):
