@@ -21,14 +21,20 @@ inbox places for them (edgemm.streams.reserved_places), so they never crowd out 
 
 A webhook is a thread of its own with a bounded queue: when it falls behind (an endpoint
 that is slow, down or hangs), the oldest events are dropped and counted; the stream never
-waits for it. Its token comes from an environment variable or an owner-only file, as the
+waits for it. Each attempt has a deadline of timeout_s as a whole (every connect, write and
+read of it gets what is left, DeadlineBackend), and only the reply's status and at most
+REPLY_BYTES of its body are read. A closed webhook delivers what it holds for at most one
+timeout_s more, then drops the rest; at most MAX_DRAINING closed webhooks drain at once
+(another is abandoned at once: its connection shut, its queue dropped). Its token comes from an environment variable or an owner-only file, as the
 offload client's key does, and is sent only in the Authorization header.
 """
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
+import socket
 import threading
 import time
 import urllib.parse
@@ -40,6 +46,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import httpcore
 import httpx
 
 from edgemm.backoff import Backoff
@@ -57,6 +64,8 @@ ALERT_SHARE = 4  # alert questions of one stream in the pipeline at once
 ALERT_INFLIGHT = 2
 WEBHOOK_QUEUE = 64  # events waiting per webhook; beyond, the oldest is dropped (counted)
 WEBHOOK_MAX_BACKOFF_S = 30.0
+REPLY_BYTES = 4096  # of a webhook's reply body, at most this much is read (its status is what counts)
+MAX_DRAINING = 16  # closed webhooks still delivering what they held, all streams together
 STATES = ("true", "false", "unknown")
 
 # ---- reading an answer -----------------------------------------------------------------------
@@ -316,9 +325,94 @@ class WebhookFigures:
     last_error: str | None = None
 
 
+class DeadlineBackend(httpcore.NetworkBackend):
+    """httpcore's sockets, where each connect, write and read waits at most until `deadline`
+    (time.monotonic()), whatever its own timeout: a whole attempt within timeout_s, even
+    against a server that drips its reply a byte at a time. `abandon()` (any thread) shuts
+    the open connections, which wakes a read in progress."""
+
+    def __init__(self) -> None:
+        self.deadline = math.inf
+        self._inner = httpcore.SyncBackend()
+        self._lock = threading.Lock()
+        self._open: set["DeadlineStream"] = set()
+
+    def left(self, timeout: float | None) -> float | None:
+        remaining = self.deadline - time.monotonic()
+        if remaining <= 0:
+            raise httpcore.TimeoutException("the attempt's deadline passed")
+        return remaining if timeout is None else min(timeout, remaining)
+
+    def _track(self, inner: httpcore.NetworkStream) -> "DeadlineStream":
+        stream = DeadlineStream(inner, self)
+        with self._lock:
+            self._open.add(stream)
+        return stream
+
+    def connect_tcp(self, host, port, timeout=None, local_address=None, socket_options=None):
+        return self._track(self._inner.connect_tcp(host, port, self.left(timeout), local_address, socket_options))
+
+    def connect_unix_socket(self, path, timeout=None, socket_options=None):
+        return self._track(self._inner.connect_unix_socket(path, self.left(timeout), socket_options))
+
+    def sleep(self, seconds: float) -> None:
+        self._inner.sleep(seconds)
+
+    def forget(self, stream: "DeadlineStream") -> None:
+        with self._lock:
+            self._open.discard(stream)
+
+    def abandon(self) -> None:
+        self.deadline = -math.inf
+        with self._lock:
+            streams = list(self._open)
+        for stream in streams:
+            sock = stream.get_extra_info("socket")
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+
+class DeadlineStream(httpcore.NetworkStream):
+    def __init__(self, inner: httpcore.NetworkStream, backend: DeadlineBackend):
+        self._inner, self._backend = inner, backend
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        return self._inner.read(max_bytes, self._backend.left(timeout))
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        self._inner.write(buffer, self._backend.left(timeout))
+
+    def close(self) -> None:
+        self._backend.forget(self)
+        self._inner.close()
+
+    def start_tls(self, ssl_context, server_hostname=None, timeout=None) -> httpcore.NetworkStream:
+        tls = self._inner.start_tls(ssl_context, server_hostname, self._backend.left(timeout))
+        self._backend.forget(self)
+        return self._backend._track(tls)
+
+    def get_extra_info(self, info: str) -> Any:
+        return self._inner.get_extra_info(info)
+
+
+def deadline_transport(backend: DeadlineBackend) -> httpx.HTTPTransport:
+    """httpx's transport on `backend`'s sockets (httpx has no total timeout of its own)."""
+    transport = httpx.HTTPTransport()
+    transport._pool = httpcore.ConnectionPool(ssl_context=httpx.create_ssl_context(), max_connections=1,
+                                              network_backend=backend)
+    return transport
+
+
 class WebhookSender:
     """POSTs each event given to `send` as JSON to the webhook, in order, from a thread of its
-    own; retried on timeouts, connection errors, 429 and 5xx with backoff. `send` never waits."""
+    own; retried on timeouts, connection errors, 429 and 5xx with backoff. `send` never waits.
+    Each attempt ends within timeout_s (a `transport` given for tests has no such deadline)."""
+
+    _draining = 0  # closed senders still delivering, all of them (MAX_DRAINING)
+    _draining_lock = threading.Lock()
 
     def __init__(self, cfg: WebhookConfig, where: str, environ: Mapping[str, str] = os.environ,
                  transport: httpx.BaseTransport | None = None, queue_size: int | None = None):
@@ -330,8 +424,12 @@ class WebhookSender:
         self._queue: deque[dict] = deque()
         self._cond = threading.Condition()
         self._closing = threading.Event()  # also cuts a backoff wait short
+        self._close_deadline = math.inf  # after close(): deliver until then, drop the rest
+        self._drains = False  # counted in WebhookSender._draining
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.Client(timeout=httpx.Timeout(cfg.timeout_s), headers=headers, transport=transport,
+        self._backend = DeadlineBackend()
+        self._http = httpx.Client(timeout=httpx.Timeout(cfg.timeout_s), headers=headers,
+                                  transport=transport or deadline_transport(self._backend),
                                   follow_redirects=False)  # a redirect must not carry the token elsewhere
         self._failing = False  # logged once when it starts failing, once when it works again
         self.thread = threading.Thread(target=self._run, name="edgemm-webhook", daemon=True)
@@ -355,10 +453,21 @@ class WebhookSender:
         return len(self._queue)
 
     def close(self) -> None:
-        """Deliver what is queued (each attempt within timeout_s, no more retries), then stop."""
+        """Deliver what is queued for at most one timeout_s more (no more retries), drop the
+        rest, then stop. With MAX_DRAINING closed senders draining already: stop now."""
         with self._cond:
+            if self._closing.is_set():
+                return
             self._closing.set()
+            with WebhookSender._draining_lock:
+                if WebhookSender._draining < MAX_DRAINING:
+                    WebhookSender._draining += 1
+                    self._drains = True
+            self._close_deadline = time.monotonic() + self.cfg.timeout_s if self._drains else -math.inf
+            self._backend.deadline = min(self._backend.deadline, self._close_deadline)
             self._cond.notify()
+        if not self._drains:
+            self._backend.abandon()
 
     def _run(self) -> None:
         try:
@@ -368,10 +477,29 @@ class WebhookSender:
                         self._cond.wait()
                     if not self._queue:
                         return
+                    if time.monotonic() >= self._close_deadline:  # closed a timeout_s ago: give up
+                        self.figures.dropped += len(self._queue)
+                        self._queue.clear()
+                        return
                     event = self._queue.popleft()
                 self._deliver(event)
         finally:
             self._http.close()
+            if self._drains:
+                with WebhookSender._draining_lock:
+                    WebhookSender._draining -= 1
+
+    def _attempt(self, event: dict) -> int:
+        """One POST, within timeout_s as a whole: the reply's status (at most REPLY_BYTES of
+        its body read, the rest never)."""
+        self._backend.deadline = min(time.monotonic() + self.cfg.timeout_s, self._close_deadline)
+        with self._http.stream("POST", self.cfg.url, json=event) as response:
+            read = 0
+            for chunk in response.iter_raw(REPLY_BYTES):
+                read += len(chunk)
+                if read >= REPLY_BYTES:
+                    break
+            return response.status_code
 
     def _deliver(self, event: dict) -> None:
         cfg, error = self.cfg, "not sent"
@@ -382,23 +510,23 @@ class WebhookSender:
                     break  # closing: no more retries
                 self.figures.retries += 1
             try:
-                response = self._http.post(cfg.url, json=event)
+                status = self._attempt(event)
             except httpx.TimeoutException:
                 error = f"no reply from {self.host} within {cfg.timeout_s:g} s (timeout_s)"
                 continue
             except httpx.HTTPError as e:
                 error = f"cannot reach {self.host}: {type(e).__name__}"
                 continue
-            if response.status_code == 429 or response.status_code >= 500:
-                error = f"{self.host} answered HTTP {response.status_code}"
+            if status == 429 or status >= 500:
+                error = f"{self.host} answered HTTP {status}"
                 continue
-            if 200 <= response.status_code < 300:
+            if 200 <= status < 300:
                 self.figures.delivered += 1
                 if self._failing:
                     self._failing = False
                     log.info("%s: delivering again to %s", self.where, self.host)
                 return
-            error = f"{self.host} refused the event: HTTP {response.status_code}"
+            error = f"{self.host} refused the event: HTTP {status}"
             break  # another 4xx: the same event would be refused again
         self.figures.failed += 1
         self.figures.last_error = error

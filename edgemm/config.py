@@ -25,6 +25,7 @@ import re
 import stat
 import types
 import typing
+import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -308,6 +309,9 @@ class ServerConfig:
     remote_timeout_s: float = 10.0  # time allowed to fetch one http(s) image
     max_streams: int = 4  # camera streams run by the daemon at once (config and POST /v1/streams)
     max_stream_listeners: int = 16  # GET /v1/streams/{id}/events and /v1/events open at once (all streams); more get 503. Not counted in max_connections
+    # hosts ('host' = any port, or 'host:port') POST /v1/streams may give webhook URLs for; empty = none
+    # may (403). The config file's streams' webhooks may go anywhere
+    webhook_hosts: list[str] = field(default_factory=list)
 
     def validate(self, path: str) -> None:
         if self.socket is not None:
@@ -326,6 +330,9 @@ class ServerConfig:
             _require(getattr(self, name) >= 0, f"{path}.{name}", "be >= 0", getattr(self, name))
         _require(self.max_header_bytes >= 1024, f"{path}.max_header_bytes", "be >= 1024 (a request's line and "
                  "headers need room)", self.max_header_bytes)
+        for i, entry in enumerate(self.webhook_hosts):
+            _require(webhook_host(entry) is not None, f"{path}.webhook_hosts[{i}]",
+                     "be a host name or address, or host:port ('[::1]:8080' for IPv6)", entry)
         _choice(self.encoder_batching, BATCHING_MODES, f"{path}.encoder_batching")
         _choice(self.continuous_batching, BATCHING_MODES, f"{path}.continuous_batching")
 
@@ -349,6 +356,49 @@ MAX_ALERTS = 8  # alerts per stream (edgemm/alerts.py bounds what they may hold 
 MAX_ALERT_RUN = 1000  # most consecutive frames an alert's debounce may ask for
 
 
+def url_host(url: Any) -> tuple[str, int] | None:
+    """An http(s) URL's host name (lower case) and port (given, else 80 / 443); None unless
+    it is such a URL, with a host name and no whitespace or control characters."""
+    if not isinstance(url, str) or " " in url or not url.isprintable():
+        return None
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port
+    except ValueError:  # a port out of range, a broken [IPv6] address
+        return None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return None
+    return parts.hostname, port or (443 if parts.scheme == "https" else 80)
+
+
+def webhook_host(entry: Any) -> tuple[str, int | None] | None:
+    """A server.webhook_hosts entry, 'host' (any port) or 'host:port' ('[::1]:8080'), as
+    (host in lower case, port or None); None unless it is one."""
+    if not isinstance(entry, str) or not entry or " " in entry or not entry.isprintable():
+        return None
+    try:
+        parts = urllib.parse.urlsplit(f"//{entry}")
+        port = parts.port
+    except ValueError:
+        return None
+    if not parts.hostname or parts.path or parts.query or parts.fragment or "@" in parts.netloc \
+            or parts.netloc.endswith(":"):
+        return None
+    return parts.hostname, port
+
+
+def webhook_allowed(url: str, hosts: list[str]) -> bool:
+    """Whether server.webhook_hosts (validated) lets POST /v1/streams give this webhook URL."""
+    target = url_host(url)
+    if target is None:
+        return False
+    for entry in hosts:
+        host, port = webhook_host(entry) or ("", None)
+        if host == target[0] and port in (None, target[1]):
+            return True
+    return False
+
+
 @dataclass
 class WebhookConfig:
     """Where an alert's state changes are POSTed as JSON (edgemm/alerts.py), with retries.
@@ -358,13 +408,13 @@ class WebhookConfig:
     url: str = ""  # http:// or https:// URL the events are POSTed to
     token_env: str | None = None  # environment variable holding the bearer token; null = none
     token_file: str | None = None  # or: a file holding it, readable by its owner only (0600/0400); relative: to this file
-    timeout_s: float = 5.0  # per attempt: connecting, sending and waiting for the reply
+    timeout_s: float = 5.0  # per attempt, as a whole: connecting, sending and the reply (however slowly it comes)
     retries: int = 3  # further attempts after a timeout, a connection error, 429 or 5xx
     backoff_s: float = 0.5  # wait before retry n: backoff_s * 2**(n-1)
 
     def validate(self, path: str) -> None:
-        _require(self.url.startswith(("http://", "https://")), f"{path}.url", "be an http:// or https:// URL",
-                 self.url)
+        _require(url_host(self.url) is not None, f"{path}.url",
+                 "be an http:// or https:// URL with a host name and no spaces", self.url)
         if self.token_env is not None:
             _require(ENV_NAME.fullmatch(self.token_env) is not None, f"{path}.token_env",
                      "be an environment variable name", self.token_env)

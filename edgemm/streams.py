@@ -38,7 +38,7 @@ from typing import Any
 
 from edgemm.alerts import ALERT_SHARE, StreamAlerts, check_webhooks, without_secrets
 from edgemm.backoff import Backoff
-from edgemm.config import ConfigError, LimitsConfig, StreamConfig, config_from_dict
+from edgemm.config import ConfigError, LimitsConfig, StreamConfig, config_from_dict, url_host, webhook_allowed
 from edgemm.errors import EdgemmError, InputError
 from edgemm.pipeline import Pipeline
 from edgemm.sources import Source, SourceError, SourceUnusable, check_uri, open_source, parse_uri
@@ -311,6 +311,22 @@ def _api_may_use_tokens(spec: StreamConfig) -> None:
                               "streams: the API may give a webhook url only")
 
 
+def _api_may_post_to(spec: StreamConfig, hosts: list[str]) -> None:
+    """A webhook URL from the API is a request the daemon makes for the client: only to the
+    hosts of server.webhook_hosts (else a client could reach what only the daemon can: its
+    own loopback ports, the cloud's metadata address, the LAN)."""
+    hooks = [spec.webhook, *(alert.webhook for alert in spec.alerts.values())]
+    for hook in hooks:
+        if hook is None or webhook_allowed(hook.url, hosts):
+            continue
+        if not hosts:
+            raise StreamForbidden("the API may not give webhook URLs: server.webhook_hosts is empty (list there the "
+                                  "hosts POST /v1/streams may send alert events to)")
+        host, port = url_host(hook.url) or ("?", 0)
+        raise StreamForbidden(f"a webhook to {host} port {port} is not in server.webhook_hosts "
+                              f"({', '.join(hosts)})")
+
+
 def reserved_places(max_streams: int) -> int:
     """Pipeline inbox places the daemon's streams may fill, beyond the API's queue_size:
     each stream's frames and its alerts' questions."""
@@ -343,7 +359,7 @@ class StreamManager:
     starts: the pool keeps their total within those places all the same."""
 
     def __init__(self, pipeline: Pipeline, specs: list[StreamConfig], limit: int,
-                 route: Callable[[], Any] | None = None):
+                 route: Callable[[], Any] | None = None, webhook_hosts: list[str] | None = None):
         self.source_limits = source_limits(pipeline.runtime.config.limits)
         check_configured(specs, limit, pipeline.runtime.config.limits)
         self.pipeline, self.specs, self.limit = pipeline, specs, limit
@@ -352,6 +368,7 @@ class StreamManager:
         self.pool = threading.BoundedSemaphore(limit * STREAM_SHARE)
         self.alert_pool = threading.BoundedSemaphore(limit * ALERT_SHARE)  # the alerts' questions, likewise
         self.route = route  # the power policy's local placement, asked per frame (Router.local_route)
+        self.webhook_hosts = list(webhook_hosts or [])  # server.webhook_hosts: where the API's webhooks may go
         self.streams: dict[str, ManagedStream] = {}
         self.all_listeners: set[AllStreamsListener] = set()  # GET /v1/events
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -370,6 +387,7 @@ class StreamManager:
         kind = self._kind(spec)
         _api_may_start(kind)  # before anything looks at the daemon's files
         _api_may_use_tokens(spec)
+        _api_may_post_to(spec, self.webhook_hosts)
         self.check_settings(spec)
         try:
             open_source(spec.source, **self.source_limits).check()
@@ -408,6 +426,7 @@ class StreamManager:
         if from_api:
             _api_may_start(kind)
             _api_may_use_tokens(spec)
+            _api_may_post_to(spec, self.webhook_hosts)
         stream = ManagedStream(spec, self.pipeline, self.loop, self.route, self.pool, self.alert_pool)
         stream.listeners.update(self.all_listeners)
         self.streams[spec.id] = stream

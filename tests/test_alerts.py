@@ -15,6 +15,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import Future
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -201,8 +202,24 @@ def test_synthetic_hold_keeps_each_scene_for_n_frames_with_fresh_noise():
                                             "match, max_new_tokens, off_after, on_after, prompt, webhook)"),
     ({"a b": "x"}, "'streams[0].alerts' must have names of letters, digits, '_', '.', '-' (at most 64), got 'a b'"),
     ({f"a{i}": "x" for i in range(9)}, "'streams[0].alerts' must have at most 8 alerts, got 9"),
-    ({"p": {"prompt": "x", "webhook": {"url": "ftp://x"}}},
-     "'streams[0].alerts.p.webhook.url' must be an http:// or https:// URL, got 'ftp://x'"),
+    ({"p": {"prompt": "x", "webhook": {"url": 'ftp://x'}}},
+     "'streams[0].alerts.p.webhook.url' must be an http:// or https:// URL with a host name and no spaces, "
+     "got 'ftp://x'"),
+    ({"p": {"prompt": "x", "webhook": {"url": 'http://'}}},
+     "'streams[0].alerts.p.webhook.url' must be an http:// or https:// URL with a host name and no spaces, "
+     "got 'http://'"),
+    ({"p": {"prompt": "x", "webhook": {"url": 'http:///x'}}},
+     "'streams[0].alerts.p.webhook.url' must be an http:// or https:// URL with a host name and no spaces, "
+     "got 'http:///x'"),
+    ({"p": {"prompt": "x", "webhook": {"url": 'https://a b/'}}},
+     "'streams[0].alerts.p.webhook.url' must be an http:// or https:// URL with a host name and no spaces, "
+     "got 'https://a b/'"),
+    ({"p": {"prompt": "x", "webhook": {"url": 'http://h\tx/'}}},
+     "'streams[0].alerts.p.webhook.url' must be an http:// or https:// URL with a host name and no spaces, "
+     "got 'http://h\\tx/'"),
+    ({"p": {"prompt": "x", "webhook": {"url": 'http://h:99999/'}}},
+     "'streams[0].alerts.p.webhook.url' must be an http:// or https:// URL with a host name and no spaces, "
+     "got 'http://h:99999/'"),
     ({"p": {"prompt": "x", "webhook": {"url": "http://x", "token_env": "A", "token_file": "f"}}},
      "'streams[0].alerts.p.webhook.token_file' must not be given with token_env (one token), got 'f'"),
 ])
@@ -428,6 +445,128 @@ def test_a_hanging_webhook_drops_its_oldest_events_and_never_waits():
         assert sender.figures.dropped == 7
 
 
+class Replying:
+    """A real socket server that reads each request and answers with `reply(conn)` (bytes it
+    writes itself); `sent` counts what it wrote, `cut` is set when the client hung up first."""
+
+    def __init__(self, reply):
+        self.sent, self.cut, self.requests = 0, threading.Event(), 0
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(8)
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}/"
+        self.reply = reply
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._one, args=(conn,), daemon=True).start()
+
+    def _one(self, conn: socket.socket) -> None:
+        with conn:
+            request = b""
+            while b"\r\n\r\n" not in request:
+                request += conn.recv(65536)
+            head, body = request.split(b"\r\n\r\n", 1)
+            length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length")))
+            while len(body) < length:
+                body += conn.recv(65536)
+            self.requests += 1
+            try:
+                for piece in self.reply():
+                    conn.sendall(piece)
+                    self.sent += len(piece)
+            except OSError:  # reset or broken pipe: the client closed the connection
+                self.cut.set()
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_a_webhook_reads_a_few_kb_of_a_huge_reply_then_closes_the_connection():
+    """The reply's status is what counts: of an endless body, the sender reads REPLY_BYTES at
+    most and hangs up, so the server's writes fail (its kernel buffers aside, nothing more is read)."""
+    def endless():
+        yield b"HTTP/1.1 200 OK\r\nContent-Length: 400000000000\r\n\r\n"
+        while True:
+            yield b"x" * 65536
+    server = Replying(endless)
+    try:
+        sender = WebhookSender(WebhookConfig(url=server.url, timeout_s=30, retries=0), "w")
+        sender.send(EVENT)
+        wait_until(lambda: sender.figures.delivered == 1, what="the event to be delivered")
+        assert server.cut.wait(30), "the sender kept reading the reply"
+        sender.close()
+        sender.thread.join(30)
+        assert not sender.thread.is_alive()
+        assert (sender.figures.delivered, sender.figures.failed, server.requests) == (1, 0, 1)
+        assert server.sent < 400_000_000_000
+    finally:
+        server.close()
+
+
+def dripping(total: int, pause_s: float):
+    """A reply that is `total` bytes of status line and headers, one byte every pause_s."""
+    def reply():
+        time.sleep(pause_s)
+        for _ in range(total):
+            yield b"X"
+            time.sleep(pause_s)
+    return reply
+
+
+def test_timeout_s_caps_a_whole_attempt_even_against_a_server_that_drips_its_reply():
+    """A byte every 0.1 s never trips a 0.5 s read timeout; the attempt's deadline does: it fails
+    as a timeout, and the sender hangs up long before the 1000 bytes (100 s) are dripped."""
+    server = Replying(dripping(1000, 0.1))
+    try:
+        sender = WebhookSender(WebhookConfig(url=server.url, timeout_s=0.5, retries=1, backoff_s=0.01), "w")
+        sender.send(EVENT)
+        wait_until(lambda: sender.figures.failed == 1, timeout=30, what="the attempts to time out")
+        assert sender.figures.last_error == "no reply from 127.0.0.1 within 0.5 s (timeout_s)"
+        assert (sender.figures.delivered, sender.figures.retries, server.requests) == (0, 1, 2)
+        assert server.cut.wait(30) and server.sent < 1000
+        sender.close()
+    finally:
+        server.close()
+
+
+def test_a_closed_webhook_gives_up_what_it_holds_after_one_timeout_s():
+    """Closing behind a hanging endpoint: what is in flight fails within one timeout_s of the
+    close and what is queued is dropped (counted), instead of one timeout_s per event."""
+    with hanging() as url:
+        sender = WebhookSender(WebhookConfig(url=url, timeout_s=1, retries=0), "w")
+        sender.send({**EVENT, "frame": 0})
+        wait_until(lambda: sender.queued() == 0, what="the first event to be sent (it hangs)")
+        for i in range(1, 6):
+            sender.send({**EVENT, "frame": i})
+        sender.close()
+        sender.thread.join(30)
+        assert not sender.thread.is_alive()
+        figures = sender.figures
+        assert figures.failed + figures.dropped == 6 and figures.failed <= 2 and figures.delivered == 0
+
+
+def test_beyond_max_draining_a_closed_webhook_is_abandoned_at_once(monkeypatch):
+    """With MAX_DRAINING closed webhooks draining already, close() shuts the connection in
+    flight and drops the queue: the thread ends now, not after its 300 s timeout."""
+    monkeypatch.setattr(edgemm.alerts, "MAX_DRAINING", 0)
+    with hanging() as url:
+        sender = WebhookSender(WebhookConfig(url=url, timeout_s=300, retries=3), "w")
+        sender.send({**EVENT, "frame": 0})
+        wait_until(lambda: sender.queued() == 0, what="the first event to be sent (it hangs)")
+        sender.send({**EVENT, "frame": 1})
+        sender.close()
+        sender.thread.join(30)  # 30 of its 300 s: it is not waiting for the endpoint
+        assert not sender.thread.is_alive()
+        assert (sender.figures.failed, sender.figures.dropped, sender.figures.retries) == (1, 1, 0)
+
+
 def test_daemon_alerts_post_their_changes_to_the_webhook(runtime, hook, monkeypatch):
     monkeypatch.setenv("EDGEMM_HOOK_TOKEN", TOKEN)
     spec = counting_stream("shapes", 30, webhook={"url": hook.url, "token_env": "EDGEMM_HOOK_TOKEN"})
@@ -450,25 +589,69 @@ def test_daemon_alerts_post_their_changes_to_the_webhook(runtime, hook, monkeypa
                                            'outcome="failed"}') == 0
 
 
-def test_a_hanging_webhook_does_not_slow_the_stream(runtime, monkeypatch):
-    """By counts: the stream answers every one of its frames and its SSE listener gets every
-    alert change, while the webhook delivers none and its queue drops the oldest."""
+def test_every_frame_is_answered_and_every_change_counted_while_the_webhook_hangs(runtime, monkeypatch):
+    """By counts: the stream answers every one of its frames while its webhook's one attempt
+    hangs, delivers nothing, and every change is held by it, queued (at most 2) or dropped."""
     monkeypatch.setattr(edgemm.alerts, "WEBHOOK_QUEUE", 2)
     frames = 40
     with hanging() as url:
         spec = counting_stream("shapes", frames, webhook={"url": url, "timeout_s": 60, "retries": 0})
         with running(runtime, {"streams": [spec]}) as d, raw_client(sock_path(d)) as http:
             wait_until(lambda: settled(http, "shapes"), timeout=60, what="the stream to answer every frame")
+            sender = d.service.streams.get("shapes").alerts.senders["stream"]
+            changes = lambda: sum(metric(http.get("/metrics").text,  # noqa: E731
+                                         f'edgemm_alert_transitions_total{{stream="shapes",alert="{a}",state="{s}"}}', 0)
+                                  for a in ("many", "red") for s in ("true", "false", "unknown"))
+            # the sender took one event (whether before or after the queue overflowed) and hangs on it
+            wait_until(lambda: sender.figures.dropped + sender.queued() + 1 == changes(),
+                       what="the sender to hold one event, the rest queued or dropped")
             figures = http.get("/v1/streams/shapes").json()
             text = http.get("/metrics").text
+            queued = sender.queued()
     assert figures["frames"] == frames and figures["errors"] == 0
-    changes = sum(metric(text, f'edgemm_alert_transitions_total{{stream="shapes",alert="{a}",state="{s}"}}', 0)
-                  for a in ("many", "red") for s in ("true", "false", "unknown"))
+    total = sum(metric(text, f'edgemm_alert_transitions_total{{stream="shapes",alert="{a}",state="{s}"}}', 0)
+                for a in ("many", "red") for s in ("true", "false", "unknown"))
     hook = 'edgemm_alert_webhook_events_total{stream="shapes",webhook="stream",outcome='
-    assert changes > 3  # enough to overflow a queue of 2 behind the one hanging
-    assert metric(text, hook + '"delivered"}') == 0
-    assert metric(text, hook + '"dropped"}') == changes - 1 - 2
-    assert metric(text, 'edgemm_alert_events_dropped_total{stream="shapes",sink="webhook"}') == changes - 3
+    assert total > 3  # enough to overflow a queue of 2 behind the one hanging
+    # 2 queued if the sender took the first event before the queue overflowed, else 1: it took the
+    # oldest of the newest 2 after every change was made
+    assert queued in (1, 2)
+    assert metric(text, hook + '"delivered"}') == 0 and metric(text, hook + '"failed"}') == 0
+    assert metric(text, hook + '"dropped"}') == total - 1 - queued >= total - 3
+    assert metric(text, 'edgemm_alert_events_dropped_total{stream="shapes",sink="webhook"}') == total - 1 - queued
+
+
+def test_the_api_may_give_webhook_urls_only_for_the_hosts_of_server_webhook_hosts(runtime, hook):
+    """No blind requests for a client: with server.webhook_hosts empty, no webhook URL from the
+    API (loopback, 169.254.169.254 or the LAN alike); with it set, only those hosts (and ports)."""
+    body = {**counting_stream("api", 20), "webhook": {"url": "http://169.254.169.254/latest/meta-data/"}}
+    with running(runtime) as d, raw_client(sock_path(d)) as http:
+        error = assert_error(http.post("/v1/streams", json=body), 403)
+        assert error["type"] == "permission_error"
+        assert error["message"] == ("the API may not give webhook URLs: server.webhook_hosts is empty (list there "
+                                    "the hosts POST /v1/streams may send alert events to)")
+        body["webhook"] = {"url": hook.url}
+        assert_error(http.post("/v1/streams", json=body), 403)  # loopback is no exception
+        assert http.get("/v1/streams").json()["data"] == []
+    allowed = hook.url.split("/")[2]  # 127.0.0.1:PORT
+    with running(runtime, webhook_hosts=[allowed]) as d, raw_client(sock_path(d)) as http:
+        body["alerts"]["red"] = {**body["alerts"]["red"], "webhook": {"url": "http://127.0.0.1:1/admin"}}
+        error = assert_error(http.post("/v1/streams", json=body), 403)  # the host, not its other ports
+        assert error["message"] == f"a webhook to 127.0.0.1 port 1 is not in server.webhook_hosts ({allowed})"
+        del body["alerts"]["red"]["webhook"]
+        created = http.post("/v1/streams", json=body)
+        assert created.status_code == 201, created.text
+        wait_until(lambda: settled(http, "api"), timeout=60, what="the stream to end")
+        wait_until(lambda: d.service.streams.get("api").alerts.senders["stream"].figures.delivered
+                   == len(hook.received) >= 1, what="the allowed webhook to receive the changes")
+
+
+@pytest.mark.parametrize("entry", ["http://h", "h/x", "u@h:80", "h:", "h:99999", "::1", "", "a b"])
+def test_bad_webhook_hosts_are_one_line_config_errors(entry):
+    with pytest.raises(ConfigError) as info:
+        config_from_dict({"server": {"webhook_hosts": ["ok.example", entry]}})
+    assert str(info.value) == ("config: 'server.webhook_hosts[1]' must be a host name or address, or host:port "
+                               f"('[::1]:8080' for IPv6), got {entry!r}")
 
 
 def test_webhook_urls_from_the_config_are_never_in_messages_with_credentials(hook):
