@@ -15,7 +15,8 @@ candidate:
                  time is the graphs' alone: the bound
   transformers   `Idefics3ForConditionalGeneration.generate` on the same weights
                  (model.safetensors), processor call included
-  edgemm CLI     cold only: `edgemm infer` as a user runs it (default warm-up, and without)
+  edgemm CLI     cold only: `edgemm infer` as a user runs it (default config, and with
+                 `backend.warmup: false`: a one-shot warms nothing either way)
 
 Warm: each candidate is a process of its own that loads once, answers one untimed
 request, then answers when told; the driver asks the candidates in turn, request by
@@ -341,7 +342,7 @@ def markdown(r: dict) -> str:
                     f"| {spread(w['ttft_ms'], 'ms')} | {spread(w['decode_tokens_per_s'], 'tok/s')} | {w['peak_rss_mb']} MB "
                     f"| {cold_text[0]} | {cold_text[1]} | {exact} |")
     c = r["cold"]["edgemm-cli no-warm-up"]
-    rows.append(f"| `edgemm infer` without warm-up (`backend.warmup: false`), fp32 | – | – | – | – | – "
+    rows.append(f"| `edgemm infer` with `backend.warmup: false`, fp32 | – | – | – | – | – "
                 f"| {spread(c['wall_s'], 's')} | {c['rss_mb']['max']:.0f} MB "
                 f"| {'yes' if c['tokens_equal_transformers_reference'] else 'no'} |")
     return "\n".join(rows)
