@@ -68,7 +68,7 @@ def start_once(tree: Path, config: Path, scratch: Path) -> dict:
             proc.kill()
             proc.wait()
     return {"ready_s": round(ready_s, 2), "peak_rss_mb": peak, "rss_at_ready_mb": rss,
-            "warm_up_lines": [line for line in lines if "warm" in line]}
+            "warm_up_lines": [line for line in lines if "warm" in line.replace(str(scratch), "")]}
 
 
 def spread(values: list[float], unit: str, digits: int = 1) -> str:
