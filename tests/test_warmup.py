@@ -128,7 +128,8 @@ def test_serve_warms_what_backend_warmup_says_and_logs_its_cost(model_dir, runs,
     handler = logging.Handler(logging.INFO)
     handler.emit = lambda record: lines.append(record.getMessage())
     log = logging.getLogger("edgemm")
-    level, log.level = log.level, logging.INFO
+    level = log.level
+    log.setLevel(logging.INFO)  # setLevel, not .level =: it also clears the logger's isEnabledFor cache
     log.addHandler(handler)
     daemon = Daemon(cfg)
     thread = threading.Thread(target=daemon.run, daemon=True)
