@@ -2,8 +2,8 @@
 
     PreparedRequest + features [1,N,D] ─► RequestBatch.join ─► the decode loop
         (a RequestBatch is a DecodingBatch, edgemm/decode.py: prefill, then one decoder
-        call per step for every row) ─► Generation ─► InferenceResult (text, tier,
-        devices, timings) ─► finished(key, …)
+        call per step for every row) ─► InferenceResult (text, tier, devices, timings),
+        made from the ending answer itself ─► finished(key, …)
 
 Requests join and leave a batch between steps; a lone request is a batch of one.
 Streamed requests get the text each token adds (edgemm/detokenize.py); the image's
@@ -12,16 +12,17 @@ prompt prefix is kept in, and reused from, the feature cache.
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-from edgemm.decode import BatchItem, DecodingBatch
+from edgemm.decode import BatchItem, DecodingBatch, _Answer
 from edgemm.detokenize import TextCallback, TextStream
 from edgemm.encoding import Encoding
-from edgemm.generate import Generation, PrefixReuse
+from edgemm.generate import PrefixReuse
 from edgemm.loading import ModelComponents
 from edgemm.model.family import Family
 from edgemm.model.manifest import ModelManifest
@@ -46,13 +47,14 @@ class InferenceResult:
     decode_batch: int = 1  # most requests decoded together with this one at once (itself included)
     decoder_steps: int = 0  # decoder calls after the prefill that gave it tokens (beam search: rows stepped)
     warnings: list[str] = field(default_factory=list)  # one line each: e.g. words the model cannot read
+    precision_choice: dict[str, str] = field(default_factory=dict)  # precision auto: component → why that variant
 
     def to_dict(self) -> dict:
         """The result as plain data for JSON. Containers are copied one level deep: asdict's
         full recursion was a noticeable part of the daemon's own time per request."""
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         d.update(tokens=list(self.tokens), devices=dict(self.devices), schedule=dict(self.schedule),
-                 warnings=list(self.warnings),
+                 warnings=list(self.warnings), precision_choice=dict(self.precision_choice),
                  timings_ms={k: round(v, 3) for k, v in self.timings_ms.items()})
         return d
 
@@ -101,36 +103,41 @@ class RequestBatch(DecodingBatch):
                 else None
             prompt = request.prompt
             items.append(((key, request, stream), BatchItem(features, prompt.input_ids, prompt.image_positions,
-                                                            request.options, stream, reuse, cancelled)))
+                                                            request.options, stream, reuse, cancelled,
+                                                            prompt.position_ids, prompt.rope_delta)))
         DecodingBatch.join(self, items)
 
-    def _hand_over(self, key: tuple, outcome: Generation | Exception) -> None:
-        """An answer ended: its Generation becomes the request's InferenceResult (a failure
-        to assemble it fails this request alone), which goes to the caller."""
-        caller_key, request, stream = key
-        if not isinstance(outcome, Exception):
-            try:
-                outcome = self._result(request, outcome)
-                if stream is not None:
-                    stream.finish(outcome.text)
-            except Exception as e:
-                outcome = e
-        DecodingBatch._hand_over(self, caller_key, outcome)
-
-    def _result(self, request: PreparedRequest, generation: Generation) -> InferenceResult:
-        answering, gen, prompt, stats = self.answering, self.gen, request.prompt, generation.stats
+    def _ended(self, a: _Answer, reason: str) -> InferenceResult:
+        """An answer ended: the request's InferenceResult, made from the answer itself (no
+        Generation in between). This runs once per request, on the caches the decoder call
+        left cold, where each object built costs; a failure here fails this request alone."""
+        decode_ms = (time.perf_counter() - a.joined) * 1e3  # first: the decode time ends where the loop's work does
+        _, request, _ = a.key
+        answering, gen, prompt = self.answering, self.gen, request.prompt
         schedule = request.decision.to_dict() if request.decision else {}
         reasons = [request.route.reason] if request.route is not None else []
         if answering.placement_notes:
             reasons += answering.placement_notes
         if reasons:
             schedule["placement"] = "; ".join(reasons)
+        timings = dict(request.timings_ms)
+        timings["prefill"], timings["decode"] = a.prefill_ms, decode_ms
         return InferenceResult(
-            text=answering.adapter.decode(generation.tokens), tokens=generation.tokens,
-            finish_reason=generation.finish_reason, prompt_tokens=int(prompt.input_ids.shape[1]),
-            tier=request.tier.name, image_tokens=prompt.image_tokens, precision=answering.models.precision,
-            devices={"encode": gen.encoder.device, "decode": gen.decoder.device},
-            timings_ms={**request.timings_ms, **generation.timings_ms}, model=answering.manifest.name,
-            schedule=schedule, prefix_reused=bool(stats.get("prefix_reused")),
-            decode_batch=int(stats.get("decode_batch", 1)), decoder_steps=int(stats.get("decoder_rows", 0)),
-            warnings=list(request.warnings))
+            text=answering.adapter.decode(a.tokens), tokens=a.tokens, finish_reason=reason,
+            prompt_tokens=prompt.input_ids.shape[1], tier=request.tier.name, image_tokens=prompt.image_tokens,
+            precision=answering.models.precision, devices={"encode": gen.encoder.device, "decode": gen.decoder.device},
+            timings_ms=timings, model=answering.manifest.name, schedule=schedule, prefix_reused=a.reused,
+            decode_batch=a.peers, decoder_steps=a.rows_stepped, warnings=list(request.warnings),
+            precision_choice=answering.models.precision_choices)
+
+    def _hand_over(self, key: tuple, outcome: InferenceResult | Exception) -> None:
+        """An answer ended (its InferenceResult) or failed: a stream gets the text it has
+        not had yet (a failure there fails this request alone), and the outcome goes to the
+        caller."""
+        caller_key, _, stream = key
+        if stream is not None and not isinstance(outcome, Exception):
+            try:
+                stream.finish(outcome.text)
+            except Exception as e:
+                outcome = e
+        DecodingBatch._hand_over(self, caller_key, outcome)

@@ -22,6 +22,11 @@ import click
 
 from edgemm.errors import EdgemmError, EngineError, InputError, internal_message
 from edgemm.generation_limits import MAX_BEAMS, MAX_NEW_TOKENS, MIN_TEMPERATURE, check_generation, check_text
+from edgemm.model.manifest_types import AUTO, PRECISIONS
+
+PRECISION_CHOICE = click.Choice([AUTO, *PRECISIONS])
+PRECISION_HELP = ("Graph variant to load, by its file suffix (default: model.precision, auto: the fastest "
+                  "present for each device; README 'Precisions').")
 
 DEFAULT_PROMPT = "describe the image"
 # the generation options' flags; their values are checked by edgemm.generation_limits, so the
@@ -193,7 +198,7 @@ def main() -> None:
 @click.option("--beams", type=int, help=f"Beam search width, 1..{MAX_BEAMS} (1 = greedy).")
 @click.option("--beam-gate", type=float,
               help="Collapse beams once the best next token is this likely (0 = greedy, 1 = plain beams).")
-@click.option("--precision", type=click.Choice(["fp32", "int8", "fp16"]), help="Graph variant to load.")
+@click.option("--precision", type=PRECISION_CHOICE, help=PRECISION_HELP)
 @click.option("--model", "model_dir", type=click.Path(), help="Model folder (default: built-in tiny-vlm).")
 @click.option("--config", "config_path", type=click.Path(), envvar="EDGEMM_CONFIG",
               help="YAML config file.")
@@ -287,15 +292,18 @@ class JsonLines:
 @click.option("--change-threshold", type=click.FloatRange(0),
               help="Reuse the last answer when a frame differs by less than this (mean abs pixel change, 0-255).")
 @click.option("--tier", help="Resolution tier for every frame.")
-@click.option("--precision", type=click.Choice(["fp32", "int8", "fp16"]))
+@click.option("--precision", type=PRECISION_CHOICE, help=PRECISION_HELP)
 @click.option("--model", "model_dir", type=click.Path())
 @click.option("--config", "config_path", type=click.Path(), envvar="EDGEMM_CONFIG")
 @click.option("--max-new-tokens", type=int, help=f"Most tokens per answer, 1..{MAX_NEW_TOKENS}.")
 @click.option("--latency", "latency_ms", type=click.IntRange(0), default=200, show_default=True,
               help="RTSP jitter buffer in ms.")
+@click.option("--view", "view_out", metavar="OUT",
+              help="Draw each answer on the frames and write them to OUT: a .mp4/.avi file, a folder/, "
+                   "display://0 or rtp://host:port.")
 @reports_errors
 def stream(source_uri, prompt, fps, every, max_frames, out, change_threshold, tier, precision,
-           model_dir, config_path, max_new_tokens, latency_ms) -> None:
+           model_dir, config_path, max_new_tokens, latency_ms, view_out) -> None:
     """Answer PROMPT about every frame of SOURCE, one JSON object per line.
 
     SOURCE: csi://0, v4l2:///dev/video0, rtsp://host/path, a video file, an image,
@@ -312,7 +320,10 @@ def stream(source_uri, prompt, fps, every, max_frames, out, change_threshold, ti
     from edgemm.runtime import Runtime
     from edgemm.sources import open_source
     from edgemm.stream import StreamOptions, run_stream
+    from edgemm.view import open_view, parse_view
 
+    if view_out is not None:
+        parse_view(view_out)  # a --view that cannot work is said before anything opens
     cfg = build_config(config_path, model_dir, precision)
     # a camera that does not open now is reported (exit 2), not waited for; one that opens
     # and later stops delivering is reopened with backoff
@@ -326,8 +337,10 @@ def stream(source_uri, prompt, fps, every, max_frames, out, change_threshold, ti
     runtime.warmup([runtime.manifest.tier(tier).name] if tier and runtime.warmup_tiers else runtime.warmup_tiers,
                    report=say)
     generation = {k: v for k, v in (("tier", tier), ("max_new_tokens", max_new_tokens)) if v is not None}
+    # the output keeps the source's frame rate: every source frame is written, with the latest answer
+    view = open_view(view_out, getattr(source, "fps", 0.0)) if view_out is not None else None
     options = StreamOptions(prompt=prompt, every=every, fps=fps, max_frames=max_frames,
-                            change_threshold=change_threshold, generation=generation)
+                            change_threshold=change_threshold, generation=generation, view=view)
     stop = threading.Event()
 
     def on_signal(signum, _frame) -> None:
@@ -349,6 +362,8 @@ def stream(source_uri, prompt, fps, every, max_frames, out, change_threshold, ti
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         sink.close()
+        if view is not None:
+            view.close()
     click.echo("edgemm: summary: " + json.dumps(summary.to_dict()), err=True)
 
 
@@ -361,7 +376,7 @@ def stream(source_uri, prompt, fps, every, max_frames, out, change_threshold, ti
 @click.option("--port", type=click.IntRange(0, 65535),
               help="Serve HTTP on this TCP port (0 = any free one), as well as the socket when one is named, else TCP only (server.tcp_port).")
 @click.option("--host", help="TCP address for --port (default: server.tcp_host, 127.0.0.1: loopback only).")
-@click.option("--precision", type=click.Choice(["fp32", "int8", "fp16"]))
+@click.option("--precision", type=PRECISION_CHOICE, help=PRECISION_HELP)
 @click.option("--model", "model_dir", type=click.Path())
 @click.option("--threads", type=click.IntRange(0), help="Intra-op threads (0 = onnxruntime decides).")
 @reports_errors

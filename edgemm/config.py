@@ -30,11 +30,12 @@ import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import yaml
 
 from edgemm.errors import EdgemmError
+from edgemm.model.manifest_types import AUTO, PRECISIONS as VARIANTS
 from edgemm.files import load_yaml, read_regular_file
 from edgemm.generation_limits import FIELDS as GENERATION_FIELDS, LimitError, check_generation, check_text
 from edgemm.scheduler import DETAIL_WORDS, STATISTICS
@@ -42,11 +43,11 @@ from edgemm.scheduler import DETAIL_WORDS, STATISTICS
 __all__ = [
     "ConfigError", "ModelConfig", "BackendConfig", "LimitsConfig", "GenerationConfig",
     "SchedulerConfig", "CacheConfig", "PlacementConfig", "PowerConfig", "OffloadConfig",
-    "ServerConfig", "StreamConfig", "Config", "load_config", "config_from_dict", "config_to_dict",
+    "ServerConfig", "StreamConfig", "AlertConfig", "WebhookConfig", "Config", "load_config", "config_from_dict", "config_to_dict",
     "socket_choices", "creatable_socket", "client_socket",
 ]
 
-PRECISIONS = ("fp32", "int8", "fp16")
+PRECISIONS = (AUTO, *VARIANTS)  # model.precision: auto, or a variant's file suffix (edgemm/model/manifest_types.py)
 BACKENDS = ("onnxruntime",)  # backend.name: only kept so older configs load; TensorRT is chosen by placement
 PROVIDERS = ("cpu", "cuda", "tensorrt")
 SCHEDULER_POLICIES = ("auto", "top", "thresholds", "calibrated")
@@ -102,7 +103,11 @@ def _generation_limits(path: str, nullable: tuple[str, ...] = (), **values: Any)
 @dataclass
 class ModelConfig:
     path: str | None = None  # model folder; null = the built-in tiny-vlm shipped inside the package (edgemm/builtin/tiny-vlm)
-    precision: str = "fp32"  # fp32 | int8 | fp16 (int8/fp16 load the *_int8.onnx / *_fp16.onnx variants, or int8/fp16 TensorRT engines)
+    # auto | fp32 | fp16 | int8 | q4 | q4f16 | quantized | uint8 | bnb4: the graphs' variant, by file suffix
+    # (decoder_model_merged_q4.onnx …), or the TensorRT engines' (int8 | fp16). auto = the fastest one present
+    # for each component's device: on the CPU q4, else fp32 (never the QDQ int8, slower than fp32 there, nor
+    # dynamic int8, whose rows depend on their batch mates), on TensorRT int8 > fp16 (README "Precisions")
+    precision: str = "auto"
     engines: str | None = None  # TensorRT engine folder (with manifest.yaml); null = <engines root>/<model name>: $EDGEMM_ENGINES, /var/lib/edgemm/engines for root, else ~/.cache/edgemm/engines
 
     def validate(self, path: str) -> None:
@@ -327,7 +332,7 @@ class ServerConfig:
     remote_images: bool = False  # fetch http(s) image URLs; off = refused with 400
     remote_timeout_s: float = 10.0  # time allowed to fetch one http(s) image
     max_streams: int = 4  # camera streams run by the daemon at once (config and POST /v1/streams)
-    max_stream_listeners: int = 16  # GET /v1/streams/{id}/events open at once (all streams); more get 503. Not counted in max_connections
+    max_stream_listeners: int = 16  # GET /v1/streams/{id}/events and /v1/events open at once (all streams); more get 503. Not counted in max_connections
 
     def validate(self, path: str) -> None:
         if self.socket is not None:
@@ -365,6 +370,74 @@ def _octal_mode(text: str) -> int | None:
 
 
 STREAM_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+MAX_ALERTS = 8  # alerts per stream (edgemm/alerts.py bounds what they may hold in the pipeline)
+MAX_ALERT_RUN = 1000  # most consecutive frames an alert's debounce may ask for
+
+
+@dataclass
+class WebhookConfig:
+    """Where an alert's state changes are POSTed as JSON (edgemm/alerts.py), with retries.
+
+    The token, if any, is sent as `Authorization: Bearer`; it is never in this file: name an
+    environment variable or an owner-only file, as offload.api_key_env / api_key_file do."""
+    url: str = ""  # http:// or https:// URL the events are POSTed to
+    token_env: str | None = None  # environment variable holding the bearer token; null = none
+    token_file: str | None = None  # or: a file holding it, readable by its owner only (0600/0400); relative: to this file
+    timeout_s: float = 5.0  # per attempt: connecting, sending and waiting for the reply
+    retries: int = 3  # further attempts after a timeout, a connection error, 429 or 5xx
+    backoff_s: float = 0.5  # wait before retry n: backoff_s * 2**(n-1)
+
+    def validate(self, path: str) -> None:
+        _require(self.url.startswith(("http://", "https://")), f"{path}.url", "be an http:// or https:// URL",
+                 self.url)
+        if self.token_env is not None:
+            _require(ENV_NAME.fullmatch(self.token_env) is not None, f"{path}.token_env",
+                     "be an environment variable name", self.token_env)
+        if self.token_file is not None:
+            _require(self.token_file.strip() != "", f"{path}.token_file", "be a path or null", self.token_file)
+            _require(self.token_env is None, f"{path}.token_file", "not be given with token_env (one token)",
+                     self.token_file)
+        _require(math.isfinite(self.timeout_s) and 0 < self.timeout_s <= 300, f"{path}.timeout_s",
+                 "be in (0, 300]", self.timeout_s)
+        _require(0 <= self.retries <= 10, f"{path}.retries", "be in 0..10", self.retries)
+        _require(0 <= self.backoff_s <= 60, f"{path}.backoff_s", "be in [0, 60]", self.backoff_s)
+
+
+@dataclass
+class AlertConfig:
+    """A named question a stream asks about its frames, read as true / false / unknown.
+
+    The rule: yes/no by default (the answer's first word: yes is true, no is false); `match`:
+    true when the answer has these words; `above` / `below`: true when the answer's first
+    number (digits or a word, 'two') is above / below them (both: between). Anything the
+    rule cannot read is unknown. A plain string is the prompt, with every default."""
+    SHORTHAND: ClassVar[str] = "prompt"  # `person: is there a person ?` = {prompt: …}
+    prompt: str = ""  # the question asked about the stream's frames
+    every: int = 1  # ask on every Nth frame the stream processes
+    on_after: int = 2  # the state becomes true after this many true readings in a row
+    off_after: int = 3  # ... false after this many false ones (unknown: after the larger of the two)
+    match: str | None = None  # true when the answer has these words (case-insensitive), else false
+    above: float | None = None  # true when the answer's number is above this
+    below: float | None = None  # true when the answer's number is below this
+    max_new_tokens: int = 8  # the answer's length: the rules read its first word or number
+    webhook: WebhookConfig | None = None  # this alert's own webhook; null = the stream's, if any
+
+    def validate(self, path: str) -> None:
+        try:
+            check_text(self.prompt, f"{path}.prompt")
+        except LimitError as e:
+            raise ConfigError(str(e)) from None
+        _require(self.prompt.strip() != "", f"{path}.prompt", "be a question", self.prompt)
+        for name in ("every", "on_after", "off_after"):
+            _require(1 <= getattr(self, name) <= MAX_ALERT_RUN, f"{path}.{name}", f"be in 1..{MAX_ALERT_RUN}",
+                     getattr(self, name))
+        if self.match is not None:
+            _require(self.match.split() != [], f"{path}.match", "be one or more words", self.match)
+            _require(self.above is None and self.below is None, f"{path}.match",
+                     "not be given with above/below (one rule per alert)", self.match)
+        if self.above is not None and self.below is not None:
+            _require(self.above < self.below, f"{path}.below", f"be above 'above' ({self.above:g})", self.below)
+        _generation_limits(path, max_new_tokens=self.max_new_tokens)
 
 
 @dataclass
@@ -378,8 +451,15 @@ class StreamConfig:
     change_threshold: float | None = None  # reuse the last answer when a frame changed less than this (0-255)
     tier: str | None = None  # pin the resolution tier; null = the scheduler picks
     max_new_tokens: int | None = None  # null = generation.max_new_tokens
+    alerts: dict[str, AlertConfig] = field(default_factory=dict)  # name → question (edgemm/alerts.py)
+    webhook: WebhookConfig | None = None  # where the alerts' state changes are POSTed; null = nowhere
 
     def validate(self, path: str) -> None:
+        _require(len(self.alerts) <= MAX_ALERTS, f"{path}.alerts", f"have at most {MAX_ALERTS} alerts",
+                 len(self.alerts))
+        for name in self.alerts:
+            _require(STREAM_ID.fullmatch(name) is not None, f"{path}.alerts",
+                     "have names of letters, digits, '_', '.', '-' (at most 64)", name)
         _require(STREAM_ID.fullmatch(self.id) is not None, f"{path}.id",
                  "be a name of letters, digits, '_', '.', '-' (at most 64)", self.id)
         _require(self.source.strip() != "", f"{path}.source", "be a source URI", self.source)
@@ -498,6 +578,9 @@ _SCALARS = {bool: "a boolean (true/false)", int: "an integer", float: "a finite 
 def _describe(hint: Any) -> str:
     """What a type hint accepts, for error messages: 'an integer or null'."""
     if dataclasses.is_dataclass(hint):
+        shorthand = getattr(hint, "SHORTHAND", None)
+        return f"a string (its {shorthand}) or a mapping" if shorthand else "a mapping"
+    if typing.get_origin(hint) is dict:
         return "a mapping"
     args = typing.get_args(hint)
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
@@ -527,9 +610,19 @@ def _convert(value: Any, hint: Any, path: str, expected: str | None = None) -> A
             raise TypeError(f"config field {path!r}: only 'X | None' unions are supported, not {hint}")
         return None if value is None else _convert(value, inner[0], path, _describe(hint))
     if dataclasses.is_dataclass(hint):
+        shorthand = getattr(hint, "SHORTHAND", None)
+        if shorthand and isinstance(value, str):  # `person: is there a person ?` = {prompt: …}
+            value = {shorthand: value}
         if value is not None and not isinstance(value, Mapping):
             raise wrong()
         return _build(hint, value, path)
+    if origin is dict:  # name → item (a stream's alerts): the names are strings
+        if not isinstance(value, Mapping):
+            raise wrong()
+        for key in value:
+            if not isinstance(key, str):
+                raise ConfigError(f"{path!r} must have names as keys, got {_show(key)}")
+        return {key: _convert(item, args[1], _join(path, key)) for key, item in value.items()}
     if origin is list:
         if not isinstance(value, list):
             raise wrong()
@@ -630,4 +723,8 @@ def load_config(source: str | os.PathLike | Mapping[str, Any] | None = None) -> 
     cfg.server.image_dirs = [str(here / d) for d in cfg.server.image_dirs]  # absolute ones stay as they are
     if cfg.offload.api_key_file is not None:
         cfg.offload.api_key_file = str(here / cfg.offload.api_key_file)
+    for stream in cfg.streams:  # webhook token files, likewise
+        for hook in [stream.webhook, *(alert.webhook for alert in stream.alerts.values())]:
+            if hook is not None and hook.token_file is not None:
+                hook.token_file = str(here / hook.token_file)
     return cfg

@@ -82,6 +82,10 @@ class BatchItem:
     on_token: Callable[[int], None] | None = None  # each committed token id, as it comes
     reuse: PrefixReuse | None = None
     cancelled: threading.Event | None = None  # set by the caller: the answer stops at the next step
+    # the family's positions (M-RoPE, Prompt.position_ids): the prompt's [axes, 1, S], and what
+    # each decode step adds to the tokens the row holds; None: 0 … S-1, as the contract says
+    positions: np.ndarray | None = None
+    rope_delta: int = 0
 
 
 @dataclass(slots=True)
@@ -121,8 +125,9 @@ class DecodingBatch:
 
     `finished(key, outcome)` is called for each request once, as soon as its answer ends
     (a Generation) or fails (the exception), from the thread that calls join/step, always
-    through `_hand_over`: a subclass that puts answers in its own terms overrides that
-    (edgemm/answering.py's RequestBatch).
+    through `_hand_over`: a subclass that puts answers in its own terms overrides `_ended`,
+    which makes an ending answer's outcome, and `_hand_over` (edgemm/answering.py's
+    RequestBatch).
     """
 
     # the rows' state, an empty batch's as class attributes (a batch is opened for every
@@ -135,7 +140,8 @@ class DecodingBatch:
     logits = _EMPTY_2D  # [R, V]: each row's next-token logits
     _padding: np.ndarray | None = None
     _mask = _EMPTY_2D  # [R, capacity]: 0 over each row's padding, 1 after
-    _positions = _EMPTY_2D  # [capacity, R, 1]: the position id of a token in each column
+    _positions = _EMPTY_2D  # [capacity, R, 1] ([capacity, axes, R, 1]): the position id of a token in each column
+    _deltas: np.ndarray | None = None  # [R]: each row's rope delta (BatchItem.rope_delta); None: all 0
     _calls = 0  # decoder calls on the current rows, not yet in _steps_by_rows
 
     def __init__(self, gen: Generator, finished: Finished, steps_by_rows: Counter | None = None):
@@ -230,13 +236,13 @@ class DecodingBatch:
                     row = start + offset
                     token = best[row] if a.rng is None else sample_token(self.logits[row], a.item.options, a.rng)
                     if token in stop_ids:
-                        outcome = a.generation("stop")
+                        outcome = self._ended(a, "stop")
                     else:
                         a.tokens.append(token)
                         if a.on_token is not None:
                             a.on_token(token)
                         if len(a.tokens) >= a.budget:
-                            outcome = a.generation("length")
+                            outcome = self._ended(a, "length")
                         else:  # it goes on: its one row fed this token, or (row offset, token)
                             outcome = token if width == 1 else [(offset, token)]
             except Exception as e:  # this answer fails alone; the others go on
@@ -333,6 +339,12 @@ class DecodingBatch:
 
     def _beams_end(self, a: _Answer, tokens: list[int], reason: str) -> Generation:
         self._commit(a, tokens)
+        return self._ended(a, reason)
+
+    def _ended(self, a: _Answer, reason: str) -> Any:
+        """What an answer that ends hands over: its Generation. A subclass that puts answers
+        in its own terms builds them here, from the answer itself (RequestBatch). Raising
+        fails this answer alone."""
         return a.generation(reason)
 
     def _commit(self, a: _Answer, tokens: list[int]) -> None:
@@ -400,9 +412,11 @@ class DecodingBatch:
         if not gather:  # the batch is empty: nothing to copy (no numpy call on the hot path's cold caches)
             if self._calls:
                 self._count_calls()
-            self.feeds, self.rows, self.width, self._padding = {}, 0, 0, None
+            self.feeds, self.rows, self.width, self._padding, self._deltas = {}, 0, 0, None, None
             self.logits = self._mask = self._positions = _EMPTY_2D
             return
+        if self._deltas is not None:
+            self._deltas = self._deltas[gather]
         if self._padding is None:  # a lone row, e.g. a beam search's first step
             start, padding = 0, np.zeros(len(gather), self.gen.position_dtype)
         else:
@@ -417,6 +431,10 @@ class DecodingBatch:
         """New answers' rows into the batch: one cache per layer for all rows, each row's
         left-padded with zeros to the longest, and the mask that hides the padding."""
         old_width, old_rows = self.width, self.rows
+        deltas = [a.item.rope_delta for a in answers]
+        if any(deltas) or self._deltas is not None:
+            old_deltas = self._deltas.tolist() if self._deltas is not None else [0] * old_rows
+            self._deltas = np.array(old_deltas + deltas, self.gen.position_dtype)
         if not old_rows and len(answers) == 1:  # a lone request: its cache as the prefill left it
             self.feeds, self.logits, self.answers = self.gen.step_feeds(pasts[0]), logits, answers
             self._lay_out(None, answers[0].length)
@@ -455,11 +473,25 @@ class DecodingBatch:
             self.rows = 1
             self._mask = _shared("ones", self.gen.mask_dtype, capacity)
             self._positions = _shared("counting", self.gen.position_dtype, self._mask.shape[1])
-            return
-        counting = _shared("counting", self.gen.position_dtype, capacity)[:capacity]  # [capacity, 1, 1]
-        self.rows = len(padding)
-        self._positions = counting - padding[:, None]  # [capacity, R, 1]
-        self._mask = (counting[:, 0, 0] >= padding[:, None]).astype(self.gen.mask_dtype)  # [R, capacity]
+        else:
+            counting = _shared("counting", self.gen.position_dtype, capacity)[:capacity]  # [capacity, 1, 1]
+            self.rows = len(padding)
+            self._positions = counting - padding[:, None]  # [capacity, R, 1]
+            self._mask = (counting[:, 0, 0] >= padding[:, None]).astype(self.gen.mask_dtype)  # [R, capacity]
+        if self._deltas is not None or self.gen.position_axes:
+            self._positions = _family_positions(self._positions, self._deltas, self.gen.position_axes)
+
+
+def _family_positions(positions: np.ndarray, deltas: np.ndarray | None, axes: int) -> np.ndarray:
+    """The position table [capacity, R, 1] as an M-RoPE family's decode steps take it: each
+    row's rope delta added, and (with `axes`) the same position on every axis, laid out
+    [capacity, axes, R, 1] so that one column is a packed [axes, R, 1]."""
+    if deltas is not None:
+        positions = positions + deltas[:, None]
+    if axes:
+        positions = np.ascontiguousarray(np.broadcast_to(positions[:, None], (len(positions), axes,
+                                                                              *positions.shape[1:])))
+    return positions
 
 
 def _embeds(gen: Generator, token: int) -> bool:
@@ -507,7 +539,8 @@ def _prefill(gen: Generator, items: list[tuple[Any, BatchItem]],
                 raise InputError(f"prompt is {length} tokens (image included); the model's "
                                  f"context is {gen.max_context}")
             split, prefix = gen.prefix_key(item.features, item.input_ids, item.image_start, item.reuse)
-            stored = gen.from_stored_prefix(item.input_ids, split, prefix, _ones(gen, 1, length), item.reuse)
+            stored = gen.from_stored_prefix(item.input_ids, split, prefix, _ones(gen, 1, length), item.reuse,
+                                            item.positions)
             if stored is None:
                 fresh.setdefault(length, []).append(
                     (key, item, gen.embed_prompt(item.input_ids, item.features, item.image_start), split, prefix,
@@ -522,9 +555,11 @@ def _prefill(gen: Generator, items: list[tuple[Any, BatchItem]],
     for length, group in fresh.items():
         try:
             embeds = group[0][2] if len(group) == 1 else np.concatenate([embeds for _, _, embeds, *_ in group])
-            # no padding: every row's positions are 0 … length - 1 (no cumsum of the mask)
+            # no padding: every row's positions are 0 … length - 1 (no cumsum of the mask), or the family's
             positions = _shared("counting", gen.position_dtype, length)[:length, 0, 0][None]
-            if len(group) > 1:
+            if gen.position_axes:
+                positions = _prompt_positions(gen, [item for _, item, *_ in group], positions)
+            elif len(group) > 1:
                 positions = np.repeat(positions, len(group), axis=0)
             out, past = gen.step(embeds, _ones(gen, len(group), length), gen.empty_past(len(group)), positions)
             # rows whose logits are not finite, by the step's rule: argmax lands on a NaN or
@@ -546,6 +581,15 @@ def _prefill(gen: Generator, items: list[tuple[Any, BatchItem]],
             logits.append(out if len(group) == 1 else out[j:j + 1])
             pasts.append(own)
     return answers, logits, pasts
+
+
+def _prompt_positions(gen: Generator, items: list[BatchItem], counting: np.ndarray) -> np.ndarray:
+    """[axes, B, S] for prompts of one length: each row the family's (Prompt.position_ids), or
+    0 … S-1 on every axis for a prompt without."""
+    axes = gen.position_axes
+    rows = [item.positions if item.positions is not None else np.broadcast_to(counting, (axes, 1, counting.shape[1]))
+            for item in items]
+    return rows[0] if len(rows) == 1 else np.concatenate(rows, axis=1)
 
 
 def _ones(gen: Generator, rows: int, length: int) -> np.ndarray:

@@ -28,6 +28,7 @@ from edgemm.errors import EdgemmError, one_line
 from edgemm.files import load_yaml, read_regular_file
 from edgemm.loading import default_engines_dir
 from edgemm.model.manifest import COMPONENTS, ModelManifest, load_manifest
+from edgemm.model.manifest_types import AUTO, AUTO_ORDER
 from edgemm.runtime import default_model_dir
 from edgemm.telemetry import Sensors, read_text
 
@@ -259,15 +260,18 @@ def missing_engines(cfg: Config, model_dir: Path, model: ModelManifest | None, f
     lacks, with the command that builds the first of it; None when every listed gpu/dla
     device has its engines."""
     precision = cfg.model.precision
-    if precision == "fp32":
-        return (f"placement lists {', '.join(tensorrt_devices(cfg))} but model.precision is fp32: "
-                "TensorRT engines are int8 or fp16 (set model.precision)")
+    if precision not in (AUTO, *AUTO_ORDER["tensorrt"]):
+        return (f"placement lists {', '.join(tensorrt_devices(cfg))} but model.precision is {precision}: "
+                "TensorRT engines are int8 or fp16 (set model.precision: auto, int8 or fp16)")
+    # auto: an engine of either precision will do (the runtime takes int8, else fp16)
+    wanted = AUTO_ORDER["tensorrt"] if precision == AUTO else (precision,)
+    precision = wanted[0]  # the one a missing engine is built in
     tiers = list(model.tiers) if model else []
     lacking: list[tuple[str, str, str | None]] = []  # (component, device, tiers or None)
     for kind, devices in accelerators(cfg).items():
         for device in devices:
-            built = [e for e in entries if isinstance(e, dict) and (e.get("component"), e.get("device"),
-                                                                    e.get("precision")) == (kind, device, precision)]
+            built = [e for e in entries if isinstance(e, dict) and (e.get("component"), e.get("device")) == (kind, device)
+                     and e.get("precision") in wanted]
             if not built:
                 lacking.append((kind, device, None))
             elif device.startswith("dla") and not any(e.get("tier") is None for e in built):

@@ -21,6 +21,7 @@ from edgemm.backends.base import Component
 from edgemm.errors import ModelError
 from edgemm.generation_limits import check_generation  # the one place the limits live
 from edgemm.model.contract import decoder_layers
+from edgemm.model.family import GraphInputs
 
 TOKEN_EMBED_BYTES = 8 << 20  # Generator.embed_next's table: ~3600 tokens of a 576-wide fp32 embedding
 
@@ -111,8 +112,13 @@ class Generator:
     different request."""
 
     def __init__(self, encoder: Component, embed: Component, decoder: Component,
-                 max_context: int, stop_ids: set[int]):
+                 max_context: int, stop_ids: set[int], fed: GraphInputs | None = None):
+        """`fed`: what the model's family feeds beyond the contract (its GraphInputs)."""
         self.encoder, self.embed, self.decoder = encoder, embed, decoder
+        fed = fed or GraphInputs()
+        # M-RoPE families: position_ids [axes, B, S], each row's from its prompt (BatchItem)
+        self.position_axes = fed.position_axes
+        self._encoder_feeds = fed.encoder_feeds
         self.max_context = max_context
         self.stop_ids = stop_ids
         self.layers = decoder_layers(decoder)
@@ -143,6 +149,11 @@ class Generator:
         A tiled encoder takes the tiles flattened into its batch (image_features
         [B*T,n,D], as transformers.js exports SmolVLM) and, if it declares it, a
         pixel_attention_mask: all ones, since edgemm never pads a tile."""
+        if self._encoder_feeds is not None:  # the family lays out the inputs (Qwen2-VL: patches + grid)
+            feeds = self._encoder_feeds(pixel_values)
+            feeds = {name: value.astype(self.encoder.inputs[name].dtype, copy=False) for name, value in feeds.items()}
+            features = self.encoder.run(feeds)["image_features"]  # [B·N, D] or [B, N, D]
+            return features.reshape(pixel_values.shape[0], -1, features.shape[-1])
         feeds = {"pixel_values": pixel_values.astype(self.pixel_dtype, copy=False)}
         if self.pixel_mask_dtype is not None:
             mask_shape = pixel_values.shape[:-3] + pixel_values.shape[-2:]
@@ -184,13 +195,16 @@ class Generator:
     def step(self, embeds: np.ndarray, mask: np.ndarray, past: dict[str, np.ndarray],
              positions: np.ndarray | None = None) -> tuple[np.ndarray, dict]:
         """One decoder call: logits of the last position and the new cache.
-        `positions` defaults to cumsum(mask) - 1 for the new tokens."""
+        `positions` defaults to cumsum(mask) - 1 for the new tokens (on every axis, for a
+        graph with position_axes)."""
         if positions is None:
             positions = (np.cumsum(mask, axis=1) - 1)[:, -embeds.shape[1]:]
+            if self.position_axes:
+                positions = np.broadcast_to(positions, (self.position_axes, *positions.shape))
         feeds = self.step_feeds(past)
         feeds["inputs_embeds"] = embeds
         feeds["attention_mask"] = mask.astype(self.mask_dtype, copy=False)
-        feeds["position_ids"] = positions.astype(self.position_dtype, copy=False)
+        feeds["position_ids"] = np.ascontiguousarray(positions, self.position_dtype)
         out = self.decoder.run(feeds)
         present = {past: out[name] for past, name in zip(self.past_names, self.present_names)}
         return out["logits"][:, -1], present
@@ -210,7 +224,14 @@ class Generator:
         """step() for the decode loop: one dict serves every step of a batch and takes
         the new cache in place. `mask` and `positions` must be in the graph's types. Per
         token this saves two dicts and a few conversions; the loop's Python is most of
-        edgemm's own time in a request."""
+        edgemm's own time in a request.
+
+        The cache crosses steps without a copy: onnxruntime (1.19 on) hands each present
+        back as a numpy array over its own buffer, freshly allocated every run (so the
+        prefix cache's views of it stay valid), and takes it as the next past as it is.
+        IOBinding with the cache kept as OrtValues was measured against this and kept out:
+        it costs more Python per step and saves no copy (tools/bench_kv_binding.py,
+        docs/BENCHMARKS.md). Below 1.19 session.run copied every output."""
         feeds["inputs_embeds"], feeds["attention_mask"], feeds["position_ids"] = embeds, mask, positions
         out = self.decoder.run(feeds)
         for past, present in zip(self.past_names, self.present_names):
@@ -227,14 +248,17 @@ class Generator:
         return split, reuse.image_key + b"\0prefix\0" + input_ids[0, :split].astype(np.int64).tobytes()
 
     def from_stored_prefix(self, input_ids: np.ndarray, split: int, key: bytes | None, mask: np.ndarray,
-                           reuse: PrefixReuse | None) -> tuple[np.ndarray, dict] | None:
-        """Logits and cache from a stored prefix plus the rest of the prompt, if stored."""
+                           reuse: PrefixReuse | None,
+                           positions: np.ndarray | None = None) -> tuple[np.ndarray, dict] | None:
+        """Logits and cache from a stored prefix plus the rest of the prompt, if stored.
+        `positions`: the whole prompt's, if the family gives them (Prompt.position_ids)."""
         stored = reuse.store.get(key) if key is not None else None
         if stored is None:
             return None
         past = {name: np.ascontiguousarray(kv) for name, kv in zip(self.past_names, stored)}
         rest = self.embed.run({"input_ids": input_ids[:, split:]})["inputs_embeds"]
-        return self.step(rest.astype(self.embed_dtype, copy=False), mask, past)
+        return self.step(rest.astype(self.embed_dtype, copy=False), mask, past,
+                         positions[..., split:] if positions is not None else None)
 
     def store_prefix(self, past: dict[str, np.ndarray], split: int, key: bytes | None,
                      reuse: PrefixReuse | None) -> None:

@@ -21,7 +21,9 @@ from edgemm.config import Config, ConfigError
 from edgemm.errors import EdgemmError
 from edgemm.generate import Generator
 from edgemm.model.contract import check_component
+from edgemm.model.family import GraphInputs
 from edgemm.model.manifest import COMPONENTS, ModelManifest
+from edgemm.model.manifest_types import AUTO, AUTO_ORDER
 from edgemm.placement import Placement, place
 from edgemm.power import Route, reachable_devices
 
@@ -64,9 +66,13 @@ class ModelComponents:
     `concurrent`: the encoder and the decoder run at the same time (the pipeline of
     `serve` and `stream`); backend.intra_op_threads 0 then splits the cores between them."""
 
-    def __init__(self, config: Config, manifest: ModelManifest, stop_ids: set[int], concurrent: bool = False):
+    def __init__(self, config: Config, manifest: ModelManifest, stop_ids: set[int], concurrent: bool = False,
+                 fed: GraphInputs | None = None):
+        """`fed`: what the model's family feeds the graphs beyond the contract (its GraphInputs)."""
         self.config, self.manifest, self.stop_ids, self.concurrent = config, manifest, stop_ids, concurrent
-        self.precision = config.model.precision
+        self.fed = fed
+        self.precision = config.model.precision  # after loading: what the components run in (auto resolved)
+        self.precision_choices: dict[str, str] = {}  # component → why `auto` took its precision there
         self._ort: OnnxRuntimeBackend | None = None
         self._trt = None  # TensorRTBackend, made on the first gpu/dla placement
         self.placements: dict[str, Placement] = {}
@@ -83,7 +89,11 @@ class ModelComponents:
                                        extra={"missing_providers": missing,
                                               "placement": {k: p.to_dict() for k, p in self.placements.items()}})
         self.generator = Generator(self.loaded.vision_encoder, self.loaded.embed_tokens, self.loaded.decoder,
-                                   manifest.max_context, stop_ids)
+                                   manifest.max_context, stop_ids, fed)
+        if self.precision == AUTO:  # one name where the components agree, else each one's
+            chosen = {c.name: c.precision for c in self.loaded.all()}
+            self.precision = (next(iter(chosen.values())) if len(set(chosen.values())) == 1
+                              else "+".join(dict.fromkeys(chosen.values())))
         self._generators = {self.resolve(None): self.generator}  # (encoder, embed, decoder device) → Generator
 
     def _load_alternatives(self, kind: str, devices: list[str]) -> None:
@@ -104,14 +114,40 @@ class ModelComponents:
             placement.standby.append(device)
 
     def _load_on(self, kind: str, device: str) -> Component:
+        """One component on one device, in model.precision or, for `auto`, the fastest
+        variant present for that device's backend (AUTO_ORDER)."""
+        if self.precision != AUTO:
+            return self._load_precision(kind, device, self.precision)
+        if device == "cpu":  # onnxruntime: the first variant in the order whose graph is in the folder
+            order = AUTO_ORDER["onnxruntime"]
+            present = [p for p in order if self.manifest.has_graph(kind, p)]
+            precision = present[0] if present else "fp32"  # no fp32 graph either: graph_path's error
+            component = self._load_precision(kind, device, precision)
+            # the first device's choice is the one answers report (a standby's would overwrite it)
+            self.precision_choices.setdefault(kind, f"auto: {precision} on cpu, the fastest present for "
+                                                    f"onnxruntime ({' > '.join(order)}; present: {', '.join(present)})")
+            return component
+        order, failed = AUTO_ORDER["tensorrt"], []  # TensorRT: the first precision with an engine that loads
+        for precision in order:
+            try:
+                component = self._load_precision(kind, device, precision)
+            except EdgemmError as e:
+                failed.append(e)
+                continue
+            self.precision_choices.setdefault(kind, f"auto: {precision} on {device}, the fastest TensorRT "
+                                                    f"engine present ({' > '.join(order)})")
+            return component
+        raise failed[0]  # the int8 engine's reason (its rebuild command names the usual choice)
+
+    def _load_precision(self, kind: str, device: str, precision: str) -> Component:
         """One component on one device: onnxruntime for cpu, a TensorRT engine otherwise."""
         if device == "cpu":
-            path = self.manifest.graph_path(kind, self.precision)
-            component = self._onnxruntime().load(kind, path, self.precision)
+            path = self.manifest.graph_path(kind, precision)
+            component = self._onnxruntime().load(kind, path, precision)
         else:
             path = self.engines_dir
-            component = self._tensorrt().load_component(kind, device, self.precision)
-        check_component(kind, component, str(path))
+            component = self._tensorrt().load_component(kind, device, precision)
+        check_component(kind, component, str(path), self.fed)
         return component
 
     @property
@@ -148,7 +184,9 @@ class ModelComponents:
     def placement_report(self) -> dict[str, dict]:
         """component → {device, backend, provider, precision, skipped: [{device, reason}]}, for status."""
         return {c.name: {**self.placements[c.name].to_dict(), "device": c.device, "provider": c.provider,
-                         "precision": c.precision} for c in self.loaded.all()}
+                         "precision": c.precision,
+                         **({"precision_choice": self.precision_choices[c.name]}
+                            if c.name in self.precision_choices else {})} for c in self.loaded.all()}
 
     def backend_seconds(self) -> float:
         """Total time spent inside raw backend run calls so far (for overhead accounting)."""
@@ -173,5 +211,6 @@ class ModelComponents:
         generator = self._generators.get(devices)
         if generator is None:
             parts = [self.standby[kind][device] for kind, device in zip(COMPONENTS, devices)]
-            generator = self._generators[devices] = Generator(*parts, self.manifest.max_context, self.stop_ids)
+            generator = self._generators[devices] = Generator(*parts, self.manifest.max_context, self.stop_ids,
+                                                                             self.fed)
         return generator

@@ -130,8 +130,8 @@ class Registry:
 # ---- the daemon's metrics ------------------------------------------------------------------
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-ENDPOINTS = ("/v1/chat/completions", "/v1/infer", "/v1/models", "/v1/streams", "/v1/status", "/healthz", "/readyz",
-             "/metrics")
+ENDPOINTS = ("/v1/chat/completions", "/v1/infer", "/v1/models", "/v1/streams", "/v1/alerts", "/v1/status", "/healthz",
+             "/readyz", "/metrics")
 
 
 class ServiceMetrics:

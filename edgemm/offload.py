@@ -67,24 +67,25 @@ def read_api_key(cfg: OffloadConfig, environ: Mapping[str, str] = os.environ) ->
     return None
 
 
-def read_key_file(path: Path) -> str:
-    """The key in `path`, which must be a regular file no group or other user can access."""
+def read_key_file(path: Path, key_name: str = "offload.api_key_file") -> str:
+    """The key in `path`, which must be a regular file no group or other user can access.
+    `key_name` is the config key that named the file, for the messages (webhooks use this too)."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO must not block the start
     except OSError as e:
-        raise CredentialsError(f"offload.api_key_file: cannot open {path}: {e.strerror}") from None
+        raise CredentialsError(f"{key_name}: cannot open {path}: {e.strerror}") from None
     try:
         info = os.fstat(fd)  # the file opened, not whatever the path names by now
         if not stat.S_ISREG(info.st_mode):
-            raise CredentialsError(f"offload.api_key_file: {path} is not a regular file")
+            raise CredentialsError(f"{key_name}: {path} is not a regular file")
         if info.st_mode & 0o077:
-            raise CredentialsError(f"offload.api_key_file: refusing {path}: mode {stat.S_IMODE(info.st_mode):04o} "
+            raise CredentialsError(f"{key_name}: refusing {path}: mode {stat.S_IMODE(info.st_mode):04o} "
                                    f"lets group or others access it (chmod 600 {path})")
         key = os.read(fd, 64 * 1024).decode("utf-8", errors="replace").strip()
     finally:
         os.close(fd)
     if not key:
-        raise CredentialsError(f"offload.api_key_file: {path} is empty")
+        raise CredentialsError(f"{key_name}: {path} is empty")
     return key
 
 

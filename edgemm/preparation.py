@@ -164,8 +164,9 @@ class Preparation:
 
     def _read_only_prompt(self, prompt: str, tier: str, image_size: tuple[int, int]) -> Prompt:
         built = self.adapter.build_prompt(prompt, self.manifest.tiers[tier], image_size)
-        for array in (built.input_ids, built.image_positions):
-            array.flags.writeable = False
+        for array in (built.input_ids, built.image_positions, built.position_ids):
+            if array is not None:
+                array.flags.writeable = False
         return built
 
     def feature_key(self, pixel_values: np.ndarray, tier: str) -> bytes:

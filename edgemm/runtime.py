@@ -32,7 +32,7 @@ from edgemm.config import Config, ConfigError, load_config
 from edgemm.detokenize import TextCallback
 from edgemm.encoding import Encoding
 from edgemm.loading import ModelComponents, default_engines_dir, usable_cpus
-from edgemm.model.family import adapter_for
+from edgemm.model.family import adapter_for, graph_inputs
 from edgemm.model.manifest import ModelManifest, ResolutionTier, load_manifest
 from edgemm.opencv import cv2
 from edgemm.power import Route
@@ -69,10 +69,17 @@ class Runtime:
             cv2.setNumThreads(1)
         model_dir = Path(self.config.model.path) if self.config.model.path else default_model_dir()
         self.manifest: ModelManifest = load_manifest(model_dir)
-        self.precision = self.config.model.precision
         self.warmup_tiers = self._warmup_tiers()  # a tier the model lacks: exit 2 before any graph loads
         self.adapter = adapter_for(self.manifest)
-        self.models = ModelComponents(self.config, self.manifest, self.adapter.stop_ids, concurrent)
+        self.models = ModelComponents(self.config, self.manifest, self.adapter.stop_ids, concurrent,
+                                      graph_inputs(self.adapter))
+        self.precision = self.models.precision  # model.precision with `auto` resolved (e.g. q4)
+        if any(device.startswith("dla") for device in self.models.standby["vision_encoder"]):
+            # a DLA plan is static: a family whose image shapes vary within a tier (Qwen2-VL's grid)
+            # takes each tier's own shape instead, on every device, so that answers do not depend on it
+            static = getattr(self.adapter, "use_static_shapes", None)
+            if static is not None:
+                static()
         self.preparation = Preparation(self.config, self.manifest, self.adapter)
         self.encoding = Encoding(self.models, self.preparation, self.manifest)
         self.answering = Answering(self.models, self.encoding, self.adapter, self.manifest)

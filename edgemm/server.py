@@ -27,6 +27,7 @@ from starlette.routing import Route
 
 from edgemm.errors import EdgemmError
 from edgemm.generation_limits import LimitError, check_text
+from edgemm.liveview import live_view_routes
 from edgemm.metrics import CONTENT_TYPE, MeasuredApp
 from edgemm.openai_api import (DEFAULT_PROMPT, ApiError, completion, error_body, generation_options, load_image_url,
                                parse_chat_request, parse_json_body)
@@ -155,12 +156,18 @@ class Routes:
         async def events():
             try:
                 while (item := await queue.get()) is not END:
-                    event_id, record = item
-                    yield f"id: {event_id}\n" + sse(record)
+                    event_id, record, event = item  # event: None for a result, "alert" for an alert's change
+                    yield f"id: {event_id}\n" + (f"event: {event}\n" if event else "") + sse(record)
             finally:
                 stream.listeners.discard(queue)
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    async def list_alerts(self, http: HttpRequest) -> Response:
+        """Every stream's alerts (edgemm.alerts): state, and the frame and time it last changed."""
+        streams = list(self.service.streams.streams.values())
+        return JSONResponse({"object": "list", "data": [row for s in streams if s.alerts is not None
+                                                         for row in s.alerts.states()]})
 
     async def read_body(self, http: HttpRequest, admit: bool = True) -> bytes:
         """The body, at most server.max_body_bytes (else 413), within server.body_timeout_s of
@@ -299,11 +306,13 @@ def create_app(service: Service) -> MeasuredApp:
         Route("/v1/streams/{id}", api.get_stream, methods=["GET"]),
         Route("/v1/streams/{id}", api.delete_stream, methods=["DELETE"]),
         Route("/v1/streams/{id}/events", api.stream_events, methods=["GET"]),
+        Route("/v1/alerts", api.list_alerts, methods=["GET"]),
         Route("/v1/status", api.status, methods=["GET"]),
         Route("/healthz", api.healthz, methods=["GET"]),
         Route("/readyz", api.readyz, methods=["GET"]),
         Route("/metrics", api.metrics_text, methods=["GET"]),
     ]
+    routes += live_view_routes(service, api.read_json)  # GET /, /v1/events, frame.jpg, PATCH a stream
 
     async def on_error(http: HttpRequest, error: Exception) -> Response:
         status, kind, message = describe(error)

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from starlette.exceptions import HTTPException
 from starlette.requests import Request as HttpRequest
 
+from edgemm.alerts import alert_metrics
 from edgemm.answering import InferenceResult
 from edgemm.config import Config, ServerConfig
 from edgemm.errors import EdgemmError, internal_message
@@ -57,7 +58,8 @@ class Admission:
 
     def __init__(self, limit: int):
         self.limit = limit
-        self.count = 0
+        self.count = 0  # in flight now
+        self.admitted = 0  # ever, for tests and figures that wait for requests to be in
         self._lock = threading.Lock()  # released from pipeline threads too
 
     def enter(self, retry_after_s: int) -> "Ticket":
@@ -66,6 +68,7 @@ class Admission:
                 raise Overloaded(f"server busy: {self.limit} requests in flight (server.queue_size); "
                                  f"retry in {retry_after_s} s")
             self.count += 1
+            self.admitted += 1
         return Ticket(self)
 
     def leave(self) -> None:
@@ -146,6 +149,7 @@ class Service:
                                      route=self.router.local_route)
         self.draining = False
         self.metrics = ServiceMetrics(self)
+        alert_metrics(self.metrics.registry, self.streams.streams)
 
     def health(self) -> Health:
         """The pipeline's health (Pipeline.health with server.stall_s): /readyz, /healthz,
@@ -329,7 +333,9 @@ def components(runtime: Runtime) -> dict:
     the power policy can move the stage to (placement.keep_alternatives)."""
     return {c.name: {"device": c.device, "precision": c.precision, "provider": c.provider,
                      "standby": list(runtime.placements[c.name].standby),
-                     "skipped": runtime.placements[c.name].to_dict()["skipped"]}  # earlier devices, and why
+                     "skipped": runtime.placements[c.name].to_dict()["skipped"],  # earlier devices, and why
+                     **({"precision_choice": runtime.models.precision_choices[c.name]}  # precision auto: why
+                        if c.name in runtime.models.precision_choices else {})}
             for c in runtime.components.all()}
 
 

@@ -164,7 +164,8 @@ def open_source(uri: str, *, fps: float | None = None, width: int | None = None,
     if spec.kind == "synthetic":
         return SyntheticSource(uri, fps=_pick(opts, "fps", fps, 0.0), seed=opts.get("seed", 0),
                                count=opts.get("count"), size=opts.get("size", SYNTHETIC_SIZE),
-                               text_probability=opts.get("text", 0.5), max_pixels=max_pixels,
+                               text_probability=opts.get("text", 0.5), hold=opts.get("hold", 1),
+                               max_pixels=max_pixels,
                                max_synthetic_pixels=max_synthetic_pixels,
                                sleep=sleep, clock=clock)
     return ImageFilesSource(uri, spec.kind, spec.location, max_pixels=max_pixels)
@@ -218,6 +219,7 @@ _OPTIONS = {
     "count": _Option(int, minimum=0),
     "size": _Option(int, minimum=32),   # smaller scenes have no room for their shapes
     "text": _Option(float, minimum=0, maximum=1),
+    "hold": _Option(int, minimum=1, maximum=1_000_000),  # synthetic: frames each scene lasts
 }
 # The options each URI kind takes. For rtsp these are edgemm's own and are removed from
 # the URL handed to the camera; the camera's own query parameters pass through untouched.
@@ -225,7 +227,7 @@ _KIND_OPTIONS = {
     "csi": ("width", "height", "fps"),
     "v4l2": ("width", "height", "fps"),
     "rtsp": ("latency", "backend"),
-    "synthetic": ("fps", "seed", "count", "size", "text"),
+    "synthetic": ("fps", "seed", "count", "size", "text", "hold"),
 }
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$", re.DOTALL)
 _GLOB_CHARS = re.compile(r"[*?\[]")
@@ -772,6 +774,11 @@ class VideoFileSource(CaptureSource):
         self.path = path
         self._fps = 0.0
 
+    @property
+    def fps(self) -> float:
+        """The file's nominal frame rate, once open (0 when it does not say): `--view`'s output rate."""
+        return self._fps
+
     def _preflight(self) -> None:
         _require_regular_file(self.path)
 
@@ -887,16 +894,21 @@ class SyntheticSource(Source):
     Frame i is make_scene(seed + i), so a run is reproducible. With fps > 0 frames are
     released on a fixed schedule, like a camera: a fast reader waits, a slow one gets
     the next frame at once but never a burst to catch up. fps 0 is as fast as possible.
+    `hold` > 1: each scene lasts that many frames (frame i shows make_scene(seed + i // hold)),
+    with fresh sensor noise on each, like a camera watching a scene that changes now and
+    then (what alerts are for: a condition that holds for a while).
     """
+    HOLD_NOISE = 3  # ± grey levels of the noise a held scene gets per frame
 
     def __init__(self, uri: str = "synthetic://", *, fps: float = 0.0, seed: int = 0,
                  count: int | None = None, size: int = SYNTHETIC_SIZE, text_probability: float = 0.5,
-                 max_pixels: int = DEFAULT_MAX_PIXELS, max_synthetic_pixels: int = DEFAULT_MAX_SYNTHETIC_PIXELS,
+                 hold: int = 1, max_pixels: int = DEFAULT_MAX_PIXELS, max_synthetic_pixels: int = DEFAULT_MAX_SYNTHETIC_PIXELS,
                  sleep: Callable[[float], Any] | None = None, clock: Callable[[], float] = time.monotonic):
         _check_synthetic_size(uri, size, max_pixels, max_synthetic_pixels)
         super().__init__(uri, live=fps > 0, sleep=sleep)
         self.fps, self.seed, self.count = fps, seed, count
-        self.size, self.text_probability = size, text_probability
+        self.size, self.text_probability, self.hold = size, text_probability, hold
+        self._scene, self._scene_seed = None, None  # the scene being held, and the seed it was made from
         self._clock = clock
         self._due = 0.0
 
@@ -908,10 +920,17 @@ class SyntheticSource(Source):
             return None
         # Imported here: the inference path never loads the scene generator.
         from edgemm.scenes import make_scene
-        scene = make_scene(self.seed + self._next_index, size=self.size,
-                           text_probability=self.text_probability)
+        seed = self.seed + self._next_index // self.hold
+        if self._scene is None or self._scene_seed != seed:
+            self._scene = make_scene(seed, size=self.size, text_probability=self.text_probability)
+            self._scene_seed = seed
+        scene, image = self._scene, self._scene.image
+        if self.hold > 1:  # a held scene: the same content, not the same pixels
+            noise = np.random.default_rng(self._next_index).integers(-self.HOLD_NOISE, self.HOLD_NOISE + 1,
+                                                                      image.shape, dtype=np.int16)
+            image = np.clip(image + noise, 0, 255).astype(np.uint8)
         self._wait_until_due()
-        return self._frame(scene.image, truth=scene)
+        return self._frame(image, truth=scene)
 
     def _wait_until_due(self) -> None:
         if self.fps <= 0:

@@ -56,6 +56,12 @@ class StreamOptions:
     # so a removed stream whose last frames are still in flight can't push the total past what
     # the pipeline's inbox keeps for streams
     pool: threading.Semaphore | None = None
+    # edgemm.view's AnnotatedView (--view) or LatestFrame (the daemon's frame.jpg): given every
+    # answer, and (when its every_frame says so) every source frame, once, in source order
+    view: Any = None
+    # called with each frame that went into the pipeline (not a reused one), right after it:
+    # the daemon's alerts ask their questions about it (edgemm.alerts); must not wait
+    also_ask: Callable[[Frame], None] | None = None
 
     def share(self, live: bool) -> int:
         """Most frames of this stream in the pipeline at once."""
@@ -151,6 +157,12 @@ class _Taken:
     reused: bool = False
 
 
+@dataclass
+class _Passed:
+    """A frame the view is shown but the model is not (skipped by --every / --fps), in frame order."""
+    frame: Frame
+
+
 class FrameFilter:
     """--every N and --fps F: which source frames to process at all.
 
@@ -191,11 +203,15 @@ def run_stream(pipeline: Pipeline, source: Source, options: StreamOptions,
     pool = options.pool
     # in frame order: the frames in flight (at most the share) and the reused or failed ones
     # between them; when it is full the reader waits (files) or the slot drops (live)
-    pending: queue.Queue = queue.Queue(maxsize=share_size + PENDING_EXTRA)
+    view = options.view
+    every_frame = view is not None and view.every_frame
+    # a view of a file is shown the skipped frames in order too: room for those between answers
+    pending: queue.Queue = queue.Queue(maxsize=share_size * (options.every if every_frame else 1) + PENDING_EXTRA)
     slot = LatestSlot() if source.live else None
     frame_filter = FrameFilter(options.every, options.fps)
     taken = 0
     last: Future | None = None  # the last processed frame's answer: what a reused frame is given
+    last_prompt = options.prompt  # what `last` answered: a new prompt (PATCH) is never answered with it
     started = time.perf_counter()
 
     def take_share() -> None:
@@ -217,17 +233,18 @@ def run_stream(pipeline: Pipeline, source: Source, options: StreamOptions,
     def submit(frame: Frame) -> bool:
         """A frame holding a share: into the pipeline, or answered with the last processed
         frame's answer when the gate says it barely changed. False once max_frames were taken."""
-        nonlocal taken, last
+        nonlocal taken, last, last_prompt
         if options.max_frames is not None and taken >= options.max_frames:
             give_back()
             stop.set()
             return False
         taken += 1
         try:
-            if gate is not None and gate(frame.image) and last is not None:
+            prompt = options.prompt  # read once: the daemon may change it meanwhile
+            if gate is not None and gate(frame.image) and last is not None and last_prompt == prompt:
                 future, reused = last, True
             else:
-                request = Request(frame.image, options.prompt, dict(options.generation), tag=frame)
+                request = Request(frame.image, prompt, dict(options.generation), tag=frame)
                 if options.route is not None:
                     request.options["route"] = options.route()
                 # The shares keep the pipeline's inbox from filling, so this does not wait in
@@ -241,7 +258,9 @@ def run_stream(pipeline: Pipeline, source: Source, options: StreamOptions,
         else:
             future.add_done_callback(give_back)
             future.add_done_callback(forget_if_failed)
-            last = future
+            last, last_prompt = future, prompt
+            if options.also_ask is not None:
+                options.also_ask(frame)
         pending.put(_Taken(frame, future, reused))
         return True
 
@@ -257,8 +276,12 @@ def run_stream(pipeline: Pipeline, source: Source, options: StreamOptions,
                     continue
                 if frame is None:
                     break
+                if every_frame and slot is not None:
+                    view.frame(frame)  # live: shown as it comes, with the latest answer there is
                 if not frame_filter.keep(frame):
                     summary.skipped += 1
+                    if every_frame and slot is None:
+                        pending.put(_Passed(frame))
                 elif slot is not None:
                     slot.put(frame)
                 else:
@@ -307,8 +330,16 @@ def run_stream(pipeline: Pipeline, source: Source, options: StreamOptions,
                 summary.errors += 1
                 emit({"error": str(item)})
                 continue
+            if isinstance(item, _Passed):
+                view.frame(item.frame)
+                continue
             summary.dropped = slot.dropped if slot is not None else 0
-            emit(_answer(item, summary))
+            record = _answer(item, summary)
+            if view is not None:
+                view.answer(item.frame, record)
+                if every_frame and slot is None:
+                    view.frame(item.frame)
+            emit(record)
     finally:
         stop.set()
         source.close()  # wakes a reader waiting on a camera or a paced source

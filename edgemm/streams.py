@@ -10,7 +10,9 @@ out. Stopping a stream never closes the pipeline; its frames in flight are answe
 
 Its results go to whoever listens on /v1/streams/{id}/events, through a bounded buffer
 per listener: a listener that falls behind loses the oldest results (counted), never
-the daemon's memory.
+the daemon's memory. A stream's `alerts:` (edgemm.alerts) ask their own questions about
+its frames, in places of their own (ALERT_SHARE), and their state changes go to the same
+listeners as `event: alert` (and to their webhooks).
 
 A stream is "starting" until its source delivers its first frame, then "running". A
 source that fails to open or to deliver (a camera unplugged, a network camera down, a
@@ -31,15 +33,17 @@ import re
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from edgemm.alerts import ALERT_SHARE, StreamAlerts, check_webhooks, without_secrets
 from edgemm.backoff import Backoff
 from edgemm.config import ConfigError, LimitsConfig, StreamConfig, config_from_dict
 from edgemm.errors import EdgemmError, InputError
 from edgemm.pipeline import Pipeline
 from edgemm.sources import Source, SourceError, SourceUnusable, check_uri, open_source, parse_uri
 from edgemm.stream import StreamOptions, run_stream
+from edgemm.view import LatestFrame
 
 log = logging.getLogger("edgemm")
 
@@ -93,6 +97,24 @@ def stream_spec(data: object) -> StreamConfig:
         raise StreamSpecError(detail, named.group(1) if named else None) from None
 
 
+class AllStreamsListener(asyncio.Queue):
+    """One listener on every stream (GET /v1/events, the live view page's): the same queue sits
+    in each stream's listeners, so it is bounded, and loses its oldest results, like any other
+    listener. One stream's end is not its end: only close() is (the daemon drains)."""
+
+    def __init__(self):
+        super().__init__(EVENTS_BUFFER + 1)  # + room for END
+
+    def put_nowait(self, item) -> None:
+        if item is not END:
+            super().put_nowait(item)
+
+    def close(self) -> None:
+        if self.full():
+            self.get_nowait()
+        super().put_nowait(END)
+
+
 @dataclass
 class StreamFigures:
     state: str = "starting"  # starting | running | retrying | failed | ended | stopped
@@ -108,12 +130,18 @@ class StreamFigures:
 
 class ManagedStream:
     def __init__(self, spec: StreamConfig, pipeline: Pipeline, loop: asyncio.AbstractEventLoop,
-                 route: Callable[[], Any] | None = None, pool: threading.Semaphore | None = None):
+                 route: Callable[[], Any] | None = None, pool: threading.Semaphore | None = None,
+                 alert_pool: threading.Semaphore | None = None):
         self.spec, self.pipeline, self.loop, self.route = spec, pipeline, loop, route
         self.pool = pool  # the manager's: frames in flight of all streams together
         self.figures = StreamFigures()
+        self.latest = LatestFrame()  # the last answered frame, for GET /v1/streams/{id}/frame.jpg
+        self._options: StreamOptions | None = None  # the current run's: where a new prompt goes
         self.listeners: set[asyncio.Queue] = set()  # touched only from the event loop
-        self.lagged = 0  # results a slow listener missed
+        self.lagged = 0  # results (and alert events) a slow listener missed
+        self.alerts_lagged = 0  # ... of which alert events
+        self.alerts = StreamAlerts(spec.id, spec.alerts, spec.webhook, pipeline, self._post_alert, spec.tier, route,
+                                   alert_pool) if spec.alerts else None
         self.sent = 0  # results delivered: the SSE id of the last one
         self.finished = False  # END was delivered: the stream's thread is done
         self._stop = threading.Event()  # the stream is to stop for good
@@ -128,10 +156,17 @@ class ManagedStream:
         with self._lock:
             figures = asdict(self.figures)
         source = self._source
-        return {"id": self.spec.id, "object": "stream", **asdict(self.spec), **figures,
+        return {"id": self.spec.id, "object": "stream", **without_secrets(asdict(self.spec)), **figures,
                 # a live camera that stops delivering is first reopened by the source itself
                 "source_reconnects": source.stats.reconnects if source is not None else 0,
                 "listeners": len(self.listeners), "lagged": self.lagged}
+
+    def change_prompt(self, spec: StreamConfig) -> None:
+        """PATCH /v1/streams/{id}: frames submitted from now on are asked `spec.prompt`."""
+        self.spec = replace(self.spec, prompt=spec.prompt)
+        options = self._options
+        if options is not None:
+            options.prompt = spec.prompt  # read by the stream's feeding thread for each frame it submits
 
     def listen(self) -> asyncio.Queue:
         queue: asyncio.Queue = asyncio.Queue(EVENTS_BUFFER + 1)  # + room for END
@@ -140,16 +175,17 @@ class ManagedStream:
         self.listeners.add(queue)
         return queue
 
-    def _deliver(self, record: dict | None) -> None:
-        """To every listener: (the event's id, the result), or END."""
+    def _deliver(self, record: dict | None, event: str | None = None) -> None:
+        """To every listener: (the event's id, the result, its SSE event name: None, or "alert"), or END."""
         self.finished = self.finished or record is END
         if record is not END:
             self.sent += 1  # numbered in order, so a listener that lagged sees the gap
         for queue in self.listeners:
             if record is not END and queue.qsize() >= EVENTS_BUFFER:
-                queue.get_nowait()  # the oldest result makes room
+                _, _, lost = queue.get_nowait()  # the oldest event makes room
                 self.lagged += 1
-            queue.put_nowait(END if record is END else (self.sent, record))
+                self.alerts_lagged += lost == "alert"
+            queue.put_nowait(END if record is END else (self.sent, record, event))
 
     # -- from any thread --
 
@@ -188,6 +224,8 @@ class ManagedStream:
             self._stop.wait(delay)
         if self._stop.is_set():
             self._set(state="stopped")
+        if self.alerts is not None:
+            self.alerts.close()
         self._post(END)
 
     def _run_once(self) -> str | None:
@@ -206,7 +244,10 @@ class ManagedStream:
             options = StreamOptions(prompt=spec.prompt, every=spec.every, fps=spec.fps,
                                     change_threshold=spec.change_threshold, generation=generation,
                                     route=self.route, live_inflight=STREAM_SHARE, lossless_inflight=STREAM_SHARE,
-                                    pool=self.pool)
+                                    pool=self.pool, view=self.latest,
+                                    also_ask=self.alerts.ask if self.alerts is not None else None)
+            self._options = options
+            options.prompt = self.spec.prompt  # a prompt changed while the run was being set up
             run_stream(self.pipeline, self._source, options, lambda record: self._emit(record, failure), run_stop)
         except SourceUnusable:
             raise
@@ -244,6 +285,11 @@ class ManagedStream:
         with contextlib.suppress(RuntimeError):  # the loop is gone: the daemon is exiting
             self.loop.call_soon_threadsafe(self._deliver, record)
 
+    def _post_alert(self, event: dict) -> None:
+        """From the pipeline's decode thread: an alert changed state."""
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(self._deliver, event, "alert")
+
     def _set(self, **changes) -> None:
         with self._lock:
             for key, value in changes.items():
@@ -256,9 +302,19 @@ def _api_may_start(kind: str) -> None:
                               f"the API starts {', '.join(API_SOURCE_KINDS)} sources")
 
 
+def _api_may_use_tokens(spec: StreamConfig) -> None:
+    """A webhook's token names a variable or a file of the daemon's: only the config file may
+    (else a client could have the daemon send its secrets to a URL of the client's choosing)."""
+    hooks = [spec.webhook, *(alert.webhook for alert in spec.alerts.values())]
+    if any(h is not None and (h.token_env is not None or h.token_file is not None) for h in hooks):
+        raise StreamForbidden("a webhook's token_env or token_file can only be configured in the config file's "
+                              "streams: the API may give a webhook url only")
+
+
 def reserved_places(max_streams: int) -> int:
-    """Pipeline inbox places the daemon's streams may fill, beyond the API's queue_size."""
-    return max_streams * STREAM_SHARE
+    """Pipeline inbox places the daemon's streams may fill, beyond the API's queue_size:
+    each stream's frames and its alerts' questions."""
+    return max_streams * (STREAM_SHARE + ALERT_SHARE)
 
 
 def source_limits(limits: LimitsConfig) -> dict[str, int]:
@@ -293,9 +349,11 @@ class StreamManager:
         self.pipeline, self.specs, self.limit = pipeline, specs, limit
         for i, spec in enumerate(specs):
             self.check_settings(spec, f"config: streams[{i}] ({spec.id}): ")
-        self.pool = threading.BoundedSemaphore(reserved_places(limit))
+        self.pool = threading.BoundedSemaphore(limit * STREAM_SHARE)
+        self.alert_pool = threading.BoundedSemaphore(limit * ALERT_SHARE)  # the alerts' questions, likewise
         self.route = route  # the power policy's local placement, asked per frame (Router.local_route)
         self.streams: dict[str, ManagedStream] = {}
+        self.all_listeners: set[AllStreamsListener] = set()  # GET /v1/events
         self.loop: asyncio.AbstractEventLoop | None = None
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -311,6 +369,7 @@ class StreamManager:
         GStreamer's registry (a subprocess, once per element): call it off the event loop."""
         kind = self._kind(spec)
         _api_may_start(kind)  # before anything looks at the daemon's files
+        _api_may_use_tokens(spec)
         self.check_settings(spec)
         try:
             open_source(spec.source, **self.source_limits).check()
@@ -329,6 +388,14 @@ class StreamManager:
         if len(spec.prompt) > limit:
             raise StreamSpecError(f"{where}'prompt' is {len(spec.prompt)} characters, above the {limit} limit "
                                   "(limits.max_prompt_chars)", "prompt")
+        for name, alert in spec.alerts.items():
+            if len(alert.prompt) > limit:
+                raise StreamSpecError(f"{where}'alerts.{name}.prompt' is {len(alert.prompt)} characters, above the "
+                                      f"{limit} limit (limits.max_prompt_chars)", f"alerts.{name}.prompt")
+        try:  # a token's variable or file missing or unsafe: said now, not at the first event
+            check_webhooks(spec.alerts, spec.webhook, where)
+        except EdgemmError as e:
+            raise StreamSpecError(str(e), "webhook") from None
 
     def add(self, spec: StreamConfig, from_api: bool = False) -> ManagedStream:
         """Start a stream; from the API, `check(spec)` first."""
@@ -340,7 +407,9 @@ class StreamManager:
         kind = self._kind(spec)
         if from_api:
             _api_may_start(kind)
-        stream = ManagedStream(spec, self.pipeline, self.loop, self.route, self.pool)
+            _api_may_use_tokens(spec)
+        stream = ManagedStream(spec, self.pipeline, self.loop, self.route, self.pool, self.alert_pool)
+        stream.listeners.update(self.all_listeners)
         self.streams[spec.id] = stream
         stream.start()
         return stream
@@ -353,8 +422,30 @@ class StreamManager:
             raise StreamSpecError(str(e), "source") from None
 
     def listener_count(self) -> int:
-        """SSE listeners of every stream (server.max_stream_listeners bounds them)."""
-        return sum(len(s.listeners) for s in self.streams.values())
+        """SSE listeners of every stream, and of all streams at once, each counted once
+        (server.max_stream_listeners bounds them)."""
+        return len(self.all_listeners) + sum(len(s.listeners - self.all_listeners) for s in self.streams.values())
+
+    def listen_all(self) -> AllStreamsListener:
+        """A listener on every stream, those running and those added later (from the event loop)."""
+        listener = AllStreamsListener()
+        self.all_listeners.add(listener)
+        for stream in self.streams.values():
+            stream.listeners.add(listener)
+        return listener
+
+    def unlisten_all(self, listener: AllStreamsListener) -> None:
+        self.all_listeners.discard(listener)
+        for stream in self.streams.values():
+            stream.listeners.discard(listener)
+
+    def change_prompt(self, stream_id: str, prompt: object) -> ManagedStream:
+        """A running stream's new prompt, checked as POST /v1/streams checks it (400 if wrong)."""
+        stream = self.get(stream_id)
+        spec = stream_spec({**asdict(stream.spec), "prompt": prompt})
+        self.check_settings(spec)
+        stream.change_prompt(spec)
+        return stream
 
     def get(self, stream_id: str) -> ManagedStream:
         try:
@@ -371,6 +462,13 @@ class StreamManager:
     def stop_all(self) -> None:
         for stream in self.streams.values():
             stream.stop()
+        if self.loop is not None:  # the listeners on all streams end now: the daemon is draining
+            with contextlib.suppress(RuntimeError):
+                self.loop.call_soon_threadsafe(self._close_all_listeners)
+
+    def _close_all_listeners(self) -> None:
+        for listener in self.all_listeners:
+            listener.close()
 
     def join(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

@@ -35,7 +35,7 @@ def ground_truth(model_dir) -> dict:
 
 @pytest.fixture(scope="session")
 def runtime(model_dir) -> Runtime:
-    """The built-in model, fp32 on one CPU thread, loaded once for the whole session."""
+    """The built-in model as a user gets it (precision auto: its q4 on a CPU), on one CPU thread, loaded once."""
     return Runtime(load_config({"model": {"path": str(model_dir)},
                                 "backend": {"intra_op_threads": 1}}))
 

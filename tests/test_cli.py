@@ -38,13 +38,14 @@ def infer_json(*args, **kwargs) -> dict:
 def test_json_output(sample):
     out = infer_json(sample, "--prompt", COUNT_PROMPT)
     assert {"answer", "tier", "precision", "devices", "timings_ms", "tokens"} <= set(out)
-    assert out["tier"] == out["schedule"]["tier"] and out["precision"] == "fp32"
+    assert out["tier"] == out["schedule"]["tier"] and out["precision"] == "q4"  # auto: the shipped q4
+    assert out["precision_choice"]["decoder"].startswith("auto: q4 on cpu")
     assert out["devices"] == {"encode": "cpu", "decode": "cpu"}
     assert {"preprocess", "encode", "prefill", "decode", "total"} <= set(out["timings_ms"])
     assert isinstance(out["answer"], str) and all(isinstance(t, int) for t in out["tokens"])
 
 
-PROGRESS = re.compile(r"edgemm: loading tiny-vlm \(fp32\) … ready in \d+\.\d s\n")
+PROGRESS = re.compile(r"edgemm: loading tiny-vlm \(auto\) … ready in \d+\.\d s\n")
 
 
 def test_plain_output_is_one_line_with_the_answer(sample):

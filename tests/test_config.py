@@ -15,6 +15,7 @@ import yaml
 from edgemm.config import (
     MAX_CONFIG_BYTES, BackendConfig, CacheConfig, Config, ConfigError, GenerationConfig, LimitsConfig, ModelConfig,
     OffloadConfig, PlacementConfig, PowerConfig as PowerSection, SchedulerConfig, ServerConfig, StreamConfig,
+    AlertConfig, WebhookConfig,
     config_from_dict, config_to_dict, load_config,
 )
 
@@ -93,6 +94,30 @@ streams:
   change_threshold: 4.0
   tier: low
   max_new_tokens: 8
+  alerts:
+    open:
+      prompt: is the door open ?
+      every: 2
+      on_after: 3
+      off_after: 4
+      match: null
+      above: null
+      below: null
+      max_new_tokens: 4
+      webhook:
+        url: https://hooks.example/door
+        token_env: null
+        token_file: /etc/edgemm/hook-token
+        timeout_s: 2.0
+        retries: 1
+        backoff_s: 0.1
+  webhook:
+    url: http://10.0.0.9/alerts
+    token_env: EDGEMM_HOOK
+    token_file: null
+    timeout_s: 5.0
+    retries: 3
+    backoff_s: 0.5
 power:
   root: /srv/recording
   sample_period_s: 0.5
@@ -140,7 +165,7 @@ def error(data) -> str:
 
 def test_defaults_match_the_documented_schema():
     cfg = Config()
-    assert cfg.model == ModelConfig(path=None, precision="fp32")
+    assert cfg.model == ModelConfig(path=None, precision="auto")
     assert cfg.backend == BackendConfig(name="onnxruntime", providers=["cpu"], intra_op_threads=0, warmup="all")
     assert cfg.limits == LimitsConfig(max_pixels=25_000_000, max_image_bytes=50 * 1024 * 1024, max_prompt_chars=4000,
                                       max_decoded_bytes=144 << 20, decode_budget_bytes=160 << 20)
@@ -206,7 +231,13 @@ def test_full_yaml_file_loads_every_field(tmp_path):
                             image_dirs=["/srv/edgemm/images"], remote_images=True,
                             remote_timeout_s=2.0, max_streams=2, max_stream_listeners=5),
         streams=[StreamConfig(id="door", source="rtsp://10.0.0.5/stream", prompt="is the door open ?", fps=0.5,
-                              every=2, change_threshold=4.0, tier="low", max_new_tokens=8)],
+                              every=2, change_threshold=4.0, tier="low", max_new_tokens=8,
+                              alerts={"open": AlertConfig(prompt="is the door open ?", every=2, on_after=3, off_after=4,
+                                                          max_new_tokens=4, webhook=WebhookConfig(
+                                                              url="https://hooks.example/door",
+                                                              token_file="/etc/edgemm/hook-token", timeout_s=2.0,
+                                                              retries=1, backoff_s=0.1))},
+                              webhook=WebhookConfig(url="http://10.0.0.9/alerts", token_env="EDGEMM_HOOK"))],
         power=PowerSection(root="/srv/recording", sample_period_s=0.5, history=10, budget_w=15.0, throttle_c=80.0,
                           critical_c=90.0, slo_ms=250.0, hysteresis_c=3.0, hysteresis_pct=5.0, nvpmodel_query=True),
         offload=OffloadConfig(enabled=True, url="https://llm.example/v1", model="big-vlm", api_key_env="EDGEMM_KEY",
@@ -357,7 +388,7 @@ def test_null_allowed_only_for_optional_fields():
 # ---- ranges and choices ---------------------------------------------------------------
 
 @pytest.mark.parametrize("data, expected", [
-    ({"model": {"precision": "int4"}}, "config: 'model.precision' must be one of fp32, int8, fp16, got 'int4'"),
+    ({"model": {"precision": "int4"}}, "config: 'model.precision' must be one of auto, fp32, fp16, int8, q4, q4f16, quantized, uint8, bnb4, got 'int4'"),
     ({"model": {"path": ""}}, "config: 'model.path' must be a folder or null, got ''"),
     ({"backend": {"name": "tflite"}}, "config: 'backend.name' must be one of onnxruntime, got 'tflite'"),
     ({"server": {"encoder_batching": "sometimes"}},

@@ -338,3 +338,22 @@ def test_fp16_io_makes_every_fp32_input_and_output_fp16_and_keeps_the_names(tmp_
     assert len(ours) == 5
     for mine, reference in zip(ours, theirs):  # the same graph in FP32 inside, rounded to FP16 at the edges
         assert mine.dtype == np.float16 and np.array_equal(mine, reference.astype(np.float16))
+
+
+QWEN2_VL = ROOT / "tests" / "fixtures" / "qwen2-vl-tiny"
+
+
+def test_qwen2_vl_profiles_are_patches_with_their_grid_and_3d_positions():
+    """GPU: flattened patches from one image token to max_batch images at the top budget, the grid
+    one row per image; the decoder's position_ids [3, B, S]. DLA: one static plan per pixel budget,
+    one image at the tier's square grid."""
+    vision, _, decoder = jobs(QWEN2_VL, max_batch=2, max_beams=4)
+    assert vision.profiles == [{"pixel_values": {"min": [4, 1176], "opt": [256, 1176], "max": [512, 1176]},
+                                "grid_thw": {"min": [1, 3], "opt": [1, 3], "max": [2, 3]}}]
+    prefill, decode = decoder.profiles
+    assert prefill["position_ids"] == {"min": [3, 1, 1], "opt": [3, 1, 64], "max": [3, 4, 1024]}
+    assert decode["position_ids"] == {"min": [3, 1, 1], "opt": [3, 1, 1], "max": [3, 4, 1023]}
+    dla = jobs(QWEN2_VL, device="dla0")
+    assert [(j.tier, j.profiles[0]["pixel_values"]["max"]) for j in dla] == [
+        ("16x28x28", [64, 1176]), ("32x28x28", [100, 1176]), ("64x28x28", [256, 1176])]
+    assert all(j.profiles[0]["grid_thw"] == {k: [1, 3] for k in ("min", "opt", "max")} for j in dla)

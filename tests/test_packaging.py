@@ -70,6 +70,10 @@ def test_a_wheel_installed_outside_the_clone_answers(tmp_path, ground_truth):
                            capture_output=True, text=True, cwd=tmp_path, env=clean_env(), timeout=60)
     assert where.returncode == 0, where.stderr
     assert Path(where.stdout.strip()).is_relative_to(site), where.stdout  # not the clone's copy
+    # the live view's page is package data too (GET / reads it from the installed package)
+    page = subprocess.run([str(python), "-c", "from edgemm.liveview import page; print(page()[:15].decode())"],
+                          capture_output=True, text=True, cwd=tmp_path, env=clean_env(), timeout=60)
+    assert page.returncode == 0 and page.stdout.strip() == "<!doctype html>", page.stderr
 
     name, entry = next((n, e) for n, e in ground_truth.items()
                        if any(q["prompt"] == COUNT_PROMPT for q in e["questions"]))

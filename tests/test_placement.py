@@ -115,7 +115,9 @@ def test_default_runtime_is_onnxruntime_cpu_with_no_fallbacks(runtime):
     assert runtime.devices == {"vision_encoder": "cpu", "embed_tokens": "cpu", "decoder": "cpu"}
     report = runtime.placement_report()
     assert report["decoder"] == {"device": "cpu", "backend": "onnxruntime", "skipped": [], "standby": [],
-                                 "provider": "CPUExecutionProvider", "precision": "fp32"}
+                                 "provider": "CPUExecutionProvider", "precision": "q4",
+                                 "precision_choice": "auto: q4 on cpu, the fastest present for onnxruntime "
+                                                     "(q4 > fp32; present: q4, fp32)"}
 
 
 @pytest.mark.skipif(HAVE_TENSORRT, reason="checks the fallback where TensorRT is absent")
@@ -160,7 +162,9 @@ def fake_runtime(monkeypatch, make_runtime, fake_class=None, **placement):
 def test_fallback_order_with_a_backend_that_fails_to_load(monkeypatch, make_runtime, model_dir, runtime):
     rt, fakes = fake_runtime(monkeypatch, make_runtime, vision_encoder=["dla0", "gpu", "cpu"],
                              decoder=["gpu", "cpu"])
-    assert fakes[0].calls == [("vision_encoder", "dla0"), ("vision_encoder", "gpu"), ("decoder", "gpu")]
+    # precision auto: a device without an int8 engine is asked for an fp16 one before the next device
+    assert fakes[0].calls == [("vision_encoder", "dla0"), ("vision_encoder", "dla0"), ("vision_encoder", "gpu"),
+                              ("decoder", "gpu")]
     assert rt.devices == {"vision_encoder": "gpu", "embed_tokens": "cpu", "decoder": "gpu"}
     report = rt.placement_report()
     assert report["vision_encoder"]["skipped"] == [{"device": "dla0",

@@ -37,7 +37,7 @@ def test_infer_returns_a_complete_result(runtime, sample, top_tier):
     result = runtime.infer(sample, PROMPT, tier=top_tier)
     assert isinstance(result, InferenceResult)
     assert result.tier == top_tier == runtime.manifest.default_tier
-    assert result.precision == "fp32" and result.model == "tiny-vlm"
+    assert result.precision == "q4" and result.model == "tiny-vlm"  # auto: the shipped q4 on a CPU
     assert result.devices == {"encode": "cpu", "decode": "cpu"}
     assert {"preprocess", "encode", "prefill", "decode", "total"} <= set(result.timings_ms)
     assert all(isinstance(v, float) for v in result.timings_ms.values())

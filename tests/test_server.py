@@ -168,7 +168,7 @@ def test_openai_client_plain_completion(client, sample):
     extras = answer.model_dump()["edgemm"]
     # the built-in model ships its calibration, so the scheduler's default policy is calibrated
     assert extras["tier"] == extras["schedule"]["tier"] and extras["schedule"]["policy"] == "calibrated"
-    assert extras["precision"] == "fp32"
+    assert extras["precision"] == "q4"  # auto: the built-in model's q4 on a CPU
     assert {"preprocess", "encode", "prefill", "decode", "total"} <= set(extras["timings_ms"])
 
 
@@ -910,7 +910,7 @@ def test_serve_without_a_socket_configured_uses_xdg_runtime_dir(folder, sample):
     try:
         path = str(folder / "edgemm.sock")
         read_until(proc, rf"edgemm: info: listening on {re.escape(path)}$")
-        read_until(proc, r"edgemm: info: ready in \d+\.\d s: tiny-vlm \(fp32\) on ")
+        read_until(proc, r"edgemm: info: ready in \d+\.\d s: tiny-vlm \(q4\) on ")
         with raw_client(path) as http:
             assert http.get("/readyz").status_code == 200
             assert http.post("/v1/infer", params={"max_tokens": 1}, content=sample.read_bytes()).status_code == 200

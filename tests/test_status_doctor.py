@@ -90,7 +90,7 @@ def test_status_asks_the_running_daemon(runtime, tmp_path):
         assert report["scheduler"] == {"policy": "calibrated", "reason": "scheduler.policy auto: model tiny-vlm "
                                                                           "ships its calibration (scheduler.yaml)"}
         text = CliRunner().invoke(main, ["status", "--socket", sock_path(daemon)]).output
-        assert "serving tiny-vlm (fp32)" in text and "queue       0 in flight of 8" in text
+        assert "serving tiny-vlm (q4)" in text and "queue       0 in flight of 8" in text
         assert report["queue"]["continuous_batching"] == "auto"
         decoder = report["queue"]["decoder_batch"]
         assert f"decoder up to {decoder} requests, continuous_batching auto" in text

@@ -24,7 +24,7 @@ from edgemm.engines.cuda import CudaError, load_cuda
 from edgemm.engines.manifest import read_manifest
 import edgemm.engines.build
 from edgemm.engines.platform import probe
-from edgemm.errors import EngineError
+from edgemm.errors import BackendError, EngineError
 from edgemm.model.manifest import load_manifest
 from edgemm.runtime import Runtime
 from fake_cuda import CUresult
@@ -537,3 +537,53 @@ def test_hil_check_compares_zero_copy_and_device_memory_for_the_kv_tensors(monke
     assert kv["past"] == 128 and set(kv["median_ms"]) == {"zero_copy", "device"}
     assert kv["faster"] in ("zero_copy", "device")
     assert fakes.memory.allocations["device"] > 0  # the device-memory way really ran with device buffers
+
+
+# ---- Qwen2-VL: flattened patches with their grid, [3, B, S] positions ---------------------------------
+
+QWEN2_VL_DIR = h.IDEFICS3_DIR.parent / "qwen2-vl-tiny"
+
+
+def test_qwen2_vl_engines_take_the_grid_and_3d_positions(monkeypatch, tmp_path):
+    """GPU plans of all three graphs from their profiles (patches × 1176 and the grid; positions
+    [3, B, S]) answer what ONNX Runtime does, for two grids of the same patch count."""
+    fakes = h.install(monkeypatch, "10.3.0")
+    h.build(tmp_path, model_dir=QWEN2_VL_DIR)
+    encoder_profile, = fakes.trt._built[0]["profiles"]
+    assert set(encoder_profile) == {"pixel_values", "grid_thw"}
+    assert fakes.trt._built[2]["profiles"][1]["position_ids"][2][0] == 3  # (min, opt, max): max
+    ours = h.runtime(tmp_path, model_dir=QWEN2_VL_DIR, vision_encoder=["gpu"], embed_tokens=["gpu"],
+                     decoder=["gpu"])
+    assert ours.devices == {"vision_encoder": "gpu", "embed_tokens": "gpu", "decoder": "gpu"}
+    reference = Runtime(load_config({"model": {"path": str(QWEN2_VL_DIR), "precision": "int8"},
+                                     "backend": {"warmup": False, "intra_op_threads": 1}, "cache": {"max_bytes": 0}}))
+    for image in ("wide.png", "tall.png"):  # grids 8x26 and 26x8
+        got = ours.infer(QWEN2_VL_DIR / image, "What is in the image?", max_new_tokens=6)
+        assert got.tokens == reference.infer(QWEN2_VL_DIR / image, "What is in the image?", max_new_tokens=6).tokens
+        assert got.image_tokens == 52
+
+
+def test_qwen2_vl_dla_plans_are_one_static_grid_per_tier(monkeypatch, tmp_path):
+    """A DLA plan per pixel budget, at the tier's square grid: an image of that grid runs on it
+    as on ONNX Runtime; an image of another grid is refused by name, not run wrong."""
+    fakes = h.install(monkeypatch, "11.4.1")
+    h.build(tmp_path, "dla0", model_dir=QWEN2_VL_DIR)
+    shapes = [p["profiles"][0]["pixel_values"][2] for p in fakes.trt._built]
+    assert shapes == [[64, 1176], [100, 1176], [256, 1176]]  # 16, 32 (a 5x5 square of units), 64 tokens
+    ours = h.runtime(tmp_path, model_dir=QWEN2_VL_DIR, vision_encoder=["dla0"], embed_tokens=["cpu"],
+                     decoder=["cpu"])
+    reference = Runtime(load_config({"model": {"path": str(QWEN2_VL_DIR), "precision": "int8"},
+                                     "backend": {"warmup": False, "intra_op_threads": 1}}))
+    for tier in ours.manifest.tiers.values():
+        square = np.full((tier.height, tier.width, 3), 90, np.uint8)
+        pixels, _ = reference.preprocess(square, tier.name)
+        # 11.4.1's DLA plan has FP16 pixels and features; the grid stays int64
+        assert np.array_equal(ours.generator.encode(pixels), fp16_edges(pixels, reference.generator.encode))
+    wide, _ = reference.preprocess(QWEN2_VL_DIR / "wide.png", "16x28x28")  # a 4x12 grid, not the tier's 8x8
+    with pytest.raises(BackendError, match=r"no engine accepts input shapes \{'pixel_values': \(48, 1176\), "
+                                           r"'grid_thw': \(1, 3\)\}"):
+        ours.generator.encode(wide)
+    # so a runtime with its encoder on a DLA takes every image at its tier's square grid
+    for tier in ours.manifest.tiers.values():
+        answer = ours.infer(QWEN2_VL_DIR / "wide.png", "What is in the image?", tier=tier.name, max_new_tokens=3)
+        assert answer.image_tokens == (tier.height // 28) ** 2 and answer.devices["encode"] == "dla0"

@@ -2,6 +2,7 @@
 """Real size, side by side: edgemm, a raw onnxruntime loop and transformers + torch on one model.
 
     python tools/bench_realsize.py [--shape smolvlm-256m | --model DIR] [--warm 10] [--cold 3] [--threads 2]
+                                   [--precisions fp32,q4,quantized] [--candidates edgemm,raw]
     python tools/bench_realsize.py --cold-only --cold 8      # `edgemm infer` against the raw loop, cold
 
 The model is a random-weight model of a real shape (tools/make_sized_model.py, built first
@@ -25,8 +26,9 @@ request, in a rotating order, so all see the same machine load. Peak RSS is each
 VmHWM. Cold: a fresh process per answer (wall time from spawn to exit, ru_maxrss), the
 candidates again in turn. Every candidate's tokens are checked against transformers' own
 answer recorded at build time (reference.json); quantized variants present in the folder
-(onnx/*_int8.onnx, *_fp16.onnx) are run by edgemm and the raw loop, and their agreement
-with fp32 is reported instead.
+(onnx/*_q4.onnx, *_quantized.onnx, *_int8.onnx, …; or those --precisions names) are run by
+edgemm and the raw loop, and their agreement with fp32 is reported instead. --candidates
+narrows the warm candidates (fewer processes held at once); --cold 0 skips the cold starts.
 
 Time to first token is prepare + encode + prefill; decode tokens/s counts the tokens
 after the first over the time after it. Paste the Markdown into docs/BENCHMARKS.md.
@@ -269,8 +271,13 @@ def summary(values: list[float], digits: int = 1) -> dict:
 def bench(args) -> dict:
     reference = json.loads((args.model / "reference.json").read_text())
     from edgemm.model.manifest import load_manifest
-    precisions = load_manifest(args.model).precisions
-    specs = [f"{name}:{p}" for p in precisions for name in ("edgemm", "raw")] + ["transformers:fp32"]
+    present = load_manifest(args.model).precisions
+    precisions = args.precisions.split(",") if args.precisions else present
+    if missing := [p for p in precisions if p not in present]:
+        raise SystemExit(f"--precisions {','.join(missing)}: not in {args.model} (present: {', '.join(present)})")
+    candidates = args.candidates.split(",")
+    specs = [f"{name}:{p}" for p in precisions for name in ("edgemm", "raw") if name in candidates]
+    specs += ["transformers:fp32"] if "transformers" in candidates else []
     scratch = Path(tempfile.mkdtemp(prefix="bench-realsize-"))
     inputs = scratch / "raw_inputs.npz"
     raw_inputs(args.model, inputs)
@@ -279,7 +286,7 @@ def bench(args) -> dict:
     env = {**os.environ, "BENCH_REALSIZE_INPUTS": str(inputs), "OMP_NUM_THREADS": str(args.threads)}
 
     # cold first, while no warm worker holds memory the machine may need
-    cold_specs = ["edgemm-cli", "raw:fp32"] if args.cold_only else \
+    cold_specs = [] if not args.cold else ["edgemm-cli", "raw:fp32"] if args.cold_only else \
         ["edgemm-cli", "edgemm-cli no-warm-up", "raw:fp32", "transformers:fp32"]
     cold: dict[str, dict] = {s: {"wall_s": [], "rss_mb": [], "tokens": None} for s in cold_specs}
     for round_ in range(args.cold):
@@ -315,6 +322,9 @@ def bench(args) -> dict:
         r["tokens_equal_transformers_reference"] = r["tokens"] == expected
         if precision != "fp32":
             r["agreement_with_fp32"] = sum(a == b for a, b in zip(r["tokens"], expected)) / max(len(expected), 1)
+            # greedy decoding: after the first token that differs, the rest follow another path
+            r["leading_tokens_equal_fp32"] = next((i for i, (a, b) in enumerate(zip(r["tokens"], expected)) if a != b),
+                                                  min(len(r["tokens"]), len(expected)))
     for r in cold.values():
         r["wall_s"], r["rss_mb"] = summary(r["wall_s"], 2), summary(r["rss_mb"], 0)
     return {"model": str(args.model), "shape": json.loads((args.model / "build.json").read_text())["shape"],
@@ -341,7 +351,7 @@ def cold_markdown(r: dict) -> str:
 
 
 def markdown(r: dict) -> str:
-    raw = r["warm"]["raw:fp32"]["e2e_ms"]["median"]
+    raw = r["warm"]["raw:fp32"]["e2e_ms"]["median"] if "raw:fp32" in r["warm"] else float("nan")
     cold_of = {"edgemm:fp32": "edgemm-cli", "raw:fp32": "raw:fp32", "transformers:fp32": "transformers:fp32"}
     names = {"edgemm": "edgemm `Runtime.infer`", "raw": "raw onnxruntime loop", "transformers": "transformers + torch"}
     rows = ["| candidate | warm end-to-end | vs raw | time to first token | decode tokens/s | peak RSS (warm) "
@@ -352,11 +362,13 @@ def markdown(r: dict) -> str:
         c = r["cold"].get(cold_of.get(spec, ""))
         cold_text = (spread(c["wall_s"], "s"), f"{c['rss_mb']['max']:.0f} MB") if c else ("–", "–")
         exact = "yes" if w["tokens_equal_transformers_reference"] else \
-            f"no ({100 * w.get('agreement_with_fp32', 0):.0f} % agree)"
+            f"no ({100 * w.get('agreement_with_fp32', 0):.0f} % agree, first {w.get('leading_tokens_equal_fp32', 0)} equal)"
         rows.append(f"| {names[name]}, {precision} | {spread(w['e2e_ms'], 'ms')} | {w['e2e_ms']['median'] / raw:.3f}× "
                     f"| {spread(w['ttft_ms'], 'ms')} | {spread(w['decode_tokens_per_s'], 'tok/s')} | {w['peak_rss_mb']} MB "
                     f"| {cold_text[0]} | {cold_text[1]} | {exact} |")
-    c = r["cold"]["edgemm-cli no-warm-up"]
+    c = r["cold"].get("edgemm-cli no-warm-up")
+    if c is None:
+        return "\n".join(rows)
     rows.append(f"| `edgemm infer` with `backend.warmup: false`, fp32 | – | – | – | – | – "
                 f"| {spread(c['wall_s'], 's')} | {c['rss_mb']['max']:.0f} MB "
                 f"| {'yes' if c['tokens_equal_transformers_reference'] else 'no'} |")
@@ -373,6 +385,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32, help="new tokens at most")
     ap.add_argument("--cold-only", action="store_true",
                     help="cold starts of `edgemm infer` and the raw loop only (more rounds in the same time)")
+    ap.add_argument("--precisions", help="comma-separated variants to run (default: every one in the folder)")
+    ap.add_argument("--candidates", default="edgemm,raw,transformers",
+                    help="warm candidates, comma-separated (transformers runs fp32 only)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--once", help=argparse.SUPPRESS)
     args = ap.parse_args()

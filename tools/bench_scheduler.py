@@ -12,6 +12,16 @@
              then many distinct images through Runtime.encode: the byte bound holds
   beams      greedy vs gated (3 beams, gate 0.85) vs full beams (gate 1) on the same
              encoded scenes: accuracy and decode time (prefill + decode)
+
+A pixel-budget family (Qwen2-VL: tiers are budgets, the tokens follow each image's shape)
+has a mode of its own, run directly:
+
+    python tools/bench_scheduler.py budgets --model tests/fixtures/qwen2-vl-tiny [--frames 120]
+
+  budgets    a mixed set of frames (scenes with and without text, flat frames, wide, tall
+             and square, all larger than the top budget) and two questions (one asking to
+             read): the image tokens per frame the thresholds scheduler chooses vs always the
+             top budget, and the encoder time of both, measured interleaved frame by frame
 """
 from __future__ import annotations
 
@@ -28,6 +38,9 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from calibrate_scheduler import Table, measure, mixed_questions  # noqa: E402
+
+import argparse  # noqa: E402
+import json  # noqa: E402
 
 from edgemm.config import Config, load_config  # noqa: E402
 from edgemm.decode import BatchItem, generate  # noqa: E402
@@ -224,3 +237,91 @@ def scheduler_markdown(r: dict) -> str:
     for mode, m in beams["modes"].items():
         lines.append(f"| {mode} | {m['accuracy']} | {m['decode_ms_mean']} | {m['vs_greedy']}× | {m['decoder_rows_mean']} |")
     return "\n".join(lines)
+
+
+# ---- pixel budgets (Qwen2-VL) --------------------------------------------------------------------
+
+BUDGET_PROMPTS = ("What is in the image?", "Read the text in the image.")  # the second asks for detail
+BUDGET_SIZES = ((360, 640), (640, 360), (512, 512))  # (h, w): wide, tall, square
+
+
+def budget_frames(n: int) -> list[tuple[str, np.ndarray]]:
+    """(kind, RGB frame): generated scenes with and without text and flat frames (a wall, the
+    sky), each resized to a wide, tall or square frame larger than the top budget."""
+    frames = []
+    for i in range(n):
+        kind = ("scene with text", "scene", "flat")[i % 3]
+        if kind == "flat":
+            rng = np.random.default_rng(EVAL_SEED_BASE + i)
+            image = np.clip(rng.normal(rng.integers(40, 215), 2.0, (256, 256, 3)), 0, 255).astype(np.uint8)
+        else:
+            image = make_scene(EVAL_SEED_BASE + i, text_probability=1.0 if kind == "scene with text" else 0.0).image
+        h, w = BUDGET_SIZES[(i // 3) % len(BUDGET_SIZES)]
+        frames.append((kind, cv2.resize(image, (w, h), interpolation=cv2.INTER_LINEAR)))
+    return frames
+
+
+def bench_budgets(model: Path, n: int, threads: int) -> dict:
+    sections = {"model": {"path": str(model)}, "backend": {"intra_op_threads": threads, "warmup": False},
+                "cache": {"max_bytes": 0}}
+    chosen_rt = Runtime(load_config({**sections, "scheduler": {"policy": "thresholds"}}))
+    top_rt = Runtime(load_config({**sections, "scheduler": {"policy": "top"}}))
+    top = list(chosen_rt.manifest.tiers)[-1]
+    rows = []
+    for i, (kind, frame) in enumerate(tqdm(budget_frames(n), desc="budgets", file=sys.stderr)):
+        prompt = BUDGET_PROMPTS[(i // 3) % 2]
+        picked, always = chosen_rt.prepare(frame, prompt), top_rt.prepare(frame, prompt)
+        assert always.tier.name == top
+        times: dict[str, list[float]] = {"chosen": [], "top": []}
+        for _ in range(4):  # interleaved; the first round only warms the shape up (onnxruntime allocates)
+            for name, request in (("chosen", picked), ("top", always)) if i % 2 else (("top", always), ("chosen", picked)):
+                started = time.perf_counter()
+                chosen_rt.encode(request.pixel_values)  # one encoder for both: only the pixels differ
+                times[name].append((time.perf_counter() - started) * 1e3)
+        times = {name: min(ms[1:]) for name, ms in times.items()}
+        rows.append({"kind": kind, "tier": picked.tier.name, "tokens": picked.prompt.image_tokens,
+                     "top_tokens": always.prompt.image_tokens, "ms": times["chosen"], "top_ms": times["top"]})
+    tokens, top_tokens = [r["tokens"] for r in rows], [r["top_tokens"] for r in rows]
+    ratios = [r["ms"] / r["top_ms"] for r in rows]
+    by_kind = {kind: {"tokens_mean": round(statistics.mean(r["tokens"] for r in rows if r["kind"] == kind), 1),
+                      "top_tokens_mean": round(statistics.mean(r["top_tokens"] for r in rows if r["kind"] == kind), 1)}
+               for kind in dict.fromkeys(r["kind"] for r in rows)}
+    return {"model": chosen_rt.manifest.name, "frames": len(rows), "tiers": list(chosen_rt.manifest.tiers),
+            "policy": chosen_rt.scheduler.name, "tokens_mean": round(statistics.mean(tokens), 1),
+            "top_tokens_mean": round(statistics.mean(top_tokens), 1),
+            "token_ratio": round(sum(tokens) / sum(top_tokens), 3),
+            "encoder_ms_ratio_median": round(statistics.median(ratios), 3),
+            "encoder_ms_total_ratio": round(sum(r["ms"] for r in rows) / sum(r["top_ms"] for r in rows), 3),
+            "encoder_ms_ratio_range": [round(min(ratios), 3), round(max(ratios), 3)],
+            "encoder_ms_median": round(statistics.median(r["ms"] for r in rows), 3),
+            "top_encoder_ms_median": round(statistics.median(r["top_ms"] for r in rows), 3),
+            "tiers_chosen": dict(Counter(r["tier"] for r in rows)), "by_kind": by_kind}
+
+
+def budgets_markdown(r: dict) -> str:
+    lines = [f"{r['frames']} frames, model {r['model']} (tiers {', '.join(r['tiers'])}), policy {r['policy']}", "",
+             "| frames | image tokens / frame, scheduler | always the top budget |", "|---|---|---|"]
+    lines += [f"| {kind} | {v['tokens_mean']} | {v['top_tokens_mean']} |" for kind, v in r["by_kind"].items()]
+    lines += [f"| all | {r['tokens_mean']} | {r['top_tokens_mean']} |", "",
+              f"tokens chosen / top: {r['token_ratio']}; encoder time chosen / top per frame: median "
+              f"{r['encoder_ms_ratio_median']} (min–max {r['encoder_ms_ratio_range'][0]}–{r['encoder_ms_ratio_range'][1]}), "
+              f"in total {r['encoder_ms_total_ratio']}; "
+              f"tiers chosen: {r['tiers_chosen']}"]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="The scheduler on a pixel-budget family (see the module docstring).")
+    ap.add_argument("mode", choices=["budgets"])
+    ap.add_argument("--model", type=Path, required=True, help="a pixel-budget model folder (Qwen2-VL)")
+    ap.add_argument("--frames", type=int, default=120)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    results = bench_budgets(args.model, args.frames, args.threads)
+    print(json.dumps(results, indent=1))
+    print()
+    print(budgets_markdown(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
-"""How often an INT8 (or FP16) variant answers exactly like FP32, greedy, same inputs.
+"""How often each precision variant (int8, q4, quantized, fp16 …) answers exactly like FP32,
+greedy, same inputs.
 
     python tools/compare_precisions.py tests/fixtures/idefics3-tiny --n 40
-    python tools/compare_precisions.py models/tiny-vlm --n 100
+    python tools/compare_precisions.py models/tiny-vlm --n 100 [--precision q4,quantized]
 
 Runs generated scenes with a prompt per scene (all tiers in turn) through both
 precisions of the same model folder and prints, as JSON, the share of answers whose
-tokens are identical and the mean share of leading tokens that agree.
+tokens are identical and the mean share of leading tokens that agree, for every variant
+in the folder (or those --precision names).
 """
 from __future__ import annotations
 
@@ -41,25 +43,34 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", type=Path)
     ap.add_argument("--n", type=int, default=40, help="scenes (one prompt each)")
-    ap.add_argument("--precision", default="int8", help="the variant compared with fp32")
+    ap.add_argument("--precision", default="all",
+                    help="the variants compared with fp32, comma-separated (default: all in the folder)")
     ap.add_argument("--max-new-tokens", type=int, default=16)
     args = ap.parse_args()
     try:  # a missing folder or variant: one line (e.g. "… has no int8 graph; make it with …"), exit 1
-        reference, variant = runtime(args.model, "fp32"), runtime(args.model, args.precision)
+        reference = runtime(args.model, "fp32")
+        names = ([p for p in reference.manifest.precisions if p != "fp32"] if args.precision == "all"
+                 else args.precision.split(","))
+        variants = {name: runtime(args.model, name) for name in names}
     except EdgemmError as e:
         sys.exit(f"error: {e}")
+    if not variants:
+        sys.exit(f"error: {args.model} has no variant beside fp32 (precisions: {', '.join(reference.manifest.precisions)})")
     tiers = list(reference.manifest.tiers)
-    exact, leading = [], []
+    exact = {name: [] for name in variants}
+    leading = {name: [] for name in variants}
     for i in range(args.n):
         image, prompt, tier = make_scene(SEED_BASE + i).image, ASKS[i % len(ASKS)], tiers[i % len(tiers)]
         a = reference.infer(image, prompt, tier=tier, max_new_tokens=args.max_new_tokens).tokens
-        b = variant.infer(image, prompt, tier=tier, max_new_tokens=args.max_new_tokens).tokens
-        exact.append(a == b)
-        leading.append(leading_agreement(a, b))
-    print(json.dumps({"model": str(args.model), "family": reference.manifest.family, "precision": args.precision,
-                      "answers": args.n, "identical_answers": round(sum(exact) / args.n, 4),
-                      "leading_tokens_agreeing": round(sum(leading) / args.n, 4),
-                      "max_new_tokens": args.max_new_tokens}, indent=1))
+        for name, variant in variants.items():
+            b = variant.infer(image, prompt, tier=tier, max_new_tokens=args.max_new_tokens).tokens
+            exact[name].append(a == b)
+            leading[name].append(leading_agreement(a, b))
+    print(json.dumps({"model": str(args.model), "family": reference.manifest.family, "answers": args.n,
+                      "max_new_tokens": args.max_new_tokens,
+                      "variants": {name: {"identical_answers": round(sum(exact[name]) / args.n, 4),
+                                          "leading_tokens_agreeing": round(sum(leading[name]) / args.n, 4)}
+                                   for name in variants}}, indent=1))
 
 
 if __name__ == "__main__":

@@ -135,6 +135,9 @@ def main() -> None:
         report["results"][precision] = evaluate(rt, seeds, tiers, tasks, answers=answers[precision])
     if "fp32" in answers and "int8" in answers:
         report["agreement"] = agreement(answers["fp32"], answers["int8"])
+    for variant in [p for p in answers if p not in ("fp32", "int8")]:  # q4, quantized …: their own pairing
+        if "fp32" in answers:  # (the int8_only / int8 names stand for the variant)
+            report[f"agreement_{variant}"] = agreement(answers["fp32"], answers[variant])
     report["seconds"] = round(time.time() - t0, 1)
     text = json.dumps(report, indent=1)
     if not args.json:

@@ -1,9 +1,26 @@
 #!/usr/bin/env python3
-"""Make the `_int8` QDQ variants of a model's graphs, calibrated on generated scenes.
+"""Make a precision variant of a model's graphs: QDQ int8 for TensorRT, or a CPU variant.
 
-    python tools/quantize.py models/tiny-vlm [--scenes 480] [--method minmax|percentile]
-                                             [--keep-float GLOB ...]
+    python tools/quantize.py models/tiny-vlm [--scenes N] [--method minmax|percentile]
+                                             [--keep-float GLOB ...]          # _int8 (QDQ)
+    python tools/quantize.py MODEL --variant q4           # weight-only 4-bit MatMulNBits
+    python tools/quantize.py MODEL --variant quantized    # dynamic int8 (quantize_dynamic)
+    python tools/quantize.py MODEL --variant q4f16 | fp16
 
+`--variant` names the file suffix of the Hugging Face ONNX layout the result is written
+under (decoder_model_merged_q4.onnx …). The CPU variants need no calibration:
+
+  q4         onnxruntime's MatMulNBitsQuantizer: every MatMul with a constant weight becomes a
+             4-bit block-quantized MatMulNBits (block 32, symmetric, accuracy level 4: int8
+             activations inside the kernel). Fewest bytes per token: the fastest decode on a CPU.
+  quantized  onnxruntime's quantize_dynamic: int8 weights (per tensor), activations quantized
+             at run time; MatMul only (ConvInteger is slower than a float Conv on a CPU).
+  q4f16      float16 graph (onnxruntime.transformers.float16) then q4: for GPUs; slow on a CPU.
+  fp16       float16 graph with float32 inputs and outputs kept.
+  int8       (the default) QDQ, calibrated as below: what TensorRT builds from. On onnxruntime's
+             CPU provider it is slower than fp32 (DequantizeLinear on every step).
+
+For `int8`:
 Symmetric int8 (zero points 0), per-channel weights, only Conv / MatMul / Gemm
 quantized: the explicit-quantization form TensorRT's builder consumes directly
 (and that tools/build_engines.py translates to a calibration cache for DLA).
@@ -16,8 +33,11 @@ decoder is calibrated on the prefill and KV-cache steps it will really see.
 from __future__ import annotations
 
 import argparse
+import collections
 import fnmatch
 import json
+import logging
+import multiprocessing
 import shutil
 import sys
 import tempfile
@@ -26,11 +46,15 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import yaml
 from onnxruntime.quantization import (CalibrationDataReader, CalibrationMethod, QuantFormat,
-                                      QuantType, quantize_static)
-from onnxruntime.quantization.qdq_loss_debug import (collect_activations,
-                                                     modify_model_output_intermediate_tensors)
+                                      QuantType, quantize_dynamic, quantize_static)
+from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+logging.getLogger().setLevel(logging.WARNING)  # the quantizers log every node at INFO
+logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
+from onnxruntime.quantization.qdq_loss_debug import _TENSOR_SAVE_POSTFIX, modify_model_output_intermediate_tensors
 from onnxruntime.quantization.shape_inference import quant_pre_process
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -38,54 +62,118 @@ sys.path.insert(0, str(ROOT))
 
 from edgemm.config import load_config  # noqa: E402
 from edgemm.errors import EdgemmError  # noqa: E402
+from edgemm.model.manifest import COMPONENTS, load_manifest  # noqa: E402
 from edgemm.runtime import Runtime  # noqa: E402
 from edgemm.scenes import make_scene, sample_question  # noqa: E402
 
 CALIBRATION_SEED_BASE = 500_000  # disjoint from training (≥ 1e6) and eval (< 1e5) seeds
 QUANTIZED_OPS = ["Conv", "MatMul", "Gemm"]
 METHODS = ("minmax", "percentile")
+VARIANTS = ("int8", "q4", "q4f16", "quantized", "fp16")  # --variant: the file suffix written
+Q4_BLOCK = 32  # weights per 4-bit block (one scale each): onnxruntime's and transformers.js' q4 choice
+Q4_ACCURACY_LEVEL = 4  # MatMulNBits computes with int8 activations: the fast CPU kernel
+MOVING_AVERAGE = 0.01  # --moving-average: onnxruntime's calibrator's averaging constant
+SAVED = _TENSOR_SAVE_POSTFIX  # the suffix modify_model_output_intermediate_tensors gives a tensor's copy
+SMALL_MODEL_BYTES = 64 << 20  # fp32 graphs under this: the default --scenes is SMALL_MODEL_SCENES
+SMALL_MODEL_SCENES = 480  # the built-in model's shipped _int8 was calibrated on these
+LARGE_MODEL_SCENES = 12  # a real-size model: every tier four times (docs/BENCHMARKS.md has the cost)
 PERCENTILE = 99.99  # --method percentile: each range is ±(this percentile of |x|)
 SAMPLES_PER_FEED = 4096  # |x| values kept per tensor per calibration input for the percentile
 
 
 class Recorder:
-    """Wraps a component and keeps a copy of every feed it runs."""
+    """Wraps a component and hands a copy of every `keep_every`-th feed it runs to `keep`."""
 
-    def __init__(self, component, keep_every: int = 1):
-        self.component, self.feeds, self.keep_every, self.calls = component, [], keep_every, 0
+    def __init__(self, component, keep, keep_every: int = 1):
+        self.component, self.keep, self.keep_every, self.calls = component, keep, keep_every, 0
 
     def __getattr__(self, name):
         return getattr(self.component, name)
 
     def run(self, feeds):
         if self.calls % self.keep_every == 0:
-            self.feeds.append({k: np.array(v) for k, v in feeds.items()})
+            self.keep({k: np.array(v) for k, v in feeds.items()})
         self.calls += 1
         return self.component.run(feeds)
 
 
-class ListReader(CalibrationDataReader):
-    def __init__(self, feeds: list[dict]):
-        self.items = iter(feeds)
+class SceneFeeds:
+    """The feeds one component runs while the fp32 graphs answer generated scenes, scene by
+    scene as they are asked for: only one scene's feeds are held at a time, never all of them.
+    Scenes go round the tiers and a question each; the decoder keeps every third step.
+    A tiled encoder's feed is split into one tile per feed: the tiles are independent images,
+    and a 17-tile feed's activations alone would be gigabytes."""
+
+    def __init__(self, rt: Runtime, component: str, scenes: int):
+        self.rt, self.component, self.scenes = rt, component, scenes
+        self.pending: collections.deque[dict] = collections.deque()
+        self.count = 0
+
+    def __iter__(self):
+        rng = np.random.default_rng(CALIBRATION_SEED_BASE)
+        tiers = list(self.rt.manifest.tiers)
+        attribute = {"vision_encoder": "encoder", "decoder": "decoder"}[self.component]
+        original = getattr(self.rt.generator, attribute)
+        setattr(self.rt.generator, attribute, Recorder(original, self._keep, 3 if self.component == "decoder" else 1))
+        started = time.perf_counter()
+        try:
+            for i in range(self.scenes):
+                scene = make_scene(CALIBRATION_SEED_BASE + i)
+                question = sample_question(scene, rng)
+                self.rt.infer(scene.image, question.prompt, tier=tiers[i % len(tiers)])
+                while self.pending:
+                    self.count += 1
+                    yield self.pending.popleft()
+                progress(f"calibrating {self.component}: scene {i + 1}/{self.scenes}, {self.count} inputs, "
+                         f"{time.perf_counter() - started:.0f} s")
+        finally:
+            setattr(self.rt.generator, attribute, original)
+            progress(None)
+
+    def _keep(self, feeds: dict) -> None:
+        pixels = feeds.get("pixel_values")
+        if pixels is not None and pixels.ndim == 5 and pixels.shape[0] * pixels.shape[1] > 1:
+            mask = feeds.get("pixel_attention_mask")
+            for b in range(pixels.shape[0]):
+                for t in range(pixels.shape[1]):
+                    tile = {"pixel_values": pixels[b:b + 1, t:t + 1]}
+                    if mask is not None:
+                        tile["pixel_attention_mask"] = mask[b:b + 1, t:t + 1]
+                    self.pending.append(tile)
+        else:
+            self.pending.append(feeds)
+
+
+def progress(line: str | None) -> None:
+    """One progress line on stderr, rewritten in place (None: end it)."""
+    if line is None:
+        print(file=sys.stderr, flush=True)
+    else:
+        print(f"\r{line}\033[K", end="", file=sys.stderr, flush=True)
+
+
+class OneFeed(CalibrationDataReader):
+    """quantize_static's own calibration pass, fed one small input: the ranges come from
+    TensorQuantOverrides (activation_ranges), so its pass only has to run."""
+
+    def __init__(self, feeds: dict):
+        self.feeds = feeds
 
     def get_next(self):
-        return next(self.items, None)
+        feeds, self.feeds = self.feeds, None
+        return feeds
 
 
-def collect(model_dir: Path, scenes: int) -> tuple[Runtime, list[dict], list[dict]]:
-    """Encoder and decoder feeds from running fp32 on scenes at every tier and task
-    (the built-in model's folder or a Hugging Face folder such as SmolVLM's)."""
-    rt = Runtime(load_config({"model": {"path": str(model_dir)}, "backend": {"warmup": False},
-                              "cache": {"max_bytes": 0}}))
-    enc = rt.generator.encoder = Recorder(rt.generator.encoder)
-    dec = rt.generator.decoder = Recorder(rt.generator.decoder, keep_every=3)
-    rng = np.random.default_rng(CALIBRATION_SEED_BASE)
-    tiers = list(rt.manifest.tiers)
-    for i in range(scenes):
-        scene = make_scene(CALIBRATION_SEED_BASE + i)
-        question = sample_question(scene, rng)
-        rt.infer(scene.image, question.prompt, tier=tiers[i % len(tiers)])
-    return rt, enc.feeds, dec.feeds
+def fp32_runtime(model_dir: Path) -> Runtime:
+    """The fp32 graphs (never a variant `auto` would take) that produce the calibration feeds."""
+    return Runtime(load_config({"model": {"path": str(model_dir), "precision": "fp32"},
+                                "backend": {"warmup": False}, "cache": {"max_bytes": 0}}))
+
+
+def default_scenes(manifest) -> int:
+    """--scenes when not given: many for a small model, a few (each tier a few times) for a real one."""
+    size = sum(manifest.graph_path(c, "fp32").stat().st_size for c in COMPONENTS)
+    return SMALL_MODEL_SCENES if size < SMALL_MODEL_BYTES else LARGE_MODEL_SCENES
 
 
 def model_keep_float(model_dir: Path) -> list[str]:
@@ -105,49 +193,145 @@ def matching_nodes(path: Path, patterns: list[str]) -> list[str]:
     return [name for name in names if any(fnmatch.fnmatchcase(name, p) for p in patterns)]
 
 
-def percentile_overrides(src: Path, feeds: list[dict], percentile: float, chunk: int = 32) -> dict:
-    """onnxruntime TensorQuantOverrides giving every tensor it would calibrate the range
-    ±(|x| at `percentile`), pooled over all feeds. onnxruntime's own percentile calibration
-    stacks each tensor's values from every feed into one array, so it needs feeds of one
-    shape; edgemm's have several (three tiers; prefill and one-token decoder steps)."""
+def activation_ranges(prepared: Path, feeds, method: str, percentile: float, moving_average: bool,
+                      first: list) -> dict:
+    """onnxruntime TensorQuantOverrides: for every float tensor a Conv/MatMul/Gemm reads or
+    writes, the symmetric range ±r. minmax: r is the largest |x| seen (with `moving_average`,
+    each input's largest |x| averaged as onnxruntime's calibrator does); percentile: r is that
+    percentile of |x|, from SAMPLES_PER_FEED values a tensor keeps per input. Streamed: one
+    input's activations are in memory at a time (onnxruntime's own calibrators keep every
+    input's, gigabytes at real size). `first` gets the smallest feed seen, for OneFeed."""
     rng = np.random.default_rng(0)
-    pooled: dict[str, list[np.ndarray]] = {}
+    largest: dict[str, float] = {}
+    samples: dict[str, list[np.ndarray]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         augmented = Path(tmp) / "augmented.onnx"  # every Conv/MatMul/Gemm float tensor is an output too
-        modify_model_output_intermediate_tensors(str(src), str(augmented), QUANTIZED_OPS)
-        for start in range(0, len(feeds), chunk):  # a chunk at a time: whole activations are large
-            for name, arrays in collect_activations(str(augmented), iter(feeds[start:start + chunk])).items():
-                for values in arrays:
-                    values = np.abs(values)
-                    if values.size > SAMPLES_PER_FEED:
-                        values = values[rng.integers(0, values.size, SAMPLES_PER_FEED)]
-                    pooled.setdefault(name, []).append(values)
-    ranges = {name: float(np.percentile(np.concatenate(parts), percentile)) for name, parts in pooled.items()}
-    return {name: [{"rmin": np.float32(-r), "rmax": np.float32(r)}] for name, r in ranges.items() if r > 0}
+        modify_model_output_intermediate_tensors(str(prepared), str(augmented), QUANTIZED_OPS)
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # the tensors by name
+        session = ort.InferenceSession(str(augmented), options, providers=["CPUExecutionProvider"])
+        names = [o.name for o in session.get_outputs()]
+        wanted = [i for i, n in enumerate(names) if n.endswith(SAVED)]
+        for feeds_ in feeds:
+            size = sum(v.nbytes for v in feeds_.values())
+            if not first or size < first[1]:
+                first[:] = [feeds_, size]
+            for i, value in zip(wanted, session.run([names[i] for i in wanted], feeds_)):
+                name = names[i][:-len(SAVED)]
+                if not np.issubdtype(value.dtype, np.floating) or value.size == 0:
+                    continue
+                magnitude = np.abs(value.reshape(-1))
+                if method == "percentile":
+                    if magnitude.size > SAMPLES_PER_FEED:
+                        magnitude = magnitude[rng.integers(0, magnitude.size, SAMPLES_PER_FEED)]
+                    samples.setdefault(name, []).append(magnitude.astype(np.float32))
+                    continue
+                r = float(magnitude.max())
+                if name not in largest:
+                    largest[name] = r
+                elif moving_average:  # onnxruntime's averaging constant
+                    largest[name] += MOVING_AVERAGE * (r - largest[name])
+                else:
+                    largest[name] = max(largest[name], r)
+    if method == "percentile":
+        largest = {name: float(np.percentile(np.concatenate(parts), percentile)) for name, parts in samples.items()}
+    return {name: [{"rmin": np.float32(-r), "rmax": np.float32(r)}] for name, r in largest.items() if r > 0}
 
 
-def quantize_graph(src: Path, dst: Path, feeds: list[dict], method: str, moving_average: bool = False,
+def in_child(function, *args, **kwargs) -> None:
+    """`function(*args, **kwargs)` in a process of its own: onnxruntime's pre-processing and
+    quantizer hold a real-size graph several times over, and a process keeps the peak of what
+    it ever allocated, on top of the fp32 graphs making the calibration feeds."""
+    child = multiprocessing.get_context("spawn").Process(target=function, args=args, kwargs=kwargs)
+    child.start()
+    child.join()
+    if child.exitcode:
+        raise SystemExit(f"error: {getattr(function, '__name__', function)} failed (exit {child.exitcode})")
+
+
+def quantize_graph(src: Path, dst: Path, feeds, method: str, moving_average: bool = False,
                    keep_float: list[str] = (), percentile: float = PERCENTILE) -> list[str]:
-    """Quantize `src` into `dst`; the nodes matching `keep_float` stay float. Returns their names."""
+    """Quantize `src` into `dst` on the calibration inputs `feeds` (an iterable, consumed once);
+    the nodes matching `keep_float` stay float. Returns their names."""
     excluded = matching_nodes(src, list(keep_float))
     with tempfile.TemporaryDirectory() as tmp:
         prepared = Path(tmp) / "prepared.onnx"
         # symbolic shape inference gives up on the dynamic image-token axis; onnx shape inference suffices
-        quant_pre_process(str(src), str(prepared), skip_symbolic_shape=True)
+        in_child(quant_pre_process, str(src), str(prepared), skip_symbolic_shape=True)
         # ranges by the prepared graph's tensor names, which its optimisation may have changed
-        overrides = percentile_overrides(prepared, feeds, percentile) if method == "percentile" else {}
-        quantize_static(
-            str(prepared), str(dst), ListReader(feeds), quant_format=QuantFormat.QDQ,
+        first: list = []
+        overrides = activation_ranges(prepared, feeds, method, percentile, moving_average, first)
+        if not first:
+            raise SystemExit(f"error: no calibration inputs reached {src.name}")
+        in_child(
+            quantize_static, str(prepared), str(dst), OneFeed(first[0]), quant_format=QuantFormat.QDQ,
             op_types_to_quantize=QUANTIZED_OPS, nodes_to_exclude=excluded, per_channel=True,
             activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
-            calibrate_method=CalibrationMethod.MinMax,  # the percentile ranges, if any, override it
+            calibrate_method=CalibrationMethod.MinMax,  # its ranges are all overridden
             # float bias: TensorRT has no int32 DequantizeLinear for a quantized bias
             extra_options={"ActivationSymmetric": True, "WeightSymmetric": True,
-                           "QuantizeBias": False, "CalibMovingAverage": moving_average,
-                           "TensorQuantOverrides": overrides})
+                           "QuantizeBias": False, "TensorQuantOverrides": overrides})
     drop_unused_opsets(dst, ir_version=onnx.load(str(src), load_external_data=False).ir_version)
     onnx.checker.check_model(str(dst))
     return excluded
+
+
+def float16_graph(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The graph in float16, inputs and outputs too (the Hugging Face layout's _fp16)."""
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+    return convert_float_to_float16(model, keep_io_types=False, disable_shape_infer=True)
+
+
+def weight_only_graph(src: Path, dst: Path, variant: str, component: str) -> dict:
+    """`src` as the CPU variant `variant` (q4, q4f16, quantized, fp16) at `dst`; no calibration.
+    Returns {op type: count} of the nodes the result has that the source had not."""
+    model = onnx.load(str(src))
+    before = {n.op_type for n in model.graph.node}
+    if variant in ("fp16", "q4f16"):
+        model = float16_graph(model)
+    if variant in ("q4", "q4f16"):
+        # the embedding's table too (GatherBlockQuantized): a third of SmolVLM-256M's bytes
+        ops = ("MatMul", "Gather") if component == "embed_tokens" else ("MatMul",)
+        quantizer = MatMulNBitsQuantizer(model, bits=4, block_size=Q4_BLOCK, is_symmetric=True,
+                                         accuracy_level=Q4_ACCURACY_LEVEL, op_types_to_quantize=ops,
+                                         quant_axes=(("MatMul", 0), ("Gather", 1)))
+        with np.errstate(invalid="ignore"):  # an all-zero block (a padding row) divides 0 by 0, and is 0
+            quantizer.process()
+        model = quantizer.model.model
+    if variant == "quantized":
+        with tempfile.TemporaryDirectory() as tmp:
+            plain = Path(tmp) / "plain.onnx"
+            onnx.save(model, str(plain))
+            # int8 weights, uint8 activations quantized per call (u8s8: the fast x86/ARM kernel);
+            # only MatMuls with a constant weight: the attention's activation × activation stays float
+            quantize_dynamic(str(plain), str(dst), op_types_to_quantize=["MatMul"], per_channel=False,
+                             weight_type=QuantType.QInt8, extra_options={"MatMulConstBOnly": True})
+        model = onnx.load(str(dst))
+    # the source's IR version, or 10 where int4 tensors need it (onnxruntime for Python 3.10 reads <= 11)
+    source_ir = onnx.load(str(src), load_external_data=False).ir_version
+    uses_int4 = any(t.data_type in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4) for t in model.graph.initializer)
+    model.ir_version = min(model.ir_version, max(source_ir, 10 if uses_int4 else 0))
+    onnx.save(model, str(dst))
+    drop_unused_opsets(dst)
+    onnx.checker.check_model(str(dst))
+    added: dict[str, int] = {}
+    for node in onnx.load(str(dst), load_external_data=False).graph.node:
+        if node.op_type not in before:
+            added[node.op_type] = added.get(node.op_type, 0) + 1
+    return added
+
+
+def make_weight_only_variant(model_dir: Path, variant: str) -> dict:
+    """Every graph of the folder as `variant`: {graph file: {"bytes": n, "new_ops": {...}}}."""
+    manifest = load_manifest(model_dir)
+    report = {}
+    for component in COMPONENTS:
+        src = manifest.graph_path(component, "fp32")
+        dst = src.with_name(f"{src.stem}_{variant}{src.suffix}")
+        print(f"{variant}: {src.name} → {dst.name} …", file=sys.stderr, flush=True)
+        added = weight_only_graph(src, dst, variant, component)
+        report[dst.name] = {"bytes": dst.stat().st_size, "new_ops": added}
+    return report
 
 
 def drop_unused_opsets(path: Path, ir_version: int | None = None) -> None:
@@ -167,7 +351,12 @@ def drop_unused_opsets(path: Path, ir_version: int | None = None) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model_dir", type=Path)
-    ap.add_argument("--scenes", type=int, default=480, help="calibration scenes (spread over tiers)")
+    ap.add_argument("--variant", choices=VARIANTS, default="int8",
+                    help="the precision variant to write (its file suffix); all but int8 need no calibration")
+    ap.add_argument("--scenes", type=int, default=None,
+                    help=f"calibration scenes per graph, spread over tiers (default: {SMALL_MODEL_SCENES} for a "
+                         f"model under {SMALL_MODEL_BYTES >> 20} MB of graphs such as the built-in one, "
+                         f"else {LARGE_MODEL_SCENES}: minutes at SmolVLM-256M's size)")
     ap.add_argument("--method", choices=METHODS, default="minmax",
                     help="minmax: ranges are the extremes seen; percentile: ±(--percentile of |x|)")
     ap.add_argument("--percentile", type=float, default=PERCENTILE)
@@ -179,25 +368,35 @@ def main() -> None:
                          "if any; --keep-float '' for none)")
     args = ap.parse_args()
     t0 = time.time()
-    print(f"calibrating on {args.scenes} generated scenes …", file=sys.stderr)
+    if args.variant != "int8":
+        try:
+            report = make_weight_only_variant(args.model_dir, args.variant)
+        except EdgemmError as e:
+            sys.exit(f"error: {e}")
+        print(json.dumps({"seconds": round(time.time() - t0, 1), "variant": args.variant, "graphs": report},
+                         indent=1))
+        return
     try:
-        rt, enc_feeds, dec_feeds = collect(args.model_dir, args.scenes)
+        rt = fp32_runtime(args.model_dir)
     except EdgemmError as e:  # no such folder, not a model folder …: one line
         sys.exit(f"error: {e}")
+    scenes = args.scenes if args.scenes is not None else default_scenes(rt.manifest)
+    print(f"calibrating on {scenes} generated scenes per graph …", file=sys.stderr)
     keep_float = model_keep_float(args.model_dir) if args.keep_float is None else [p for p in args.keep_float if p]
     kept: dict[str, list[str]] = {}
-    for name, feeds in (("vision_encoder", enc_feeds), ("decoder", dec_feeds)):
+    inputs: dict[str, int] = {}
+    for name in ("vision_encoder", "decoder"):
         src = rt.manifest.graph_path(name, "fp32")  # onnx/ in a Hugging Face folder
         dst = src.with_name(f"{src.stem}_int8{src.suffix}")
-        print(f"quantizing {src.name} on {len(feeds)} calibration inputs …", file=sys.stderr)
-        kept[name] = quantize_graph(src, dst, feeds, args.method, args.moving_average, keep_float,
-                                    args.percentile)
+        feeds = SceneFeeds(rt, name, scenes)
+        kept[name] = quantize_graph(src, dst, feeds, args.method, args.moving_average, keep_float, args.percentile)
+        inputs[name] = feeds.count
     # a lookup table has no Conv/MatMul/Gemm: the int8 variant is the same graph
     embed = rt.manifest.graph_path("embed_tokens", "fp32")
     shutil.copy(embed, embed.with_name(f"{embed.stem}_int8{embed.suffix}"))
     sizes = {p.name: p.stat().st_size for p in sorted(embed.parent.glob("*_int8.onnx"))}
-    print(json.dumps({"seconds": round(time.time() - t0, 1), "method": args.method,
-                      "moving_average": args.moving_average, "kept_float": kept,
+    print(json.dumps({"seconds": round(time.time() - t0, 1), "method": args.method, "scenes": scenes,
+                      "calibration_inputs": inputs, "moving_average": args.moving_average, "kept_float": kept,
                       "int8_bytes": sizes}, indent=1))
 
 

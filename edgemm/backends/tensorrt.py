@@ -216,7 +216,9 @@ class TrtComponent:
             profile = engine.profile_for(shapes)
             if profile is not None:
                 return engine.run(feeds, profile)
-        batch = next(iter(shapes.values()))[0] if shapes else 0
+        # the rows of a batch, if every input has them (flattened patches and their grid do not)
+        batches = {shape[0] for shape in shapes.values() if shape}
+        batch = batches.pop() if len(batches) == 1 else 0
         if batch > 1:  # static-batch plans (DLA): one row at a time, outputs stacked back
             rows = [self._run({k: v[i:i + 1] for k, v in feeds.items()}) for i in range(batch)]
             return {k: np.concatenate([r[k] for r in rows]) for k in rows[0]}

@@ -41,7 +41,6 @@ from edgemm.engines.platform import (DEVICES, Platform, TrtLog, dla_core, import
 from edgemm.engines.qdq import translate_file
 from edgemm.errors import EngineError, InputError
 from edgemm.model.manifest import COMPONENTS, ModelManifest
-from edgemm.model.tiling import tile_layout
 
 PRECISIONS = ("int8", "fp16")
 LAST_CALIBRATION_CACHE_DLA = (10, 7)  # TensorRT <= 10.7: DLA INT8 needs implicit quantisation
@@ -83,6 +82,7 @@ class EngineJob:
 DIMENSIONS = {
     "batch_size": "batch", "batch": "batch",
     "num_images": "tiles", "num_tiles": "tiles",  # tiled encoders (idefics3 / SmolVLM): tiles per image
+    "num_patches": "patches",  # flattened patches (Qwen2-VL): every image of the call, one row each
     "height": "height", "width": "width",
     "sequence_length": "sequence",  # the new tokens of this call
     "past_sequence_length": "past",
@@ -125,10 +125,9 @@ def _profile(dims: dict[str, list], sizes: Sizes, graph: str) -> Profile:
 
 
 def _tiles(model: ModelManifest, tier) -> int:
-    """The most encoder images (tiles plus the global image) a tiled family makes at `tier`:
-    a square image's."""
-    side = model.family_config["tile"]
-    return tile_layout(tier.height, tier.height, tier.height, side).tiles
+    """The most encoder images (tiles plus the global image or thumbnail) a tiled family makes
+    at `tier`: its image tokens (the most it gives) over the tokens of one tile."""
+    return tier.image_tokens // model.family_config["image_seq_len"]
 
 
 def encoder_profiles(dims: dict[str, list], model: ModelManifest, tiers: list, max_batch: int, static: bool,
@@ -138,6 +137,8 @@ def encoder_profiles(dims: dict[str, list], model: ModelManifest, tiers: list, m
     Plain pixels [B,3,H,W] take the tier's height and width. A tiled family's pixels
     [B,T,3,tile,tile] (and its pixel_attention_mask [B,T,tile,tile]) have the tile's side at
     every tier; the tier sets the number of tiles T, and a DLA plan takes one tile at a time."""
+    if model.preprocessing.resize == "smart_resize":
+        return [_profile(dims, _patch_sizes(model, tiers, max_batch, static), graph)]
     if model.preprocessing.resize == "tiles":
         side = model.family_config["tile"]
         if static:
@@ -155,6 +156,20 @@ def encoder_profiles(dims: dict[str, list], model: ModelManifest, tiers: list, m
                  "height": (min(t.height for t in tiers), top.height, max(t.height for t in tiers)),
                  "width": (min(t.width for t in tiers), top.width, max(t.width for t in tiers))}
     return [_profile(dims, sizes, graph)]
+
+
+def _patch_sizes(model: ModelManifest, tiers: list, max_batch: int, static: bool) -> Sizes:
+    """Flattened patches [N, patch values] and their grid [images, 3] (Qwen2-VL): N is set by
+    each image's own grid under the tier's pixel budget, from one image token (merge² patches)
+    up to the top tier's budget for each of max_batch images. A DLA plan is static: one image
+    at the tier's own (square) grid."""
+    patch, merge = model.family_config["patch_size"], model.family_config["merge_size"]
+    if static:
+        tier = tiers[0]
+        patches = (tier.height // patch) * (tier.width // patch)
+        return {"patches": (patches,) * 3, "tiles": (1, 1, 1)}
+    top = max(t.image_tokens for t in tiers) * merge * merge
+    return {"patches": (merge * merge, top, top * max_batch), "tiles": (1, 1, max_batch)}
 
 
 def embed_profiles(dims: dict[str, list], max_beams: int, max_context: int,

@@ -9,6 +9,7 @@ import re
 
 from edgemm.backends.base import Component
 from edgemm.errors import ModelError
+from edgemm.model.family import GraphInputs
 
 REQUIRED = {
     "vision_encoder": (("pixel_values",), ("image_features",)),
@@ -26,12 +27,18 @@ def decoder_layers(component: Component) -> int:
     return len(layers)
 
 
-def check_component(kind: str, component: Component, path: str) -> None:
+def check_component(kind: str, component: Component, path: str, fed: GraphInputs | None = None) -> None:
+    """Refuse a graph whose names or position layout differ from the contract plus what the
+    family feeds (`fed`: its GraphInputs; None: the default, no extra inputs)."""
+    fed = fed or GraphInputs()
     want_in, want_out = REQUIRED[kind]
+    if kind == "vision_encoder":
+        want_in = (*want_in, *fed.encoder)
     for name in want_in:
         if name not in component.inputs:
-            raise ModelError(f"{path}: {kind} graph lacks input '{name}' required by the model "
-                             f"contract (it declares: {', '.join(component.inputs)})")
+            by = "the model's family feeds it" if name in fed.encoder else "required by the model contract"
+            raise ModelError(f"{path}: {kind} graph lacks input '{name}' ({by}; it declares: "
+                             f"{', '.join(component.inputs)})")
     for name in want_out:
         if name not in component.outputs:
             raise ModelError(f"{path}: {kind} graph lacks output '{name}' required by the model "
@@ -43,6 +50,7 @@ def check_component(kind: str, component: Component, path: str) -> None:
                              f"feed: {', '.join(extra)}")
     if kind != "decoder":
         return
+    _check_positions(component, path, fed.position_axes)
     layers = decoder_layers(component)
     if layers == 0:
         raise ModelError(f"{path}: decoder graph declares no past_key_values.N.key/value inputs "
@@ -59,3 +67,15 @@ def check_component(kind: str, component: Component, path: str) -> None:
     if extra:
         raise ModelError(f"{path}: decoder graph has inputs the runtime does not know how to feed: "
                          f"{', '.join(extra)}")
+
+
+def _check_positions(component: Component, path: str, axes: int) -> None:
+    """position_ids must have the rank the family fills: [B, S], or [axes, B, S] (M-RoPE)."""
+    shape = component.inputs["position_ids"].shape
+    if shape is None:  # a rank the graph leaves open: the family's positions are fed as they are
+        return
+    want = 3 if axes else 2
+    if len(shape) != want or (axes and isinstance(shape[0], int) and shape[0] != axes):
+        needed = f"[{axes}, batch, sequence] (one row per rotary axis)" if axes else "[batch, sequence]"
+        raise ModelError(f"{path}: decoder graph declares input 'position_ids' of shape "
+                         f"[{', '.join(str(d) for d in shape)}] but the model's family feeds {needed}")

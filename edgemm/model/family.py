@@ -46,6 +46,11 @@ class Prompt:
     unknown_words: tuple[str, ...]
     # where the encoder's output tokens go, in order; one contiguous run unless given
     image_positions: np.ndarray | None = None
+    # a family with its own rotary positions (Qwen2-VL's M-RoPE, see GraphInputs): the
+    # prompt's position ids [axes, 1, S], and what every decode step adds, on every axis, to
+    # the tokens the row holds so far. None: positions are 0 … S-1 (cumsum of the mask)
+    position_ids: np.ndarray | None = None
+    rope_delta: int = 0
 
     def __post_init__(self) -> None:
         if self.image_positions is None:
@@ -74,6 +79,31 @@ class Family(Protocol):
     def decode(self, ids: list[int]) -> str:
         """Generated ids → the answer's text (stop tokens left out)."""
         ...
+
+    # Optional (not part of the isinstance check): `graph_inputs: GraphInputs`, what the family
+    # feeds beyond the contract (Qwen2-VL: the encoder's grid, [3, B, S] positions).
+
+
+@dataclass(frozen=True)
+class GraphInputs:
+    """What a family feeds the graphs beyond the model contract's own inputs, as its
+    optional attribute `graph_inputs` (a family without one has the default: pixel_values
+    alone, position_ids [B, S]). edgemm/model/contract.py checks a loaded graph against it,
+    by name: a graph missing an input the family fills, or declaring one nobody fills, is
+    refused at load."""
+    # vision_encoder inputs besides pixel_values that `encoder_feeds` fills (Qwen2-VL: grid_thw)
+    encoder: tuple[str, ...] = ()
+    # leading axes of position_ids before [B, S] (M-RoPE: 3, temporal/height/width); 0: [B, S].
+    # With axes, Prompt.position_ids and Prompt.rope_delta give each row's positions
+    position_axes: int = 0
+    # pixel values of a batch of same-shape images (as Family.pixels made them, stacked) → the
+    # encoder's feeds, pixel_values included; its image_features may be [B·N, D]
+    encoder_feeds: Callable[[np.ndarray], dict[str, np.ndarray]] | None = None
+
+
+def graph_inputs(family: object) -> GraphInputs:
+    """The family's GraphInputs, or the default for a family that has none."""
+    return getattr(family, "graph_inputs", None) or GraphInputs()
 
 
 @dataclass

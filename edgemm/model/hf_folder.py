@@ -4,7 +4,7 @@ The layout SmolVLM and other VLMs are published in (transformers.js / Optimum):
 
     config.json  preprocessor_config.json  tokenizer.json  chat_template.{jinja,json}
     generation_config.json (optional)      processor_config.json (optional)
-    onnx/vision_encoder[_int8|_fp16].onnx  onnx/embed_tokens[...].onnx
+    onnx/vision_encoder[_q4|_quantized|_int8|_fp16|…].onnx  onnx/embed_tokens[...].onnx
     onnx/decoder_model_merged[...].onnx
 
 What model.yaml spells out by hand is read from these files; what the graphs
@@ -21,7 +21,7 @@ from pathlib import Path
 from edgemm.errors import ModelError
 from edgemm.files import read_model_file
 from edgemm.model.family import family_entry
-from edgemm.model.manifest_types import PRECISIONS, ModelManifest
+from edgemm.model.manifest_types import ModelManifest, precisions_present as present_in_folder
 
 ONNX_FILES = {"vision_encoder": "onnx/vision_encoder.onnx", "embed_tokens": "onnx/embed_tokens.onnx",
               "decoder": "onnx/decoder_model_merged.onnx"}
@@ -58,13 +58,8 @@ def chat_template(path: Path) -> str:
 
 
 def precisions_present(path: Path) -> list[str]:
-    """Precisions whose three graphs are all there, by the _int8 / _fp16 suffix convention."""
-    found = []
-    for precision in PRECISIONS:
-        suffix = "" if precision == "fp32" else f"_{precision}"
-        if all((path / f.replace(".onnx", f"{suffix}.onnx")).is_file() for f in ONNX_FILES.values()):
-            found.append(precision)
-    return found
+    """Precisions whose three graphs are all there, by the layout's suffixes (_int8, _q4, _fp16 …)."""
+    return present_in_folder(path, ONNX_FILES)
 
 
 def load_hf_manifest(path: Path) -> ModelManifest:
@@ -76,7 +71,7 @@ def load_hf_manifest(path: Path) -> ModelManifest:
             raise ModelError(f"{path} is a Hugging Face model folder without {name}")
     assert entry.hf_folder is not None  # family_entry(hf_folder=True) only returns such families
     own = entry.hf_folder(path, config)
-    text = config.get("text_config", {})
+    text = config.get("text_config") or config  # a flat config.json (Qwen2-VL as published) has it at the top
     return ModelManifest(
         path=path, name=path.name, family=entry.name, files={**ONNX_FILES, "tokenizer": "tokenizer.json"},
         tiers=own.tiers, default_tier=own.default_tier or list(own.tiers)[-1], preprocessing=own.preprocessing,

@@ -16,7 +16,8 @@ from edgemm.files import load_yaml, read_model_file
 from edgemm.model.hf_folder import load_hf_manifest
 # The dataclasses live in manifest_types (hf_folder and the families use them too); they
 # are named here as well because this is where callers have always imported them from.
-from edgemm.model.manifest_types import COMPONENTS, PRECISIONS, ModelManifest, Preprocessing, ResolutionTier
+from edgemm.model.manifest_types import (COMPONENTS, PRECISIONS, ModelManifest, Preprocessing, ResolutionTier,
+                                         precisions_present)
 
 __all__ = ["COMPONENTS", "PRECISIONS", "ModelManifest", "Preprocessing", "ResolutionTier", "load_manifest"]
 
@@ -82,10 +83,13 @@ def load_manifest(model_dir: str | Path) -> ModelManifest:
     image_token = _require(data, "image_token", str, where)
     if "{prompt}" not in prompt_format or image_token not in prompt_format:
         raise ModelError(f"{where}: prompt_format must contain {{prompt}} and the image token {image_token}")
-    precisions = list(data.get("precisions", ["fp32"]))
-    unknown = [p for p in precisions if p not in PRECISIONS]
+    declared = list(data.get("precisions", ["fp32"]))
+    unknown = [p for p in declared if p not in PRECISIONS]
     if unknown:
         raise ModelError(f"{where}: unknown precision(s) {unknown} (known: {', '.join(PRECISIONS)})")
+    # what the folder holds, by the files' suffixes, as in a Hugging Face folder: a variant made
+    # later (tools/quantize.py --variant q4) is usable without editing model.yaml
+    precisions = precisions_present(path, files) or ["fp32"]
     return ModelManifest(
         path=path, name=str(data.get("name", path.name)), family=_require(data, "family", str, where),
         files=files, tiers=tiers, default_tier=default_tier,

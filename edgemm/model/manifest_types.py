@@ -12,7 +12,31 @@ from pathlib import Path
 from edgemm.errors import InputError, ModelError
 
 COMPONENTS = ("vision_encoder", "embed_tokens", "decoder")
-PRECISIONS = ("fp32", "fp16", "int8")
+# Precision variants, named by the file suffix of the Hugging Face ONNX layout (Optimum,
+# transformers.js): decoder_model_merged_q4.onnx is the decoder's q4 variant; fp32 has none.
+#   fp16       float16 graph
+#   int8       QDQ int8 (tools/quantize.py): what TensorRT builds from; slow on onnxruntime's CPU
+#   q4         weight-only 4-bit MatMulNBits (tools/quantize.py --variant q4): the CPU's fastest
+#   q4f16      q4 over a float16 graph (for GPUs)
+#   quantized  dynamic int8 (onnxruntime's quantize_dynamic; tools/quantize.py --variant quantized)
+#   uint8      dynamic int8 with uint8 weights: the layout's other name for it
+#   bnb4       weight-only 4-bit NF4/FP4 MatMulBnb4
+PRECISIONS = ("fp32", "fp16", "int8", "q4", "q4f16", "quantized", "uint8", "bnb4")
+QUANTIZE_VARIANTS = ("int8", "q4", "q4f16", "quantized", "fp16", "bnb4")  # tools/quantize.py makes these
+AUTO = "auto"  # model.precision / --precision: the fastest variant present for the device
+# What `auto` takes, fastest first, by backend. onnxruntime's CPU provider: q4, the fewest weight
+# bytes per token (docs/BENCHMARKS.md, "CPU quantization at real size"), else fp32. Never the QDQ
+# int8 (slower than fp32 there), nor dynamic int8 (quantized, uint8): it scales the activations
+# per call over the whole batch, so a row's tokens would depend on the rows decoded beside it
+# (tests/test_precisions.py); q4 quantizes them per row and block. bnb4 is unmeasured: by name only.
+# TensorRT: its engines are built int8 (from the QDQ graphs) or fp16.
+AUTO_ORDER = {"onnxruntime": ("q4", "fp32"),
+              "tensorrt": ("int8", "fp16")}
+
+
+def variant_file(base: Path, precision: str) -> Path:
+    """The file of a graph's `precision` variant: `base` itself for fp32, else base_<precision>.onnx."""
+    return base if precision == "fp32" else base.with_name(f"{base.stem}_{precision}{base.suffix}")
 
 
 @dataclass(frozen=True)
@@ -63,14 +87,22 @@ class ModelManifest:
 
     def graph_path(self, component: str, precision: str) -> Path:
         """The ONNX file of `component` in `precision`, by the Optimum suffix convention."""
-        base = self.path / self.files[component]
-        if precision == "fp32":
-            path = base
-        else:
-            path = base.with_name(f"{base.stem}_{precision}{base.suffix}")
+        path = variant_file(self.path / self.files[component], precision)
         if not path.is_file():
-            hint = (f"; make it with: python tools/quantize.py {self.path}"
-                    if precision == "int8" else "")
+            present = ", ".join(self.precisions) or "none"
+            hint = ""
+            if precision in QUANTIZE_VARIANTS:
+                hint = f"; make it with: python tools/quantize.py {self.path}"
+                hint += "" if precision == "int8" else f" --variant {precision}"
             raise ModelError(f"model {self.name}: {component} has no {precision} graph "
-                             f"({path} not found){hint}")
+                             f"({path} not found; precisions present: {present}){hint}")
         return path
+
+    def has_graph(self, component: str, precision: str) -> bool:
+        return variant_file(self.path / self.files[component], precision).is_file()
+
+
+def precisions_present(path: Path, files: dict[str, str]) -> list[str]:
+    """The precisions whose graphs are all in the folder `path` (files: component → fp32 file)."""
+    return [precision for precision in PRECISIONS
+            if all(variant_file(path / files[c], precision).is_file() for c in COMPONENTS)]

@@ -1,4 +1,4 @@
-"""Lanczos resize of RGB8 images, bit-exact with Pillow's `Image.resize(..., LANCZOS)`.
+"""Lanczos and bicubic resize of RGB8 images, bit-exact with Pillow's `Image.resize`.
 
 Idefics3 (SmolVLM) was trained on images resized by Pillow, and its reference
 processor still resizes with Pillow. OpenCV's INTER_LANCZOS4 is another filter
@@ -10,6 +10,9 @@ levels. Pillow is not a runtime dependency, so this is Pillow's algorithm
   Lanczos-3 kernel stretched by the scale when shrinking (that is the antialiasing);
 * weights normalised to sum 1, then fixed point with 22 fraction bits;
 * a horizontal pass, then a vertical pass, each rounding to uint8 in between.
+
+Qwen2-VL's reference processor resizes with Pillow's BICUBIC: the same passes with
+Pillow's cubic kernel (a = -0.5, support 2).
 """
 from __future__ import annotations
 
@@ -19,6 +22,8 @@ import numpy as np
 
 PRECISION_BITS = 32 - 8 - 2  # Pillow's fixed point for 8-bit images
 SUPPORT = 3.0  # Lanczos-3
+BICUBIC_SUPPORT = 2.0
+BICUBIC_A = -0.5  # Pillow's bicubic_filter
 
 
 def _lanczos(x: np.ndarray) -> np.ndarray:
@@ -27,11 +32,21 @@ def _lanczos(x: np.ndarray) -> np.ndarray:
     return np.where(inside, np.sinc(x) * np.sinc(x / SUPPORT), 0.0)
 
 
-def _coefficients(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray]:
+def _bicubic(x: np.ndarray) -> np.ndarray:
+    """Pillow's bicubic_filter: Keys' cubic convolution with a = -0.5 on (-2, 2)."""
+    x = np.abs(x)
+    a = BICUBIC_A
+    near = ((a + 2.0) * x - (a + 3.0)) * x * x + 1
+    far = (((x - 5) * x + 8) * x - 4) * a
+    return np.where(x < 1.0, near, np.where(x < 2.0, far, 0.0))
+
+
+def _coefficients(in_size: int, out_size: int, kernel=_lanczos,
+                  kernel_support: float = SUPPORT) -> tuple[np.ndarray, np.ndarray]:
     """(first input index [out], fixed-point weights [out, taps]) for one axis."""
     scale = in_size / out_size
     filter_scale = max(scale, 1.0)
-    support = SUPPORT * filter_scale
+    support = kernel_support * filter_scale
     taps = int(math.ceil(support)) * 2 + 1
     centers = (np.arange(out_size) + 0.5) * scale
     # Pillow rounds with (int)(v + 0.5), which truncates towards zero
@@ -39,7 +54,7 @@ def _coefficients(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray]:
     last = np.clip(np.trunc(centers + support + 0.5).astype(np.int64), None, in_size)
     offsets = np.arange(taps)
     used = offsets[None, :] < (last - first)[:, None]
-    weights = _lanczos((first[:, None] + offsets[None, :] - centers[:, None] + 0.5) / filter_scale)
+    weights = kernel((first[:, None] + offsets[None, :] - centers[:, None] + 0.5) / filter_scale)
     weights = np.where(used, weights, 0.0)
     totals = weights.sum(axis=1, keepdims=True)
     weights = np.divide(weights, totals, out=weights, where=totals != 0)
@@ -47,17 +62,38 @@ def _coefficients(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray]:
     return first, fixed.astype(np.int64)
 
 
-def _resample_axis(img: np.ndarray, out_size: int, axis: int) -> np.ndarray:
-    """One pass along `axis` (0 rows, 1 columns) of a uint8 (H, W, C) image."""
+CHUNK_BYTES = 256 << 10  # the int32 sums of this many output lines at a time stay in the cache
+
+
+def _resample_axis(img: np.ndarray, out_size: int, axis: int, kernel=_lanczos,
+                   kernel_support: float = SUPPORT) -> np.ndarray:
+    """One pass along `axis` (0 rows, 1 columns) of a uint8 (H, W, C) image.
+
+    The resampled axis is laid out first, so that each tap gathers whole lines (a copy of
+    contiguous bytes, not a strided gather); the sums are int32 as in Pillow (its fixed
+    point is chosen so that they fit), a cache-sized block of output lines at a time."""
     in_size = img.shape[axis]
-    first, weights = _coefficients(in_size, out_size)
-    acc = np.full(img.shape[:axis] + (out_size,) + img.shape[axis + 1:], 1 << (PRECISION_BITS - 1), np.int64)
-    for tap in range(weights.shape[1]):
-        index = np.minimum(first + tap, in_size - 1)  # unused taps have weight 0
-        w = weights[:, tap]
-        w = w[:, None, None] if axis == 0 else w[None, :, None]
-        acc += np.take(img, index, axis=axis).astype(np.int64) * w
-    return np.clip(acc >> PRECISION_BITS, 0, 255).astype(np.uint8)
+    first, weights = _coefficients(in_size, out_size, kernel, kernel_support)
+    weights = weights.astype(np.int32)
+    moved = np.moveaxis(img, axis, 0)
+    rest = moved.shape[1:]
+    lines = np.ascontiguousarray(moved).reshape(in_size, -1)  # [in, everything else]
+    out = np.empty((out_size, lines.shape[1]), np.uint8)
+    block = max(1, CHUNK_BYTES // (4 * lines.shape[1]))
+    acc = np.empty((block, lines.shape[1]), np.int32)
+    term = np.empty_like(acc)
+    for start in range(0, out_size, block):
+        n = min(block, out_size - start)
+        total, product = acc[:n], term[:n]
+        total.fill(1 << (PRECISION_BITS - 1))
+        for tap in range(weights.shape[1]):
+            index = np.minimum(first[start:start + n] + tap, in_size - 1)  # unused taps have weight 0
+            np.multiply(lines[index], weights[start:start + n, tap, None], out=product)
+            total += product
+        np.right_shift(total, PRECISION_BITS, out=total)
+        np.clip(total, 0, 255, out=total)
+        out[start:start + n] = total
+    return np.ascontiguousarray(np.moveaxis(out.reshape(out_size, *rest), 0, axis))
 
 
 def resize_lanczos(rgb: np.ndarray, height: int, width: int) -> np.ndarray:
@@ -69,4 +105,16 @@ def resize_lanczos(rgb: np.ndarray, height: int, width: int) -> np.ndarray:
         out = _resample_axis(out, width, axis=1)
     if out.shape[0] != height:
         out = _resample_axis(out, height, axis=0)
+    return out if out is not rgb else rgb.copy()
+
+
+def resize_bicubic(rgb: np.ndarray, height: int, width: int) -> np.ndarray:
+    """RGB8 (H, W, 3) → (height, width, 3), the pixels Pillow's BICUBIC resize gives."""
+    if height < 1 or width < 1:
+        raise ValueError(f"resize target must be positive, got {height}x{width}")
+    out = rgb
+    if out.shape[1] != width:  # Pillow: horizontal pass first, then vertical
+        out = _resample_axis(out, width, 1, _bicubic, BICUBIC_SUPPORT)
+    if out.shape[0] != height:
+        out = _resample_axis(out, height, 0, _bicubic, BICUBIC_SUPPORT)
     return out if out is not rgb else rgb.copy()

@@ -1,0 +1,455 @@
+"""Alerts: named questions a daemon stream asks about its frames, read as true / false /
+unknown, debounced, and announced when they change.
+
+    a frame the stream submits ─► StreamAlerts.ask: each alert that is due (every N frames,
+        none of its own questions unanswered, a place free) ─► one more request into the
+        daemon's pipeline, same image (the feature cache spares the encoder)
+    its answer (decode thread) ─► Rule.read: "true" | "false" | "unknown"
+        ─► Debounce: on_after true / off_after false readings in a row change the state
+        ─► an event {"stream", "alert", "state", "frame", "time"}: the stream's SSE
+           listeners (`event: alert`) and the alert's webhook (WebhookSender)
+
+What is fair and bounded. The stream's own prompt keeps its share of the pipeline
+(edgemm.streams.STREAM_SHARE frames in flight) untouched: alert questions have places of
+their own, ALERT_SHARE per stream, and an alert has at most ALERT_INFLIGHT questions in
+flight. An alert that is due when it has that many unanswered, or no place is free, is
+asked on the next frame instead (counted as skipped); the alerts that waited longest go
+first. A reading about an older frame than one already read (overtaken) is left out.
+Nothing waits for a place: asking never slows the stream's own frames down beyond the
+pipeline work the questions are. The daemon's pipeline keeps max_streams × ALERT_SHARE
+inbox places for them (edgemm.streams.reserved_places), so they never crowd out the API.
+
+A webhook is a thread of its own with a bounded queue: when it falls behind (an endpoint
+that is slow, down or hangs), the oldest events are dropped and counted; the stream never
+waits for it. Its token comes from an environment variable or an owner-only file, as the
+offload client's key does, and is sent only in the Authorization header.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+import time
+import urllib.parse
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from edgemm.backoff import Backoff
+from edgemm.config import AlertConfig, WebhookConfig
+from edgemm.metrics import Gauge, Registry
+from edgemm.offload import CredentialsError, read_key_file
+from edgemm.pipeline import Overloaded, Pipeline, Request
+from edgemm.sources import Frame
+
+log = logging.getLogger("edgemm")
+
+ALERT_SHARE = 4  # alert questions of one stream in the pipeline at once
+# questions of one alert in the pipeline at once: two, so that an alert still reads every
+# frame when an answer takes longer than the time between frames (up to twice as long)
+ALERT_INFLIGHT = 2
+WEBHOOK_QUEUE = 64  # events waiting per webhook; beyond, the oldest is dropped (counted)
+WEBHOOK_MAX_BACKOFF_S = 30.0
+STATES = ("true", "false", "unknown")
+
+# ---- reading an answer -----------------------------------------------------------------------
+
+NUMBER_WORDS = {word: n for n, word in enumerate(
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
+    "sixteen seventeen eighteen nineteen twenty".split())} | {"no": 0, "none": 0}
+_WORD = re.compile(r"[0-9]+(?:\.[0-9]+)?|[^\W\d_]+")  # a number, or a run of letters
+
+
+def words(text: str) -> list[str]:
+    """The answer's words, lower case, without punctuation: 'Yes, a red one.' → yes a red one."""
+    return _WORD.findall(text.lower())
+
+
+@dataclass(frozen=True)
+class Rule:
+    """How an answer reads as true / false / unknown (AlertConfig's rule keys)."""
+    match: tuple[str, ...] = ()  # these words, in order, somewhere in the answer
+    above: float | None = None
+    below: float | None = None
+
+    @classmethod
+    def of(cls, cfg: AlertConfig) -> "Rule":
+        return cls(tuple(words(cfg.match)) if cfg.match is not None else (), cfg.above, cfg.below)
+
+    def read(self, answer: str) -> str:
+        found = words(answer)
+        if not found:
+            return "unknown"
+        if self.match:
+            n = len(self.match)
+            return str(any(tuple(found[i:i + n]) == self.match for i in range(len(found) - n + 1))).lower()
+        if self.above is not None or self.below is not None:
+            number = first_number(found)
+            if number is None:
+                return "unknown"
+            holds = (self.above is None or number > self.above) and (self.below is None or number < self.below)
+            return str(holds).lower()
+        return {"yes": "true", "no": "false"}.get(found[0], "unknown")  # a yes/no question
+
+
+def first_number(found: Iterable[str]) -> float | None:
+    """The first number among the words: digits ('3') or a word ('three'); 'no' counts as 0."""
+    for word in found:
+        if word[0].isdigit():
+            return float(word)
+        if word in NUMBER_WORDS:
+            return float(NUMBER_WORDS[word])
+    return None
+
+
+# ---- the state ---------------------------------------------------------------------------------
+
+class Debounce:
+    """true / false / unknown, changed only by a run of readings: `on_after` true readings in a
+    row make it true, `off_after` false ones false, and as many unknown ones as the larger of
+    the two make it unknown. It starts unknown (nothing was read yet)."""
+
+    def __init__(self, on_after: int, off_after: int):
+        self.needed = {"true": on_after, "false": off_after, "unknown": max(on_after, off_after)}
+        self.state = "unknown"
+        self.reading: str | None = None  # the reading of the current run
+        self.run = 0  # its length
+
+    def observe(self, reading: str) -> bool:
+        """Take one reading; True if the state changed to it."""
+        self.run = self.run + 1 if reading == self.reading else 1
+        self.reading = reading
+        if reading != self.state and self.run >= self.needed[reading]:
+            self.state = reading
+            return True
+        return False
+
+
+@dataclass
+class AlertFigures:
+    readings: Counter = field(default_factory=Counter)  # true | false | unknown answers
+    transitions: Counter = field(default_factory=Counter)  # state changes, by the state changed to
+    errors: int = 0  # questions that failed in the pipeline (read as unknown)
+    skipped: int = 0  # due, but asked on a later frame: the last question unanswered or no place free
+
+
+class Alert:
+    def __init__(self, name: str, cfg: AlertConfig, webhook: "WebhookSender | None"):
+        self.name, self.cfg, self.webhook = name, cfg, webhook
+        self.rule = Rule.of(cfg)
+        self.debounce = Debounce(cfg.on_after, cfg.off_after)
+        self.figures = AlertFigures()
+        self.since_frame: int | None = None  # the frame whose reading made the state what it is
+        self.since_time: float | None = None
+        self.asked: int | None = None  # the stream's processed-frame count when last asked
+        self.in_flight = 0  # this alert's questions in the pipeline (at most ALERT_INFLIGHT)
+        self.read_seq = -1  # the stream's processed-frame count of the latest reading taken (an older one is stale)
+
+
+# ---- a stream's alerts -------------------------------------------------------------------------
+
+class StreamAlerts:
+    """One stream's alerts: asked from the stream's feeding thread, answered on the
+    pipeline's decode thread, read from the event loop (states, metrics)."""
+
+    def __init__(self, stream_id: str, alerts: Mapping[str, AlertConfig], webhook: WebhookConfig | None,
+                 pipeline: Pipeline, publish: Callable[[dict], None], tier: str | None = None,
+                 route: Callable[[], Any] | None = None, pool: threading.Semaphore | None = None,
+                 environ: Mapping[str, str] = os.environ, transport: httpx.BaseTransport | None = None):
+        self.stream_id, self.pipeline, self.publish = stream_id, pipeline, publish
+        self.tier, self.route, self.pool = tier, route, pool  # pool: the manager's, every stream's alert places
+        self.places = threading.BoundedSemaphore(ALERT_SHARE)
+        self._lock = threading.Lock()
+        self.senders: dict[str, WebhookSender] = {}  # "stream" or the alert's name → its sender
+        where = f"streams ({stream_id})"
+        shared = None
+        if webhook is not None and any(cfg.webhook is None for cfg in alerts.values()):
+            shared = self.senders["stream"] = WebhookSender(webhook, f"{where}.webhook", environ, transport)
+        self.alerts: list[Alert] = []
+        for name, cfg in alerts.items():
+            own = None
+            if cfg.webhook is not None:
+                own = self.senders[name] = WebhookSender(cfg.webhook, f"{where}.alerts.{name}.webhook",
+                                                         environ, transport)
+            self.alerts.append(Alert(name, cfg, own or shared))
+        self.processed = 0  # frames this stream submitted (the clock of `every`)
+
+    # -- the stream's feeding thread --
+
+    def ask(self, frame: Frame) -> None:
+        """The alerts due on `frame` (just submitted by the stream) go into the pipeline, if
+        they can without waiting; the others are asked on a later frame."""
+        count = self.processed
+        self.processed += 1
+        due = [a for a in self.alerts if a.asked is None or count - a.asked >= a.cfg.every]
+        due.sort(key=lambda a: -1 if a.asked is None else a.asked)  # the longest waiting first
+        for alert in due:
+            if alert.in_flight >= ALERT_INFLIGHT or not self._take_place():
+                self._skipped(alert)
+                continue
+            options: dict = {"max_new_tokens": alert.cfg.max_new_tokens}
+            if self.tier is not None:
+                options["tier"] = self.tier
+            if self.route is not None:
+                options["route"] = self.route()
+            try:
+                future = self.pipeline.submit(Request(frame.image, alert.cfg.prompt, options, tag=frame), block=False)
+            except Overloaded:  # not expected (its places are reserved); closing: asked no more
+                self._give_place()
+                self._skipped(alert)
+                continue
+            with self._lock:
+                alert.in_flight += 1
+            alert.asked = count
+            future.add_done_callback(partial(self._answered, alert, frame.index, count))
+
+    def _skipped(self, alert: Alert) -> None:
+        with self._lock:  # the decode thread counts overtaken answers here too
+            alert.figures.skipped += 1
+
+    def _take_place(self) -> bool:
+        if not self.places.acquire(blocking=False):
+            return False
+        if self.pool is not None and not self.pool.acquire(blocking=False):
+            self.places.release()
+            return False
+        return True
+
+    def _give_place(self) -> None:
+        if self.pool is not None:
+            self.pool.release()
+        self.places.release()
+
+    # -- the pipeline's decode thread --
+
+    def _answered(self, alert: Alert, frame: int, seq: int, future: Future) -> None:
+        """`frame`: the source's frame number (restarts with the source); `seq`: the stream's count."""
+        self._give_place()
+        try:
+            reading = alert.rule.read(future.result().text)
+            failed = False
+        except Exception:  # the question failed (the error is the pipeline's to log): not readable
+            reading, failed = "unknown", True
+        with self._lock:
+            alert.in_flight -= 1
+            if seq <= alert.read_seq:  # overtaken by a later frame's answer: that one is newer news
+                alert.figures.skipped += 1
+                return
+            alert.read_seq = seq
+            alert.figures.errors += failed
+            alert.figures.readings[reading] += 1
+            if not alert.debounce.observe(reading):
+                return
+            now = time.time()
+            alert.since_frame, alert.since_time = frame, now
+            alert.figures.transitions[reading] += 1
+        event = {"stream": self.stream_id, "alert": alert.name, "state": reading, "frame": frame,
+                 "time": round(now, 3)}
+        self.publish(event)
+        if alert.webhook is not None:
+            alert.webhook.send(event)
+
+    # -- the event loop --
+
+    def states(self) -> list[dict]:
+        """GET /v1/alerts' rows for this stream."""
+        with self._lock:
+            return [{"stream": self.stream_id, "alert": a.name, "state": a.debounce.state,
+                     "since_frame": a.since_frame, "since_time": None if a.since_time is None else round(a.since_time, 3),
+                     "prompt": a.cfg.prompt} for a in self.alerts]
+
+    def close(self) -> None:
+        """The stream is gone: its webhooks deliver what they hold, then stop."""
+        for sender in self.senders.values():
+            sender.close()
+
+
+def check_webhooks(alerts: Mapping[str, AlertConfig], webhook: WebhookConfig | None, where: str,
+                   environ: Mapping[str, str] = os.environ) -> None:
+    """The webhooks' tokens can be read (CredentialsError, one line, if not): at start-up."""
+    for hook, name in [(webhook, f"{where}webhook"),
+                       *((cfg.webhook, f"{where}alerts.{n}.webhook") for n, cfg in alerts.items())]:
+        if hook is not None:
+            read_token(hook, name, environ)
+
+
+def read_token(cfg: WebhookConfig, where: str, environ: Mapping[str, str] = os.environ) -> str | None:
+    """The webhook's bearer token: from token_env, else token_file (owner-only), else none."""
+    if cfg.token_env is not None:
+        token = environ.get(cfg.token_env, "").strip()
+        if not token:
+            raise CredentialsError(f"{where}.token_env: the environment variable {cfg.token_env} is not set")
+        return token
+    if cfg.token_file is not None:
+        return read_key_file(Path(cfg.token_file), f"{where}.token_file")
+    return None
+
+
+def without_secrets(spec: dict) -> dict:
+    """A stream's config as GET /v1/streams shows it: a webhook URL is shown as its scheme and
+    host only (a webhook's path often is its secret, as Slack's and Teams' are)."""
+    def hidden(hook: dict | None) -> dict | None:
+        if hook is None:
+            return None
+        parts = urllib.parse.urlsplit(hook["url"])
+        return {**hook, "url": f"{parts.scheme}://{parts.hostname or ''}/…"}
+    return {**spec, "webhook": hidden(spec.get("webhook")),
+            "alerts": {name: {**alert, "webhook": hidden(alert.get("webhook"))}
+                       for name, alert in spec.get("alerts", {}).items()}}
+
+
+# ---- webhooks ------------------------------------------------------------------------------------
+
+@dataclass
+class WebhookFigures:
+    delivered: int = 0
+    failed: int = 0  # events given up on after every attempt, or refused (4xx)
+    dropped: int = 0  # events the queue had no room for (the oldest go), or sent after close
+    retries: int = 0
+    last_error: str | None = None
+
+
+class WebhookSender:
+    """POSTs each event given to `send` as JSON to the webhook, in order, from a thread of its
+    own; retried on timeouts, connection errors, 429 and 5xx with backoff. `send` never waits."""
+
+    def __init__(self, cfg: WebhookConfig, where: str, environ: Mapping[str, str] = os.environ,
+                 transport: httpx.BaseTransport | None = None, queue_size: int | None = None):
+        self.cfg, self.where = cfg, where
+        token = read_token(cfg, where, environ)
+        self.host = urllib.parse.urlsplit(cfg.url).hostname or "the webhook"  # no user:password@ in messages
+        self.queue_size = queue_size or WEBHOOK_QUEUE
+        self.figures = WebhookFigures()
+        self._queue: deque[dict] = deque()
+        self._cond = threading.Condition()
+        self._closing = threading.Event()  # also cuts a backoff wait short
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.Client(timeout=httpx.Timeout(cfg.timeout_s), headers=headers, transport=transport,
+                                  follow_redirects=False)  # a redirect must not carry the token elsewhere
+        self._failing = False  # logged once when it starts failing, once when it works again
+        self.thread = threading.Thread(target=self._run, name="edgemm-webhook", daemon=True)
+        self.thread.start()
+
+    def __repr__(self) -> str:  # never the token
+        return f"WebhookSender({self.host!r}, queued={len(self._queue)})"
+
+    def send(self, event: dict) -> None:
+        with self._cond:
+            if self._closing.is_set():
+                self.figures.dropped += 1
+                return
+            if len(self._queue) >= self.queue_size:
+                self._queue.popleft()  # the oldest makes room: the newest state matters most
+                self.figures.dropped += 1
+            self._queue.append(event)
+            self._cond.notify()
+
+    def queued(self) -> int:
+        return len(self._queue)
+
+    def close(self) -> None:
+        """Deliver what is queued (each attempt within timeout_s, no more retries), then stop."""
+        with self._cond:
+            self._closing.set()
+            self._cond.notify()
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not self._queue and not self._closing.is_set():
+                        self._cond.wait()
+                    if not self._queue:
+                        return
+                    event = self._queue.popleft()
+                self._deliver(event)
+        finally:
+            self._http.close()
+
+    def _deliver(self, event: dict) -> None:
+        cfg, error = self.cfg, "not sent"
+        backoff = Backoff(cfg.backoff_s, WEBHOOK_MAX_BACKOFF_S)
+        for attempt in range(cfg.retries + 1):
+            if attempt:
+                if self._closing.wait(backoff.next()):
+                    break  # closing: no more retries
+                self.figures.retries += 1
+            try:
+                response = self._http.post(cfg.url, json=event)
+            except httpx.TimeoutException:
+                error = f"no reply from {self.host} within {cfg.timeout_s:g} s (timeout_s)"
+                continue
+            except httpx.HTTPError as e:
+                error = f"cannot reach {self.host}: {type(e).__name__}"
+                continue
+            if response.status_code == 429 or response.status_code >= 500:
+                error = f"{self.host} answered HTTP {response.status_code}"
+                continue
+            if 200 <= response.status_code < 300:
+                self.figures.delivered += 1
+                if self._failing:
+                    self._failing = False
+                    log.info("%s: delivering again to %s", self.where, self.host)
+                return
+            error = f"{self.host} refused the event: HTTP {response.status_code}"
+            break  # another 4xx: the same event would be refused again
+        self.figures.failed += 1
+        self.figures.last_error = error
+        if not self._failing:  # once, not once per event, while the endpoint stays down
+            self._failing = True
+            log.warning("%s: an alert event was not delivered: %s", self.where, error)
+
+
+# ---- /metrics --------------------------------------------------------------------------------------
+
+def alert_metrics(registry: Registry, streams: Mapping[str, Any]) -> None:
+    """The alerts' figures, read when scraped: `streams` is the daemon's id → ManagedStream
+    (those with alerts have `.alerts`, a StreamAlerts)."""
+    def each() -> Iterable[tuple[str, Any, Alert]]:
+        for stream_id, stream in list(streams.items()):
+            if stream.alerts is not None:
+                for alert in stream.alerts.alerts:
+                    yield stream_id, stream, alert
+
+    def senders() -> Iterable[tuple[str, str, WebhookSender]]:
+        for stream_id, stream in list(streams.items()):
+            if stream.alerts is not None:
+                for name, sender in stream.alerts.senders.items():
+                    yield stream_id, name, sender
+
+    registry.add(Gauge("edgemm_alert_state", "1 for each alert's current state (true, false, unknown).",
+                       ("stream", "alert", "state"),
+                       lambda: {(s, a.name, a.debounce.state): 1 for s, _, a in each()}))
+    registry.add(Gauge("edgemm_alert_transitions_total", "Alert state changes, by the state changed to.",
+                       ("stream", "alert", "state"),
+                       lambda: {(s, a.name, state): n for s, _, a in each()
+                                for state, n in a.figures.transitions.items()}, kind="counter"))
+    registry.add(Gauge("edgemm_alert_answers_total", "Alert answers, by how they read (unknown: neither "
+                       "yes nor no, no number, or the question failed).", ("stream", "alert", "reading"),
+                       lambda: {(s, a.name, reading): n for s, _, a in each()
+                                for reading, n in a.figures.readings.items()}, kind="counter"))
+    registry.add(Gauge("edgemm_alert_skipped_total", "Alert questions due but asked on a later frame (the last "
+                       "one unanswered, or the stream's alert places full).", ("stream", "alert"),
+                       lambda: {(s, a.name): a.figures.skipped for s, _, a in each()}, kind="counter"))
+    def dropped() -> dict:
+        counts = {(s, "listener"): st.alerts_lagged for s, st in list(streams.items()) if st.alerts is not None}
+        for s, _, sender in senders():
+            counts[(s, "webhook")] = counts.get((s, "webhook"), 0) + sender.figures.dropped
+        return counts
+
+    registry.add(Gauge("edgemm_alert_events_dropped_total", "Alert events lost: a slow SSE listener's oldest "
+                       "(sink listener), or a webhook queue's oldest (sink webhook).", ("stream", "sink"),
+                       dropped, kind="counter"))
+    registry.add(Gauge("edgemm_alert_webhook_events_total", "Alert events sent to webhooks, by outcome (delivered, "
+                       "failed after its retries or refused, dropped from a full queue) and retries.",
+                       ("stream", "webhook", "outcome"),
+                       lambda: {(s, name, outcome): getattr(w.figures, outcome) for s, name, w in senders()
+                                for outcome in ("delivered", "failed", "dropped", "retries")}, kind="counter"))
+

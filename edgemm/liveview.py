@@ -1,0 +1,111 @@
+"""The live view: the page at `GET /`, and the endpoints it needs beyond the API's.
+
+    GET /                              edgemm/web/index.html: one self-contained page, no build step
+    GET /v1/events                     every stream's results (and alert events) as one SSE
+                                       stream, so a page watching many streams holds one connection
+    GET /v1/streams/{id}/frame.jpg     the latest answered frame, a JPEG of at most 640 px a side
+                                       (edgemm.view.LatestFrame: encoded once per answer); 404 before one
+    PATCH /v1/streams/{id}             {"prompt": …}: the prompt of the frames submitted from now on
+
+Everything is bounded as the rest of the API: a page's /v1/events is one of
+server.max_stream_listeners (503 beyond) and loses its oldest events when the browser reads
+slowly (counted in the streams' `lagged`); frame.jpg serves the latest frame only, nothing
+is queued for it. The page itself uses the existing API for the rest (GET/POST/DELETE
+/v1/streams, /v1/status, /v1/alerts where the daemon has alerts).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from importlib import resources
+
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from edgemm.openai_api import ApiError
+from edgemm.pipeline import Overloaded
+from edgemm.service import Service
+from edgemm.streams import END, StreamSpecError
+
+# the scope key of edgemm.connections.LONG_LIVED (see edgemm.server for why it is not imported)
+LONG_LIVED = "edgemm.long_lived"
+KEEPALIVE_S = 15.0  # an SSE comment this often on a quiet /v1/events, so idle proxies keep it open
+PATCHABLE = ("prompt",)
+
+
+def page() -> bytes:
+    return resources.files("edgemm").joinpath("web/index.html").read_bytes()
+
+
+def event_text(record: dict, event: str | None) -> str:
+    """One SSE event: a result as a plain one, an alert's change as `event: alert` (as the stream's own
+    /v1/streams/{id}/events sends them; their ids are per stream, so none is sent here)."""
+    kind = f"event: {event}\n" if event else ""
+    return f"{kind}data: {json.dumps(record)}\n\n"
+
+
+def live_view_routes(service: Service, read_json: Callable[..., Awaitable[object]]) -> list[Route]:
+    """The page's routes; `read_json` is edgemm.server's body reader (its limits and timeouts)."""
+    html = page()  # read once: the page is part of the package
+
+    async def index(http: HttpRequest) -> Response:
+        return Response(html, media_type="text/html; charset=utf-8", headers={"Cache-Control": "no-cache"})
+
+    async def all_events(http: HttpRequest) -> Response:
+        manager = service.streams
+        limit = service.server.max_stream_listeners
+        if manager.listener_count() >= limit:
+            raise Overloaded(f"server busy: {limit} stream listeners are connected (server.max_stream_listeners); "
+                             f"retry in {service.server.retry_after_s} s")
+        if callable(mark := http.scope.get(LONG_LIVED)):
+            mark()  # out of server.max_connections, as a stream's own listener
+        listener = manager.listen_all()
+
+        async def events():
+            try:
+                yield ": edgemm live view\n\n"  # the headers and a first byte now: EventSource opens at once
+                while True:
+                    try:
+                        item = await asyncio.wait_for(listener.get(), KEEPALIVE_S)
+                    except asyncio.TimeoutError:
+                        yield ": keepalive\n\n"
+                        continue
+                    if item is END:
+                        break
+                    _, record, event = item
+                    yield event_text(record, event)
+            finally:
+                manager.unlisten_all(listener)
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    async def frame_jpeg(http: HttpRequest) -> Response:
+        stream = service.streams.get(http.path_params["id"])  # 404 for no such stream
+        latest = stream.latest
+        # encoding (a few ms for 640 px) off the event loop; a frame already encoded is not encoded again
+        encoded = latest.cached() or await asyncio.to_thread(latest.jpeg)
+        if encoded is None:
+            raise ApiError(f"stream {stream.spec.id!r} has no answered frame yet", status=404, code="no_frame")
+        number, data = encoded
+        return Response(data, media_type="image/jpeg",
+                        headers={"Cache-Control": "no-store", "X-Edgemm-Answer": str(number)})
+
+    async def patch_stream(http: HttpRequest) -> Response:
+        body = await read_json(http, admit=False)  # like POST /v1/streams: no request slot
+        if not isinstance(body, dict) or not body:
+            raise StreamSpecError("a stream change is a JSON object: {\"prompt\": …}")
+        unknown = sorted(set(body) - set(PATCHABLE))
+        if unknown:
+            raise StreamSpecError(f"only {', '.join(PATCHABLE)} can be changed on a running stream, "
+                                  f"not {unknown[0]!r} (DELETE it and POST it anew)", unknown[0])
+        stream = service.streams.change_prompt(http.path_params["id"], body["prompt"])
+        return JSONResponse(stream.describe())
+
+    return [
+        Route("/", index, methods=["GET"]),
+        Route("/v1/events", all_events, methods=["GET"]),
+        Route("/v1/streams/{id}/frame.jpg", frame_jpeg, methods=["GET"]),
+        Route("/v1/streams/{id}", patch_stream, methods=["PATCH"]),
+    ]

@@ -1,0 +1,100 @@
+"""Bicubic resize of RGB8 images, bit-exact with torch's antialiased uint8 `interpolate`.
+
+transformers' default image processors for InternVL (`GotOcr2ImageProcessor`, the
+torchvision backend a user gets whenever torchvision is installed) resize uint8
+tensors with torchvision's `resize(..., BICUBIC, antialias=True)`, which on a CPU hands
+the uint8 image straight to torch's `interpolate(mode="bicubic", antialias=True)`.
+That kernel (aten/src/ATen/native/cpu/UpSampleKernel.cpp, the same sums on its AVX2
+and its generic path) is Pillow-SIMD's algorithm, not Pillow's:
+
+* per output pixel, taps over `support = 2 * max(scale, 1)` input pixels, the cubic
+  kernel with a = -0.5 stretched by the scale when shrinking (the antialiasing);
+* weights normalised to sum 1, then int16 fixed point with as many fraction bits as
+  the largest weight of the axis allows (at most 22; Pillow always uses 22);
+* a horizontal pass, then a vertical pass, each rounding to uint8 in between.
+
+So Pillow's BICUBIC (transformers' PIL backend) differs from it by a grey level here
+and there; this module gives torch's pixels. Neither Pillow nor torch is a runtime
+dependency: this is the algorithm in numpy.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+CUBIC_A = -0.5  # torch uses Pillow's a for antialiased bicubic (-0.75 without antialias)
+SUPPORT = 2.0  # the cubic kernel's half-width
+MAX_PRECISION = 22
+
+
+def _cubic(x: np.ndarray) -> np.ndarray:
+    """Keys' cubic convolution kernel with a = -0.5, 0 from |x| = 2 on."""
+    x = np.abs(x)
+    a = CUBIC_A
+    near = ((a + 2) * x - (a + 3)) * x * x + 1
+    far = ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+    return np.where(x < 1, near, np.where(x < 2, far, 0.0))
+
+
+def _coefficients(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """(first input index [out], int16 weights [out, taps], fraction bits) for one axis."""
+    scale = in_size / out_size
+    support = SUPPORT * scale if scale >= 1 else SUPPORT
+    taps = int(math.ceil(support)) * 2 + 1
+    inv_scale = 1 / scale if scale >= 1 else 1.0
+    centers = scale * (np.arange(out_size) + 0.5)
+    # static_cast<int64_t>(v + 0.5): truncation towards zero, as torch writes it
+    first = np.maximum(np.trunc(centers - support + 0.5).astype(np.int64), 0)
+    size = np.clip(np.minimum(np.trunc(centers + support + 0.5).astype(np.int64), in_size) - first, 0, taps)
+    offsets = np.arange(taps)
+    used = offsets[None, :] < size[:, None]
+    weights = np.where(used, _cubic((offsets[None, :] + first[:, None] - centers[:, None] + 0.5) * inv_scale), 0.0)
+    totals = weights.sum(axis=1, keepdims=True)
+    weights = np.divide(weights, totals, out=np.zeros_like(weights), where=totals != 0)
+    top = weights.max(initial=0.0)
+    bits = 0
+    while bits < MAX_PRECISION and int(0.5 + top * (1 << (bits + 1))) < (1 << 15):
+        bits += 1
+    scaled = weights * (1 << bits)
+    fixed = np.trunc(np.where(scaled < 0, scaled - 0.5, scaled + 0.5))
+    return first, fixed.astype(np.int64), bits
+
+
+def _resample_rows(planes: np.ndarray, out_size: int) -> np.ndarray:
+    """One pass along the rows of uint8 (C, H, W) planes → (C, out_size, W), tap by tap in
+    place, summed in int32 as torch sums (|sum| < 255 * 1.1 * 2**22 < 2**31), then torch's
+    rounding: (sum + 2**(bits-1)) >> bits, clipped to 0..255. Whole rows are gathered,
+    which is a plain copy; a column pass runs on the transposed planes.
+
+    A tap loop, not matrix products: BLAS would be several times faster on an idle core,
+    but its thread pool stalls on a busy one (two prepare threads, the encoder's threads)."""
+    first, weights, bits = _coefficients(planes.shape[1], out_size)
+    shape = (planes.shape[0], out_size, planes.shape[2])
+    acc = np.full(shape, 1 << (bits - 1), np.int32)
+    gathered, product = np.empty(shape, np.uint8), np.empty(shape, np.int32)
+    for tap in range(weights.shape[1]):
+        index = np.minimum(first + tap, planes.shape[1] - 1)  # unused taps have weight 0
+        np.take(planes, index, axis=1, out=gathered)
+        np.multiply(gathered, weights[:, tap].astype(np.int32)[:, None], out=product)
+        acc += product
+    acc >>= bits
+    return np.clip(acc, 0, 255).astype(np.uint8)
+
+
+def resize_planes(planes: np.ndarray, height: int, width: int) -> np.ndarray:
+    """uint8 (C, H, W) → (C, height, width), the pixels torch's antialiased uint8 bicubic gives."""
+    if height < 1 or width < 1:
+        raise ValueError(f"resize target must be positive, got {height}x{width}")
+    out = planes
+    if out.shape[2] != width:  # torch: horizontal pass first, then vertical
+        columns = np.ascontiguousarray(out.transpose(0, 2, 1))
+        out = _resample_rows(columns, width).transpose(0, 2, 1)
+    if out.shape[1] != height:
+        out = _resample_rows(np.ascontiguousarray(out), height)
+    return np.ascontiguousarray(out) if out is not planes else planes.copy()
+
+
+def resize_bicubic(rgb: np.ndarray, height: int, width: int) -> np.ndarray:
+    """RGB8 (H, W, 3) → (height, width, 3), the pixels torch's antialiased uint8 bicubic gives."""
+    return np.ascontiguousarray(resize_planes(rgb.transpose(2, 0, 1), height, width).transpose(1, 2, 0))

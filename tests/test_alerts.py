@@ -1,0 +1,508 @@
+"""Alerts (edgemm/alerts.py): rules read answers, debounce turns readings into states, the
+state changes reach SSE listeners, GET /v1/alerts, /metrics and webhooks, and nothing a
+slow or hanging webhook does slows the stream.
+
+The rules and the debounce run on scripted answers (a pipeline whose futures the test
+completes); the rest against a real daemon on a temporary socket (test_server's) with
+`synthetic://` streams and the built-in model, and webhooks against real local HTTP
+servers (http.server on a thread, and a socket that accepts and never answers).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from test_server import assert_error, metric, raw_client, running, sock_path, wait_until
+
+import edgemm.alerts
+from edgemm.alerts import ALERT_SHARE, Debounce, Rule, StreamAlerts, WebhookSender
+from edgemm.config import AlertConfig, ConfigError, WebhookConfig, config_from_dict, load_config
+from edgemm.daemon import Daemon
+from edgemm.errors import InputError
+from edgemm.sources import Frame
+
+COUNT = "how many shapes are there ?"
+COLOUR = "what color is the circle ?"
+TOKEN = "s3cret-hook-token"
+
+
+# ---- rules -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("answer, reading", [
+    ("yes", "true"), ("Yes, there is a person.", "true"), ("YES", "true"), ("no", "false"), ("No.", "false"),
+    ("nope", "unknown"), ("there is no person", "unknown"), ("", "unknown"), ("  ?! ", "unknown"),
+])
+def test_a_yes_no_alert_reads_the_first_word_case_insensitively(answer, reading):
+    assert Rule.of(AlertConfig(prompt="is there a person ?")).read(answer) == reading
+
+
+@pytest.mark.parametrize("match, answer, reading", [
+    ("red", "red", "true"), ("red", "The circle is RED.", "true"), ("red", "blue", "false"),
+    ("red", "reddish", "false"), ("red circle", "a red circle and a blue square", "true"),
+    ("red circle", "a circle , red", "false"), ("red", "", "unknown"),
+])
+def test_a_match_alert_looks_for_its_words_in_order(match, answer, reading):
+    assert Rule.of(AlertConfig(prompt=COLOUR, match=match)).read(answer) == reading
+
+
+@pytest.mark.parametrize("bounds, answer, reading", [
+    ({"above": 2}, "three", "true"), ({"above": 2}, "two", "false"), ({"above": 2}, "there are 5 shapes", "true"),
+    ({"above": 2}, "no shapes", "false"), ({"above": 2}, "many", "unknown"), ({"below": 2}, "one", "true"),
+    ({"above": 1, "below": 4}, "three", "true"), ({"above": 1, "below": 4}, "four", "false"),
+    ({"above": 2.5}, "2.7 people", "true"),
+])
+def test_a_count_alert_compares_the_first_number(bounds, answer, reading):
+    assert Rule.of(AlertConfig(prompt=COUNT, **bounds)).read(answer) == reading
+
+
+def test_debounce_changes_state_only_after_a_run():
+    debounce = Debounce(on_after=2, off_after=3)
+    readings = ["true", "false", "true", "true", "true", "false", "false", "unknown", "false", "false", "false",
+                "unknown", "unknown", "unknown", "true", "true"]
+    changes = [(i, r) for i, r in enumerate(readings) if debounce.observe(r)]
+    # true after 2 in a row (3), false after 3 (10), unknown after max(2, 3) = 3 unknowns (13), true (15)
+    assert changes == [(3, "true"), (10, "false"), (13, "unknown"), (15, "true")]
+
+
+# ---- a stream's alerts on scripted answers ---------------------------------------------------
+
+class ScriptedPipeline:
+    """Takes requests without answering them; the test answers (or fails) each one."""
+
+    def __init__(self):
+        self.requests: list = []
+
+    def submit(self, request, block: bool = True, timeout: float | None = None) -> Future:
+        self.requests.append(request)
+        return request.future
+
+    def answer(self, prompt: str, text: str) -> None:
+        request = next(r for r in self.requests if r.prompt == prompt and not r.future.done())
+        request.future.set_result(SimpleNamespace(text=text))
+
+
+def frame(index: int) -> Frame:
+    return Frame(index, np.zeros((8, 8, 3), np.uint8), 0.0, "synthetic://")
+
+
+def scripted(alerts: dict, **kw) -> tuple[StreamAlerts, ScriptedPipeline, list[dict]]:
+    pipeline, events = ScriptedPipeline(), []
+    cfg = config_from_dict({"streams": [{"id": "cam", "source": "synthetic://", "alerts": alerts}]}).streams[0]
+    return StreamAlerts("cam", cfg.alerts, None, pipeline, events.append, **kw), pipeline, events
+
+
+def test_scripted_answers_make_debounced_events_with_frame_numbers():
+    alerts, pipeline, events = scripted({"many": {"prompt": COUNT, "above": 2, "on_after": 2, "off_after": 2}})
+    script = ["three", "four", "four", "one", "three", "one", "zero", "lots", "lots"]
+    for i, text in enumerate(script):
+        alerts.ask(frame(10 + i))
+        pipeline.answer(COUNT, text)
+    assert [(e["frame"], e["state"]) for e in events] == [(11, "true"), (16, "false"), (18, "unknown")]
+    assert all(set(e) == {"stream", "alert", "state", "frame", "time"} and e["stream"] == "cam"
+               and e["alert"] == "many" and isinstance(e["time"], float) for e in events)
+    figures = alerts.alerts[0].figures
+    assert figures.readings == {"true": 4, "false": 3, "unknown": 2}
+    assert figures.transitions == {"true": 1, "false": 1, "unknown": 1}
+    [row] = alerts.states()
+    assert row == {"stream": "cam", "alert": "many", "state": "unknown", "since_frame": 18,
+                   "since_time": events[-1]["time"], "prompt": COUNT}
+
+
+def test_a_failed_question_reads_unknown_and_is_counted():
+    alerts, pipeline, events = scripted({"p": {"prompt": "is there a person ?", "on_after": 1, "off_after": 1}})
+    alerts.ask(frame(0))
+    pipeline.answer("is there a person ?", "yes")
+    alerts.ask(frame(1))
+    pipeline.requests[-1].future.set_exception(RuntimeError("the decoder failed"))
+    alerts.ask(frame(2))
+    pipeline.requests[-1].future.set_exception(RuntimeError("the decoder failed"))
+    assert [e["state"] for e in events] == ["true", "unknown"]
+    assert alerts.alerts[0].figures.errors == 2 and alerts.alerts[0].figures.readings["unknown"] == 2
+
+
+def test_every_asks_on_every_nth_frame_and_questions_ask_the_frames_own_image():
+    alerts, pipeline, _ = scripted({"p": {"prompt": "is there a person ?", "every": 3}}, tier="low")
+    for i in range(7):
+        alerts.ask(frame(i))
+        if pipeline.requests and not pipeline.requests[-1].future.done():
+            pipeline.answer("is there a person ?", "no")
+    assert [r.tag.index for r in pipeline.requests] == [0, 3, 6]
+    assert all(r.options == {"max_new_tokens": 8, "tier": "low"} for r in pipeline.requests)
+
+
+def test_alert_questions_are_bounded_and_the_longest_waiting_goes_first():
+    names = [f"a{i}" for i in range(ALERT_SHARE + 2)]
+    alerts, pipeline, _ = scripted({n: f"is there a {n} ?" for n in names})
+    alerts.ask(frame(0))  # nothing is answered: only ALERT_SHARE questions go in
+    assert len(pipeline.requests) == ALERT_SHARE
+    alerts.ask(frame(1))  # every place is taken: all wait
+    assert len(pipeline.requests) == ALERT_SHARE
+    assert sum(a.figures.skipped for a in alerts.alerts) == 2 + len(names)
+    for request in list(pipeline.requests):
+        request.future.set_result(SimpleNamespace(text="no"))
+    alerts.ask(frame(2))  # the two never asked go first
+    asked = [r.prompt for r in pipeline.requests[ALERT_SHARE:]]
+    assert asked[:2] == [f"is there a {n} ?" for n in names[-2:]] and len(asked) == ALERT_SHARE
+
+
+def test_one_alert_has_at_most_two_questions_in_flight_and_a_stale_answer_is_left_out():
+    alerts, pipeline, events = scripted({"p": {"prompt": "is there a person ?", "on_after": 1, "off_after": 1}})
+    for i in range(3):
+        alerts.ask(frame(i))
+    assert [r.tag.index for r in pipeline.requests] == [0, 1]  # frame 2: skipped
+    assert alerts.alerts[0].figures.skipped == 1
+    pipeline.requests[1].future.set_result(SimpleNamespace(text="yes"))  # frame 1 answered first
+    pipeline.requests[0].future.set_result(SimpleNamespace(text="no"))  # older news: left out
+    assert [(e["frame"], e["state"]) for e in events] == [(1, "true")]
+    assert alerts.alerts[0].figures.skipped == 2 and alerts.alerts[0].figures.readings == {"true": 1}
+
+
+def test_the_managers_pool_bounds_every_streams_questions_together():
+    pool = threading.BoundedSemaphore(1)
+    alerts, pipeline, _ = scripted({"a": "is there a cat ?", "b": "is there a dog ?"}, pool=pool)
+    alerts.ask(frame(0))
+    assert len(pipeline.requests) == 1
+    pipeline.requests[0].future.set_result(SimpleNamespace(text="no"))
+    assert pool.acquire(blocking=False)  # given back once answered
+
+
+def test_synthetic_hold_keeps_each_scene_for_n_frames_with_fresh_noise():
+    from edgemm.sources import open_source
+    with open_source("synthetic://?hold=3&seed=5&count=7") as source:
+        frames = list(source)
+    truths = [f.truth for f in frames]
+    assert len(frames) == 7
+    assert truths[0] is truths[1] is truths[2] and truths[3] is truths[5] and truths[6] is not truths[5]
+    assert truths[0].describe() != truths[3].describe()
+    assert not np.array_equal(frames[0].image, frames[1].image)  # the same scene, not the same pixels
+    assert np.abs(frames[0].image.astype(int) - frames[1].image).max() <= 2 * 3
+
+
+# ---- the config's rules --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("alerts, message", [
+    ({"p": 3}, "'streams[0].alerts.p' must be a string (its prompt) or a mapping, got 3 (int)"),
+    ({"p": {"prompt": "x", "match": "red", "above": 1}},
+     "'streams[0].alerts.p.match' must not be given with above/below (one rule per alert), got 'red'"),
+    ({"p": {"prompt": "x", "above": 3, "below": 1}}, "'streams[0].alerts.p.below' must be above 'above' (3), got 1.0"),
+    ({"p": {"prompt": "x", "on_after": 0}}, "'streams[0].alerts.p.on_after' must be in 1..1000, got 0"),
+    ({"p": {"prompt": ""}}, "'streams[0].alerts.p.prompt' must be a question, got ''"),
+    ({"p": {"prompt": "x", "mach": "red"}}, "unknown key 'streams[0].alerts.p.mach' (known: above, below, every, "
+                                            "match, max_new_tokens, off_after, on_after, prompt, webhook)"),
+    ({"a b": "x"}, "'streams[0].alerts' must have names of letters, digits, '_', '.', '-' (at most 64), got 'a b'"),
+    ({f"a{i}": "x" for i in range(9)}, "'streams[0].alerts' must have at most 8 alerts, got 9"),
+    ({"p": {"prompt": "x", "webhook": {"url": "ftp://x"}}},
+     "'streams[0].alerts.p.webhook.url' must be an http:// or https:// URL, got 'ftp://x'"),
+    ({"p": {"prompt": "x", "webhook": {"url": "http://x", "token_env": "A", "token_file": "f"}}},
+     "'streams[0].alerts.p.webhook.token_file' must not be given with token_env (one token), got 'f'"),
+])
+def test_bad_alerts_are_one_line_config_errors(alerts, message):
+    with pytest.raises(ConfigError) as info:
+        config_from_dict({"streams": [{"id": "cam", "source": "synthetic://", "alerts": alerts}]})
+    assert str(info.value) == f"config: {message}"
+
+
+def test_a_webhook_token_variable_that_is_not_set_fails_the_start(runtime, tmp_path):
+    cfg = load_config({"server": {"socket": str(tmp_path / "edgemm.sock")},
+                       "streams": [{"id": "door", "source": "synthetic://", "alerts": {"p": "is there a person ?"},
+                                    "webhook": {"url": "http://127.0.0.1:1/", "token_env": "EDGEMM_NO_SUCH_TOKEN"}}]})
+    with pytest.raises(InputError) as info:
+        Daemon(cfg, runtime=runtime).run()
+    assert str(info.value) == ("config: streams[0] (door): webhook.token_env: the environment variable "
+                               "EDGEMM_NO_SUCH_TOKEN is not set")
+    assert not (tmp_path / "edgemm.sock").exists()
+
+
+def test_the_api_checks_alerts_and_never_lets_a_client_name_a_token(runtime):
+    body = {"id": "cam", "source": "synthetic://?fps=5", "prompt": COUNT, "alerts": {"p": {"prompt": "x", "every": 0}}}
+    with running(runtime) as d, raw_client(sock_path(d)) as http:
+        error = assert_error(http.post("/v1/streams", json=body), 400, param="alerts.p.every")
+        assert error["message"] == "'alerts.p.every' must be in 1..1000, got 0"
+        body["alerts"] = {"p": "is there a person ?"}
+        body["webhook"] = {"url": "http://127.0.0.1:1/", "token_env": "HOME"}
+        error = assert_error(http.post("/v1/streams", json=body), 403)
+        assert "token_env or token_file can only be configured in the config file" in error["message"]
+        body["alerts"] = {"p": "x" * 4001}
+        del body["webhook"]
+        error = assert_error(http.post("/v1/streams", json=body), 400, param="alerts.p.prompt")
+        assert "above the 4000 limit" in error["message"]
+        assert http.get("/v1/streams").json()["data"] == []
+
+
+# ---- a real daemon ---------------------------------------------------------------------------------
+
+def sse(path: str, stream_id: str) -> list[tuple[str | None, dict]]:
+    """Every event of /v1/streams/{id}/events until the stream ends: (its SSE event name, data)."""
+    events, name = [], None
+    with raw_client(path, timeout=60) as http, http.stream("GET", f"/v1/streams/{stream_id}/events") as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("event: "):
+                name = line[7:]
+            elif line.startswith("data: "):
+                events.append((name, json.loads(line[6:])))
+                name = None
+    return events
+
+
+def counting_stream(stream_id: str, frames: int, **extra) -> dict:
+    """A finite synthetic stream (read losslessly) that asks the count and, as alerts, the count
+    above 2 and the circle's colour, each changing state on every new reading."""
+    return {"id": stream_id, "source": f"synthetic://?count={frames}&seed=3", "prompt": COUNT,
+            "tier": "low",
+            "max_new_tokens": 2,
+            "alerts": {"many": {"prompt": COUNT, "above": 2, "on_after": 1, "off_after": 1},
+                       "red": {"prompt": COLOUR, "match": "red", "on_after": 1, "off_after": 1}}, **extra}
+
+
+def settled(http, stream_id: str, alerts=("many", "red")) -> bool:
+    """The stream ended and each of its frames' questions was answered (or its skip counted)."""
+    figures = http.get(f"/v1/streams/{stream_id}").json()
+    text = http.get("/metrics").text
+    return figures["state"] == "ended" and all(
+        figures["frames"] == metric(text, f'edgemm_alert_skipped_total{{stream="{stream_id}",alert="{a}"}}')
+        + sum(metric(text, f'edgemm_alert_answers_total{{stream="{stream_id}",alert="{a}",reading="{r}"}}', 0)
+              for r in ("true", "false", "unknown")) for a in alerts)
+
+
+def test_a_daemon_stream_sends_alert_events_lists_states_and_counts_them(runtime):
+    # 60 frames, each 3 answers: seconds, so the listener connects long before the stream ends
+    with running(runtime, {"streams": [counting_stream("shapes", 60)]}) as d, \
+            raw_client(sock_path(d)) as http:
+        events = sse(sock_path(d), "shapes")  # the stream may have started first: listen, then compare
+        wait_until(lambda: settled(http, "shapes"), what="every question answered")
+        figures = http.get("/v1/streams/shapes").json()
+        alerts = http.get("/v1/alerts").json()
+        text = http.get("/metrics").text
+    results = {e["frame"]: e for name, e in events if name is None}
+    alert_events = [e for name, e in events if name == "alert"]
+    assert figures["state"] == "ended" and figures["frames"] == 60
+    assert alert_events, "no alert changed state in 40 scenes"
+    assert all(set(e) == {"stream", "alert", "state", "frame", "time"} and e["stream"] == "shapes"
+               for e in alert_events)
+    # the alert asks what the stream asks, about the same frame: its reading is the stream's answer read
+    # by the rule (the stream's first events may be missed if it answered before we listened)
+    many = Rule.of(AlertConfig(prompt=COUNT, above=2))
+    checked = [e for e in alert_events if e["alert"] == "many" and e["frame"] in results]
+    assert checked and all(many.read(results[e["frame"]]["answer"]) == e["state"] for e in checked)
+    for name in ("many", "red"):
+        mine = [e for e in alert_events if e["alert"] == name]
+        assert [e["frame"] for e in mine] == sorted({e["frame"] for e in mine})  # in frame order, once each
+        states = [e["state"] for e in mine]
+        assert all(a != b for a, b in zip(states, states[1:]))  # each event is a change
+        transitions = sum(metric(text, f'edgemm_alert_transitions_total{{stream="shapes",alert="{name}",state="{s}"}}',
+                                 0) for s in ("true", "false", "unknown"))
+        assert transitions >= len(mine)
+    assert {r["alert"]: r for r in alerts["data"]}.keys() == {"many", "red"}
+    assert alerts["object"] == "list"
+    for row in alerts["data"]:
+        assert set(row) == {"stream", "alert", "state", "since_frame", "since_time", "prompt"}
+        last = [e for e in alert_events if e["alert"] == row["alert"]][-1]
+        assert (row["state"], row["since_frame"], row["since_time"]) == (last["state"], last["frame"], last["time"])
+    assert metric(text, 'edgemm_alert_events_dropped_total{stream="shapes",sink="listener"}') == 0
+
+
+# ---- webhooks ------------------------------------------------------------------------------------
+
+class Hook:
+    """A real HTTP server taking POSTed events; answers each with the next status of `script`
+    (the last one repeats)."""
+
+    def __init__(self, script: list[int] | None = None):
+        self.script, self.received = list(script or [200]), []
+        hook = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                hook.received.append((dict(self.headers), body))
+                status = hook.script.pop(0) if len(hook.script) > 1 else hook.script[0]
+                self.send_response(status)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/edgemm"
+        threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def hook() -> Iterator[Hook]:
+    server = Hook()
+    yield server
+    server.close()
+
+
+@contextlib.contextmanager
+def hanging() -> Iterator[str]:
+    """A URL whose server takes the connection and the request and never answers."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)  # never accepted: the kernel completes the handshake, nobody replies
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}/"
+    finally:
+        listener.close()
+
+
+EVENT = {"stream": "cam", "alert": "p", "state": "true", "frame": 7, "time": 1.5}
+
+
+def test_a_webhook_retries_5xx_and_429_with_backoff_then_delivers(hook, caplog):
+    hook.script = [503, 429, 500, 200]
+    cfg = WebhookConfig(url=hook.url, token_env="EDGEMM_HOOK_TOKEN", timeout_s=5, retries=3, backoff_s=0.01)
+    with caplog.at_level(logging.INFO, "edgemm"):
+        sender = WebhookSender(cfg, "streams (cam).webhook", environ={"EDGEMM_HOOK_TOKEN": TOKEN})
+        sender.send(EVENT)
+        wait_until(lambda: sender.figures.delivered == 1, what="the event to be delivered")
+        sender.close()
+    assert [body for _, body in hook.received] == [EVENT] * 4
+    assert all(headers["Authorization"] == f"Bearer {TOKEN}" for headers, _ in hook.received)
+    assert (sender.figures.retries, sender.figures.failed, sender.figures.dropped) == (3, 0, 0)
+    assert TOKEN not in caplog.text and TOKEN not in repr(sender)
+
+
+def test_a_webhook_gives_up_after_its_retries_and_does_not_retry_a_4xx(hook, caplog):
+    hook.script = [500]
+    sender = WebhookSender(WebhookConfig(url=hook.url, retries=2, backoff_s=0.01), "w")
+    with caplog.at_level(logging.WARNING, "edgemm"):
+        sender.send(EVENT)
+        sender.send(EVENT)
+        wait_until(lambda: sender.figures.failed == 2, what="both events to fail")
+    assert len(hook.received) == 6 and sender.figures.retries == 4
+    assert sender.figures.last_error == "127.0.0.1 answered HTTP 500"
+    assert caplog.text.count("was not delivered") == 1  # once while it keeps failing, not per event
+    hook.script = [404]
+    sender.send(EVENT)
+    wait_until(lambda: sender.figures.failed == 3, what="the refused event")
+    sender.close()
+    assert len(hook.received) == 7  # a 404 is final
+
+
+def test_a_webhook_token_file_must_be_the_owners_only(tmp_path, hook):
+    token = tmp_path / "token"
+    token.write_text(TOKEN + "\n")
+    token.chmod(0o644)
+    with pytest.raises(edgemm.alerts.CredentialsError) as info:
+        WebhookSender(WebhookConfig(url=hook.url, token_file=str(token)), "streams (cam).webhook")
+    assert str(info.value) == (f"streams (cam).webhook.token_file: refusing {token}: mode 0644 lets group or "
+                               f"others access it (chmod 600 {token})")
+    token.chmod(0o600)
+    sender = WebhookSender(WebhookConfig(url=hook.url, token_file=str(token)), "w")
+    sender.send(EVENT)
+    wait_until(lambda: sender.figures.delivered == 1, what="delivery")
+    sender.close()
+    assert hook.received[0][0]["Authorization"] == f"Bearer {TOKEN}"
+
+
+def test_a_hanging_webhook_drops_its_oldest_events_and_never_waits():
+    with hanging() as url:
+        sender = WebhookSender(WebhookConfig(url=url, timeout_s=30, retries=0), "w", queue_size=3)
+        sender.send({**EVENT, "frame": 0})
+        wait_until(lambda: sender.queued() == 0, what="the first event to be sent (it hangs)")
+        for i in range(1, 10):  # the queue keeps the newest 3
+            sender.send({**EVENT, "frame": i})
+        wait_until(lambda: sender.queued() == 3 and sender.figures.dropped == 6, what="the queue to drop")
+        assert [e["frame"] for e in sender._queue] == [7, 8, 9]
+        assert sender.figures.delivered == 0
+        sender.close()
+        sender.send(EVENT)  # after close: dropped, counted
+        assert sender.figures.dropped == 7
+
+
+def test_daemon_alerts_post_their_changes_to_the_webhook(runtime, hook, monkeypatch):
+    monkeypatch.setenv("EDGEMM_HOOK_TOKEN", TOKEN)
+    spec = counting_stream("shapes", 30, webhook={"url": hook.url, "token_env": "EDGEMM_HOOK_TOKEN"})
+    with running(runtime, {"streams": [spec]}) as d, raw_client(sock_path(d)) as http:
+        wait_until(lambda: settled(http, "shapes"), timeout=60, what="the end")
+        described = http.get("/v1/streams/shapes").json()  # the URL's path may be its secret: not shown
+        sender = d.service.streams.get("shapes").alerts.senders["stream"]
+        sender.thread.join(10)  # the stream ended: its webhook delivered what it held and stopped
+        assert not sender.thread.is_alive() and sender.queued() == 0
+        sent = lambda: metric(http.get("/metrics").text,  # noqa: E731
+                              'edgemm_alert_transitions_total{stream="shapes",alert="many",state="true"}', 0)
+        wait_until(lambda: len([b for _, b in hook.received if b["alert"] == "many" and b["state"] == "true"])
+                   == sent(), what="the webhook to receive every change")
+        text = http.get("/metrics").text
+    assert hook.received and all(h["Authorization"] == f"Bearer {TOKEN}" for h, _ in hook.received)
+    assert all(set(b) == {"stream", "alert", "state", "frame", "time"} for _, b in hook.received)
+    assert described["webhook"]["url"] == "http://127.0.0.1/…" and "edgemm" not in json.dumps(described["webhook"])
+    delivered = metric(text, 'edgemm_alert_webhook_events_total{stream="shapes",webhook="stream",outcome="delivered"}')
+    assert delivered >= 1 and metric(text, 'edgemm_alert_webhook_events_total{stream="shapes",webhook="stream",'
+                                           'outcome="failed"}') == 0
+
+
+def test_a_hanging_webhook_does_not_slow_the_stream(runtime, monkeypatch):
+    """By counts: the stream answers every one of its frames and its SSE listener gets every
+    alert change, while the webhook delivers none and its queue drops the oldest."""
+    monkeypatch.setattr(edgemm.alerts, "WEBHOOK_QUEUE", 2)
+    frames = 40
+    with hanging() as url:
+        spec = counting_stream("shapes", frames, webhook={"url": url, "timeout_s": 60, "retries": 0})
+        with running(runtime, {"streams": [spec]}) as d, raw_client(sock_path(d)) as http:
+            wait_until(lambda: settled(http, "shapes"), timeout=60, what="the stream to answer every frame")
+            figures = http.get("/v1/streams/shapes").json()
+            text = http.get("/metrics").text
+    assert figures["frames"] == frames and figures["errors"] == 0
+    changes = sum(metric(text, f'edgemm_alert_transitions_total{{stream="shapes",alert="{a}",state="{s}"}}', 0)
+                  for a in ("many", "red") for s in ("true", "false", "unknown"))
+    hook = 'edgemm_alert_webhook_events_total{stream="shapes",webhook="stream",outcome='
+    assert changes > 3  # enough to overflow a queue of 2 behind the one hanging
+    assert metric(text, hook + '"delivered"}') == 0
+    assert metric(text, hook + '"dropped"}') == changes - 1 - 2
+    assert metric(text, 'edgemm_alert_events_dropped_total{stream="shapes",sink="webhook"}') == changes - 3
+
+
+def test_webhook_urls_from_the_config_are_never_in_messages_with_credentials(hook):
+    """user:password@ in a webhook URL stays out of error messages (they name the host only)."""
+    url = hook.url.replace("http://", "http://user:pw@")
+    hook.script = [500]
+    sender = WebhookSender(WebhookConfig(url=url, retries=0), "w")
+    sender.send(EVENT)
+    wait_until(lambda: sender.figures.failed == 1, what="failure")
+    sender.close()
+    assert "pw" not in (sender.figures.last_error or "") and os.environ.get("EDGEMM_HOOK_TOKEN") is None
+
+
+def test_a_slow_listener_loses_the_oldest_events_alert_events_counted_too():
+    from edgemm.streams import EVENTS_BUFFER, ManagedStream
+    cfg = config_from_dict({"streams": [{"id": "cam", "source": "synthetic://", "alerts": {"p": "is it ?"}}]})
+    stream = ManagedStream(cfg.streams[0], ScriptedPipeline(), loop=None)
+    queue = stream.listen()
+    stream._deliver(EVENT, "alert")
+    for i in range(EVENTS_BUFFER):  # one more than it holds: the alert event, the oldest, goes
+        stream._deliver({"stream": "cam", "frame": i})
+    assert (stream.lagged, stream.alerts_lagged) == (1, 1)
+    items = [queue.get_nowait() for _ in range(queue.qsize())]
+    assert [i[0] for i in items] == list(range(2, EVENTS_BUFFER + 2))  # SSE ids: the gap shows the loss
+    assert all(event is None for _, _, event in items)
+    stream._deliver(EVENT, "alert")
+    assert queue.get_nowait() == (EVENTS_BUFFER + 2, EVENT, "alert")
+
+
+def test_a_webhook_token_file_is_relative_to_the_config_file(tmp_path):
+    config = tmp_path / "edgemm.yaml"
+    config.write_text("streams:\n- id: door\n  source: synthetic://\n  alerts:\n    p:\n      prompt: is it ?\n"
+                      "      webhook: {url: 'http://127.0.0.1:1/', token_file: hook-token}\n"
+                      "  webhook: {url: 'http://127.0.0.1:1/', token_file: /etc/edgemm/token}\n")
+    stream = load_config(config).streams[0]
+    assert stream.alerts["p"].webhook.token_file == str(tmp_path / "hook-token")
+    assert stream.webhook.token_file == "/etc/edgemm/token"

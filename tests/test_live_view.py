@@ -1,0 +1,369 @@
+"""The live view (issue 23): the page at GET / in a real headless chromium against a real
+daemon on TCP, the endpoints it uses (GET /v1/events, frame.jpg, PATCH a stream) over the
+UNIX socket, their bounds, and `edgemm stream --view OUT`.
+
+The browser is Debian's chromium driven over its DevTools protocol (tools/headless_browser.py);
+CI installs it (.ci/run). The browser tests skip, saying so, only where no chromium is on PATH.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_server import assert_error, raw_client, running, sock_path, wait_until
+
+import edgemm.view
+from edgemm.cli import main
+from edgemm.opencv import cv2
+from edgemm.scenes import make_scene
+from edgemm.streams import EVENTS_BUFFER
+from edgemm.view import JPEG_MAX_SIDE, LatestFrame, annotate
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+from headless_browser import HeadlessBrowser, find_chromium  # noqa: E402
+
+COLOUR = "what color is the circle ?"
+COUNT = "how many shapes are there ?"
+needs_browser = pytest.mark.skipif(find_chromium() is None,
+                                   reason="no chromium on PATH (apt-get install chromium; CI installs it)")
+
+
+def tcp_url(daemon) -> str:
+    tcp = [listener for listener in daemon.listeners if listener.sock.family == socket.AF_INET]
+    host, port = tcp[0].sock.getsockname()
+    return f"http://{host}:{port}/"
+
+
+def page_cards(browser: HeadlessBrowser) -> dict:
+    """What the page shows for each stream: its answer, whether its frame image has loaded, state."""
+    return browser.evaluate("""JSON.stringify(Object.fromEntries([...document.querySelectorAll('.card')].map(c => [
+        c.dataset.stream, {answer: c.querySelector('.answer').textContent,
+                           frame_width: c.querySelector('img.frame').naturalWidth,
+                           state: c.querySelector('.state').textContent,
+                           age: c.querySelector('.age').textContent,
+                           tier: c.querySelector('.tier').textContent}])))""")
+
+
+def shown(browser: HeadlessBrowser) -> dict:
+    return json.loads(page_cards(browser))
+
+
+@needs_browser
+def test_the_page_shows_a_running_streams_frame_and_answer_within_3_s_and_follows_it(runtime):
+    stream = {"id": "yard", "source": "synthetic://?fps=10", "prompt": COLOUR, "tier": "low", "max_new_tokens": 2}
+    with running(runtime, {"streams": [stream]}, tcp_port=0) as d, raw_client(sock_path(d)) as http:
+        wait_until(lambda: http.get("/v1/streams/yard").json()["frames"] >= 1, 30, "the stream's first answer")
+        with HeadlessBrowser(tcp_url(d)) as browser:
+            opened = time.monotonic()
+            deadline = opened + 3.0
+            while time.monotonic() < deadline:
+                card = shown(browser).get("yard")
+                if card and card["answer"] and card["frame_width"] > 0:
+                    break
+                time.sleep(0.05)
+            assert card and card["answer"] and card["frame_width"] > 0, f"within 3 s the page showed {card}"
+            assert card["state"] == "running" and card["tier"] == "low"
+            wait_until(lambda: shown(browser)["yard"]["age"].endswith(" s"), 2, "the frame's age")
+            assert 0 <= float(shown(browser)["yard"]["age"][:-2]) < 10  # capture to answer, plus since then
+            # the scenes change every frame, so do the colours: the page follows the answers
+            answers = {card["answer"]}
+            wait_until(lambda: answers.add(shown(browser)["yard"]["answer"]) or len(answers) >= 3, 15,
+                       "the page's answer to change")
+            # the daemon's answers are what the page showed (one listener: the page's /v1/events)
+            assert http.get("/v1/streams/yard").json()["listeners"] == 1
+            assert d.service.streams.listener_count() == 1
+            # an alert's change (edgemm.alerts posts them to the stream's listeners) is a badge on its card
+            alert = {"stream": "yard", "alert": "person", "state": "true", "frame": 7, "time": time.time()}
+            d.service.streams.get("yard")._post_alert(alert)
+            badge = "document.querySelector('[data-stream=yard] .alert')?.textContent"
+            wait_until(lambda: browser.evaluate(badge) == "person: true", 5, "the alert's badge")
+            d.service.streams.get("yard")._post_alert({**alert, "state": "false"})
+            wait_until(lambda: browser.evaluate(badge) == "person: false", 5, "the alert's new state")
+
+
+@needs_browser
+def test_the_page_starts_a_stream_changes_its_prompt_and_stops_it(runtime):
+    with running(runtime, tcp_port=0) as d, raw_client(sock_path(d)) as http, \
+            HeadlessBrowser(tcp_url(d)) as browser:
+        wait_until(lambda: browser.evaluate("document.getElementById('connection').textContent") == "live", 10,
+                   "the page's event stream")
+        browser.evaluate(f"""(() => {{ const f = document.getElementById('start');
+            f.id.value = 'door'; f.source.value = 'synthetic://?fps=20'; f.prompt.value = {json.dumps(COLOUR)};
+            f.fps.value = '5'; f.requestSubmit(); }})()""")
+        wait_until(lambda: "door" in {s["id"] for s in http.get("/v1/streams").json()["data"]}, 10, "the new stream")
+        created = http.get("/v1/streams/door").json()
+        assert (created["source"], created["prompt"], created["fps"]) == ("synthetic://?fps=20", COLOUR, 5.0)
+        wait_until(lambda: shown(browser).get("door", {}).get("answer"), 15, "the new stream's answer")
+        browser.evaluate(f"""(() => {{ const f = document.querySelector('[data-stream=door] form.prompt');
+            f.prompt.value = {json.dumps(COUNT)}; f.requestSubmit(); }})()""")
+        wait_until(lambda: http.get("/v1/streams/door").json()["prompt"] == COUNT, 10, "the prompt to change")
+        counts = {"one", "two", "three", "four", "five", "six"}
+        wait_until(lambda: shown(browser)["door"]["answer"] in counts, 15, "a count as the answer")
+        # a refused start is one line on the page, not a broken page
+        browser.evaluate("""(() => { const f = document.getElementById('start');
+            f.id.value = 'files'; f.source.value = '/etc'; f.requestSubmit(); })()""")
+        wait_until(lambda: "config file" in browser.evaluate("document.getElementById('message').textContent"), 10,
+                   "the 403's message")
+        browser.evaluate("document.querySelector('[data-stream=door] button.stop').click()")
+        wait_until(lambda: http.get("/v1/streams").json()["data"] == [], 10, "the stream to stop")
+        wait_until(lambda: "door" not in shown(browser), 10, "the card to go")
+
+
+def test_the_page_and_its_endpoints_on_the_unix_socket(runtime):
+    stream = {"id": "cam", "source": "synthetic://?fps=10", "prompt": COLOUR, "tier": "low", "max_new_tokens": 2}
+    with running(runtime, {"streams": [stream]}, max_streams=3) as d, raw_client(sock_path(d)) as http:
+        page = http.get("/")
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        assert "<script>" in page.text and "https://" not in page.text and "http://" not in page.text  # offline
+        # before its first answer a stream has no frame (this camera never opens); after it, a bounded
+        # JPEG of the latest
+        http.post("/v1/streams", json={**stream, "id": "down", "source": "rtsp://127.0.0.1:1/x"})
+        assert_error(http.get("/v1/streams/down/frame.jpg"), 404, "no_frame")
+        http.post("/v1/streams", json={**stream, "id": "later", "source": "synthetic://?fps=1000&size=64"})
+        assert_error(http.get("/v1/streams/nope/frame.jpg"), 404)
+        wait_until(lambda: http.get("/v1/streams/cam").json()["frames"] >= 1, 30, "an answer")
+        frame = http.get("/v1/streams/cam/frame.jpg")
+        assert frame.status_code == 200 and frame.headers["content-type"] == "image/jpeg"
+        image = cv2.imdecode(np.frombuffer(frame.content, np.uint8), cv2.IMREAD_COLOR)
+        assert image.shape == (256, 256, 3)  # synthetic's size, under the 640 px bound
+        # one listener for all streams: results of both, stream by stream
+        seen: set[str] = set()
+        with http.stream("GET", "/v1/events") as events:
+            assert events.headers["content-type"].startswith("text/event-stream")
+            for line in events.iter_lines():
+                if line.startswith("data: "):
+                    seen.add(json.loads(line[6:])["stream"])
+                    if seen == {"cam", "later"}:
+                        break
+        # a prompt changes as POST validates it
+        assert http.patch("/v1/streams/cam", json={"prompt": COUNT}).json()["prompt"] == COUNT
+        assert_error(http.patch("/v1/streams/cam", json={"prompt": 5}), 400, param="prompt")
+        assert_error(http.patch("/v1/streams/cam", json={"prompt": "x" * 100_000}), 400, param="prompt")
+        assert_error(http.patch("/v1/streams/cam", json={"source": "csi://0"}), 400, param="source")
+        assert_error(http.patch("/v1/streams/cam", content=b"[1]"), 400)
+        assert_error(http.patch("/v1/streams/nope", json={"prompt": COUNT}), 404)
+        wait_until(lambda: http.get("/v1/streams/cam").json()["last_result"]["answer"]
+                   in {"one", "two", "three", "four", "five", "six"}, 15, "answers to the new prompt")
+
+
+def test_the_all_streams_listener_is_one_of_max_stream_listeners(runtime):
+    stream = {"id": "cam", "source": "synthetic://?fps=10", "prompt": COLOUR, "tier": "low", "max_new_tokens": 1}
+    with running(runtime, {"streams": [stream]}, max_stream_listeners=1) as d, raw_client(sock_path(d)) as http:
+        with raw_client(sock_path(d)) as other, other.stream("GET", "/v1/events") as first:
+            assert first.status_code == 200
+            lines = first.iter_lines()  # kept: a dropped iterator closes the response
+            next(lines)  # the comment that opens it: registered by now
+            assert_error(http.get("/v1/events"), 503)
+            assert_error(http.get("/v1/streams/cam/events"), 503)
+            assert d.service.streams.listener_count() == 1
+        wait_until(lambda: d.service.streams.listener_count() == 0, 10, "the listener to go")
+
+
+def test_stopping_the_daemon_ends_the_all_streams_listener_even_with_no_stream(runtime):
+    from test_server import in_background
+
+    def read_all(path: str) -> int:
+        with raw_client(path) as http, http.stream("GET", "/v1/events") as response:
+            return sum(1 for _ in response.iter_lines())
+
+    with running(runtime) as d:
+        thread, _ = in_background(read_all, sock_path(d))
+        wait_until(lambda: d.service.streams.all_listeners, 10, "the listener")
+        started = time.monotonic()
+        d.stop()
+        thread.join(30)
+        assert not thread.is_alive() and time.monotonic() - started < 10  # not its 15 s keepalive, nor a timeout
+
+
+def test_a_browser_that_does_not_read_loses_the_oldest_events_counted(runtime):
+    """A page that stops reading /v1/events: the stream goes on, the listener's buffer stays at
+    EVENTS_BUFFER, and what it lost is counted in the stream's `lagged`."""
+    stream = {"id": "cam", "source": "synthetic://?fps=1000&size=64", "prompt": COLOUR, "tier": "low",
+              "max_new_tokens": 1}
+    with running(runtime, {"streams": [stream]}) as d, raw_client(sock_path(d)) as http:
+        manager = d.service.streams
+        listener = None
+
+        def subscribe():
+            nonlocal listener
+            listener = manager.listen_all()  # as GET /v1/events does; never read here
+
+        d._loop.call_soon_threadsafe(subscribe)
+        wait_until(lambda: listener is not None, 5, "the listener")
+        start = http.get("/v1/streams/cam").json()["frames"]
+        wait_until(lambda: http.get("/v1/streams/cam").json()["frames"] >= start + 3 * EVENTS_BUFFER, 60,
+                   "the stream to answer on")
+        assert listener.qsize() <= EVENTS_BUFFER
+        assert http.get("/v1/streams/cam").json()["lagged"] >= EVENTS_BUFFER
+        d._loop.call_soon_threadsafe(manager.unlisten_all, listener)
+
+
+def test_a_new_prompt_is_asked_even_of_a_scene_the_change_gate_would_answer_again(runtime):
+    """PATCH on a static camera with change_threshold: the reused answer was to the old prompt."""
+    from test_stream import FAST, StaticLiveSource, run_in_thread
+
+    from edgemm.stream import StreamOptions
+    source = StaticLiveSource(count=8)
+    options = StreamOptions(COLOUR, change_threshold=1.0, generation=FAST)
+    records = []
+
+    def emit(record):
+        records.append(record)
+        if len(records) == 3:
+            options.prompt = COUNT  # what ManagedStream.change_prompt does
+        source.emitted.release()
+
+    run_in_thread(runtime, source, options, emit)
+    asked = [r["reused"] for r in records]
+    assert asked[:3] == [False, True, True]
+    first_after = next(i for i in range(3, 8) if not asked[i])  # the next frame taken is asked anew
+    assert first_after <= 4 and all(asked[first_after + 1:])
+    assert records[first_after]["answer"] != records[0]["answer"]  # a count, not a colour
+
+
+def test_latest_frame_is_encoded_once_per_answer_and_bounded():
+    latest = LatestFrame()
+    assert latest.jpeg() is None
+    big = make_scene(3, size=1000).image
+    frame = type("F", (), {"image": big})()
+    latest.answer(frame, {"answer": "red"})
+    assert latest.cached() is None  # not encoded until someone asks
+    number, data = latest.jpeg()
+    assert latest.jpeg()[1] is data  # the same bytes: not encoded again for a second viewer
+    assert latest.cached() == (number, data)
+    image = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR)
+    assert max(image.shape[:2]) == JPEG_MAX_SIDE
+    latest.answer(frame, {"error": "x"})  # an error has no frame to show: the last one stays
+    assert latest.jpeg()[0] == number
+    latest.answer(frame, {"answer": "blue"})
+    assert latest.cached() is None  # a new answer: the old JPEG is not served for it
+    assert latest.jpeg()[0] == number + 1
+
+
+# ---- edgemm stream --view OUT --------------------------------------------------------------
+
+def run_cli(args: list[str]):
+    from click.testing import CliRunner
+    return CliRunner().invoke(main, args)
+
+
+def video_frames(path: Path) -> list[np.ndarray]:
+    capture = cv2.VideoCapture(str(path))
+    frames = []
+    while True:
+        ok, image = capture.read()
+        if not ok:
+            return frames
+        frames.append(cv2.cvtColor(image, cv2.COLOR_BGR2RGB))
+
+
+@pytest.mark.parametrize("source", ["synthetic://?count=12", "synthetic://?fps=30&count=12"])  # a file; a camera
+def test_view_to_a_video_keeps_every_source_frame_with_the_answer_drawn(tmp_path, source):
+    out = tmp_path / "view.avi"
+    # --every 3: two frames in three are not answered, and still written, with the latest answer (a
+    # live source's frames dropped while the model was busy too)
+    result = run_cli(["stream", source, "--prompt", COLOUR, "--every", "3",
+                      "--max-new-tokens", "2", "--view", str(out), "--out", str(tmp_path / "answers.jsonl")])
+    assert result.exit_code == 0, result.output
+    frames = video_frames(out)
+    assert len(frames) == 12  # the source's frame count
+    for index, image in enumerate(frames):
+        source = make_scene(index).image  # synthetic frame i is make_scene(seed + i)
+        difference = np.abs(image.astype(int) - source.astype(int)).mean(axis=2)
+        band = difference[:30]  # where the answer is drawn (its band is 32 rows on a 256 px frame)
+        below = difference[60:]
+        assert band.mean() > 4 * below.mean() + 20, f"frame {index}: no text where it should be"
+        assert below.mean() < 12, f"frame {index}: the scene under the band changed"
+
+
+def test_view_to_a_folder_draws_each_answer_on_its_frames(tmp_path):
+    out = tmp_path / "frames"
+    result = run_cli(["stream", "synthetic://?count=6", "--prompt", COLOUR, "--every", "2",
+                      "--max-new-tokens", "2", "--view", f"{out}/", "--out", str(tmp_path / "a.jsonl")])
+    assert result.exit_code == 0, result.output
+    answers = [json.loads(line) for line in (tmp_path / "a.jsonl").read_text().splitlines()]
+    assert [a["frame"] for a in answers] == [0, 2, 4]
+    files = sorted(out.iterdir())
+    assert [f.name for f in files] == [f"frame_{i:06d}.jpg" for i in range(6)]
+    for index, path in enumerate(files):
+        image = cv2.cvtColor(cv2.imread(str(path)), cv2.COLOR_BGR2RGB)
+        record = answers[index // 2]  # a frame between answers carries the latest one
+        expected = annotate(make_scene(index).image, {**record, "stream": None})
+        # what was drawn is this frame with that answer (JPEG's loss aside), not another answer
+        wrong = annotate(make_scene(index).image, {**record, "answer": "x" * 12})
+        near = np.abs(image.astype(int) - expected.astype(int))[:30].mean()
+        assert near < 0.7 * np.abs(image.astype(int) - wrong.astype(int))[:30].mean()
+
+
+@pytest.mark.parametrize("out, message", [
+    ("x.mkv", "a video file must end in .mp4 or .avi"),
+    ("{tmp}/absent/x.avi", "no folder {tmp}/absent"),
+    ("gopher://x", "unknown scheme"),
+    ("rtp://host", "an RTP output is rtp://host:port"),
+    ("display://zero", "a display is display://N"),
+    ("display://0", "no display here (DISPLAY is not set)"),
+    ("rtp://127.0.0.1:5000", "rtp:// needs OpenCV built with GStreamer"),
+])
+def test_a_view_that_cannot_work_is_one_line_and_exit_2(out, message, tmp_path, monkeypatch):
+    out, message = out.format(tmp=tmp_path), message.format(tmp=tmp_path)
+    monkeypatch.delenv("DISPLAY", raising=False)
+    monkeypatch.delenv("WAYLAND_DISPLAY", raising=False)
+    monkeypatch.setattr(edgemm.view, "gstreamer_available", lambda: False)  # as PyPI's OpenCV
+    result = run_cli(["stream", "synthetic://?count=1", "--view", out])
+    assert result.exit_code == 2
+    assert message in result.output and "Traceback" not in result.output
+
+
+def test_rtp_without_an_h264_encoder_is_refused(monkeypatch):
+    monkeypatch.setattr(edgemm.view, "gstreamer_available", lambda: True)
+    monkeypatch.setattr(edgemm.view, "gstreamer_element_exists", lambda name: False)
+    result = run_cli(["stream", "synthetic://?count=1", "--view", "rtp://127.0.0.1:5000"])
+    assert result.exit_code == 2 and "GStreamer has no H.264 encoder (nvv4l2h264enc or x264enc)" in result.output
+
+
+def test_the_rtp_pipeline_uses_the_jetsons_encoder_where_there_is_one(monkeypatch):
+    monkeypatch.setattr(edgemm.view, "gstreamer_element_exists", lambda name: name == "nvv4l2h264enc")
+    assert "nvv4l2h264enc" in edgemm.view._h264_encoder()
+    monkeypatch.setattr(edgemm.view, "gstreamer_element_exists", lambda name: name == "x264enc")
+    assert edgemm.view._h264_encoder().startswith("x264enc")
+
+
+def test_view_to_rtp_sends_h264_over_rtp(tmp_path):
+    """The real GStreamer pipeline: runs where OpenCV has GStreamer and x264enc (CI's Jetson
+    stand-in: Debian's python3-opencv and GStreamer's good and ugly plugins; on a Jetson,
+    nvv4l2h264enc)."""
+    from edgemm.sources import gstreamer_available, gstreamer_element_exists
+    needed = ("appsrc", "videoconvert", "rtph264pay", "udpsink")
+    if not gstreamer_available() or not all(map(gstreamer_element_exists, needed)) \
+            or edgemm.view._h264_encoder() is None:
+        pytest.skip("needs OpenCV with GStreamer, an H.264 encoder, rtph264pay and udpsink (.ci/run's Jetson install)")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as receiver:
+        receiver.bind(("127.0.0.1", 0))
+        receiver.settimeout(30)
+        port = receiver.getsockname()[1]
+        result = run_cli(["stream", "synthetic://?count=10", "--prompt", COLOUR, "--max-new-tokens", "2",
+                          "--view", f"rtp://127.0.0.1:{port}", "--out", str(tmp_path / "a.jsonl")])
+        assert result.exit_code == 0, result.output
+        packet = receiver.recv(65536)  # the datagrams sent meanwhile wait in the socket's buffer
+    assert packet[0] >> 6 == 2 and packet[1] & 0x7F == 96  # RTP version 2, the payload type rtph264pay was given
+
+
+@needs_browser
+def test_the_page_shows_a_real_streams_alert_states(runtime):
+    """edgemm.alerts on a running stream: the page's badge for it is its state (from /v1/alerts and
+    the alert events on /v1/events), true or false, never stuck at nothing."""
+    stream = {"id": "yard", "source": "synthetic://?fps=10", "prompt": COLOUR, "tier": "low", "max_new_tokens": 2,
+              "alerts": {"many": {"prompt": COUNT, "above": 2, "on_after": 1, "off_after": 1}}}
+    with running(runtime, {"streams": [stream]}, tcp_port=0) as d, raw_client(sock_path(d)) as http:
+        wait_until(lambda: http.get("/v1/alerts").json()["data"][0]["state"] != "unknown", 30, "the alert's first state")
+        with HeadlessBrowser(tcp_url(d)) as browser:
+            badge = "document.querySelector('[data-stream=yard] .alert')?.textContent || ''"
+            wait_until(lambda: browser.evaluate(badge) in ("many: true", "many: false"), 10, "the alert's badge")
+            states = {browser.evaluate(badge)}
+            # scenes of 1 to 6 shapes: the state goes both ways, and the badge with it
+            wait_until(lambda: states.add(browser.evaluate(badge)) or len(states) == 2, 30, "the badge to change")

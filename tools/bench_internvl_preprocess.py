@@ -1,0 +1,92 @@
+#!/usr/bin/env python3
+"""InternVL3 preprocessing at real size: edgemm's numpy pixels beside transformers' processors.
+
+    python tools/bench_internvl_preprocess.py [--repeats 7] [--budget 12]
+
+InternVL3's settings (448 x 448 tiles, max_patches 12, ImageNet mean/std); camera-sized
+images (VGA, 720p, 1080p) of seeded noise. Per size, one round runs edgemm's
+`tile_pixels` (what `edgemm infer` runs on a Jetson, where there is no torch), then
+transformers' GotOcr2ImageProcessor (torchvision, the default backend) and
+GotOcr2ImageProcessorPil, interleaved so that load on a shared machine falls on all
+alike; it prints the median, min and max milliseconds and the ratios as JSON, and checks
+that edgemm's pixels equal the torchvision processor's (max |diff|, target <= 1e-6).
+One thread everywhere (torch.set_num_threads(1)). Needs the `fixture` extra; the
+torchvision column is left out where torchvision does not import.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+
+from edgemm.model.families.internvl import normalisation, tile_grid, tile_pixels  # noqa: E402
+
+TILE = 448
+MEAN, STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+SIZES = {"vga": (480, 640), "720p": (720, 1280), "1080p": (1080, 1920)}
+
+
+def processors(budget: int) -> dict:
+    import torch
+    from PIL import Image
+    from transformers import GotOcr2ImageProcessorPil
+    torch.set_num_threads(1)
+    settings = dict(size={"height": TILE, "width": TILE}, crop_to_patches=True, min_patches=1, max_patches=budget,
+                    image_mean=MEAN, image_std=STD)
+    pil = GotOcr2ImageProcessorPil(**settings)
+    out = {"transformers_pil": lambda rgb: pil(images=[Image.fromarray(rgb)], return_tensors="np")["pixel_values"]}
+    try:
+        importlib.import_module("torchvision.transforms.v2.functional")
+    except Exception:  # missing, or a build that does not match this torch
+        return out
+    from transformers import GotOcr2ImageProcessor
+    fast = GotOcr2ImageProcessor(**settings)
+    out["transformers_torchvision"] = lambda rgb: fast(images=[Image.fromarray(rgb)],
+                                                       return_tensors="pt")["pixel_values"].numpy()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--budget", type=int, default=12, help="max_patches (the tier)")
+    args = ap.parse_args()
+    mean, std = normalisation(MEAN, STD, 1 / 255)
+    theirs = processors(args.budget)
+    rng = np.random.default_rng(0)
+    report = {"budget": args.budget, "repeats": args.repeats, "sizes": {}}
+    for name, (h, w) in SIZES.items():
+        rgb = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+        grid = tile_grid(h, w, (TILE, TILE), 1, args.budget)
+        runs = {"edgemm": lambda: tile_pixels(rgb, grid, TILE, mean, std),
+                **{k: (lambda f=f: f(rgb)) for k, f in theirs.items()}}
+        times: dict[str, list[float]] = {k: [] for k in runs}
+        outputs = {}
+        for _ in range(args.repeats):
+            for key, run in runs.items():
+                started = time.perf_counter()
+                outputs[key] = run()
+                times[key].append((time.perf_counter() - started) * 1e3)
+        row = {"grid": list(grid), "tiles": int(outputs["edgemm"].shape[1]),
+               **{k: {"median_ms": round(statistics.median(v), 1), "min_ms": round(min(v), 1),
+                      "max_ms": round(max(v), 1)} for k, v in times.items()}}
+        for key in theirs:
+            row[f"{key}_over_edgemm"] = round(statistics.median(times[key]) / statistics.median(times["edgemm"]), 2)
+            row[f"{key}_max_abs_diff"] = float(np.abs(outputs[key] - outputs["edgemm"][0]).max())
+        report["sizes"][name] = row
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
