@@ -118,6 +118,11 @@ def progress(what: str, quiet: bool = False) -> Iterator[None]:
         click.echo(f"{start}ready in {time.perf_counter() - t0:.1f} s", err=True)
 
 
+def say(line: str) -> None:
+    """A progress line on stderr (`edgemm: warming 3 tiers … 24.1 s`)."""
+    click.echo(f"edgemm: {line}", err=True)
+
+
 def model_label(cfg) -> str:
     """The model folder's name, for progress lines (before the model is read)."""
     from pathlib import Path
@@ -214,7 +219,7 @@ def infer(image, prompt, tier, scheduler, beams, beam_gate, precision, model_dir
           max_new_tokens, temperature, top_p, seed, threads, quiet) -> None:
     """Answer PROMPT about IMAGE (a file, or - for stdin).
 
-    Loads the model, warms up the one tier this answer uses, answers, exits. A prompt with
+    Loads the model, answers, exits; no warm-up: the answer is the graphs' first run. A prompt with
     words the model does not know is answered with a warning (stderr; `warnings` in --json),
     or refused with limits.unknown_words: refuse."""
     quiet_libraries()
@@ -227,15 +232,12 @@ def infer(image, prompt, tier, scheduler, beams, beam_gate, precision, model_dir
         cfg.scheduler.policy = scheduler  # a click.Choice, so already valid
     source = read_image_arg(image, cfg.limits)
     with progress(model_label(cfg), quiet):
+        # a warm-up would answer twice: the answer's own first run is all the warming it needs
         runtime = Runtime(cfg, warm_up=False)
         started = time.perf_counter()
         request = runtime.prepare(source, prompt, tier=tier, max_new_tokens=max_new_tokens,
                                   temperature=temperature, top_p=top_p, seed=seed,
                                   num_beams=beams, beam_gate=beam_gate)
-        if cfg.backend.warmup:  # a one-shot warms only the tier it will use
-            warm_started = time.perf_counter()
-            runtime.warmup(tiers=[request.tier.name], standby=False)
-            started += time.perf_counter() - warm_started  # the answer's total leaves the warm-up out
     result = runtime.answer(request, started=started)
     if as_json:
         click.echo(json.dumps({"answer": result.text, "prompt": prompt,
@@ -330,7 +332,10 @@ def stream(source_uri, prompt, fps, every, max_frames, out, change_threshold, ti
                          wait_for_camera=False)
     source.open()  # a missing camera or file is reported before the model loads
     sink = JsonLines(out)  # so is an --out that cannot be written
-    runtime = Runtime(cfg, concurrent=True)
+    runtime = Runtime(cfg, concurrent=True, warm_up=False)
+    # every tier the stream may use: a pinned one alone (backend.warmup: none warms nothing)
+    runtime.warmup([runtime.manifest.tier(tier).name] if tier and runtime.warmup_tiers else runtime.warmup_tiers,
+                   report=say)
     generation = {k: v for k, v in (("tier", tier), ("max_new_tokens", max_new_tokens)) if v is not None}
     # the output keeps the source's frame rate: every source frame is written, with the latest answer
     view = open_view(view_out, getattr(source, "fps", 0.0)) if view_out is not None else None

@@ -14,7 +14,9 @@ field of `Config`.
 
 Supported field types: bool, int, float (an int is accepted), str, list[T],
 T | None, and nested dataclasses (given as mappings; an empty/null section
-means all defaults). YAML `true` is not an int and `1` is not a bool.
+means all defaults). YAML `true` is not an int and `1` is not a bool. A field
+typed `Any` takes several shapes (backend.warmup): its section's validate()
+checks it.
 """
 from __future__ import annotations
 
@@ -127,7 +129,14 @@ class BackendConfig:
     # at a time (edgemm infer), half the usable cores each where the encoder and the decoder run
     # at once (serve, stream), which also turns off spin-waiting so the two don't steal cores
     intra_op_threads: int = 0
-    warmup: bool = True  # run each graph once at load so the first request isn't slow
+    # which tiers `serve` and `stream` (and a Runtime made from this config) run once at load, so
+    # that no request pays for first-run allocation: all | none | a list of tier names (true = all,
+    # false = none). A one-shot `edgemm infer` never warms up: its answer is its own first run.
+    warmup: Any = "all"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.warmup, bool):  # the older spelling, still accepted
+            self.warmup = "all" if self.warmup else "none"
 
     def validate(self, path: str) -> None:
         if self.name == "tensorrt":
@@ -140,6 +149,22 @@ class BackendConfig:
             _choice(provider, PROVIDERS, f"{path}.providers[{i}]")
             _require(provider not in self.providers[:i], f"{path}.providers[{i}]", "not repeat an earlier provider", provider)
         _require(self.intra_op_threads >= 0, f"{path}.intra_op_threads", "be >= 0", self.intra_op_threads)
+        _check_warmup(self.warmup, f"{path}.warmup")
+
+
+WARMUP_CHOICES = ("all", "none")  # backend.warmup, besides a list of tier names
+
+
+def _check_warmup(value: Any, path: str) -> None:
+    """all, none, or a list of distinct tier names (checked against the model when it loads)."""
+    if isinstance(value, list):
+        _require(len(value) > 0, path, "list at least one tier (or be none)", value)
+        for i, name in enumerate(value):
+            if not isinstance(name, str) or not name:
+                raise ConfigError(f"{f'{path}[{i}]'!r} must be a tier name, got {_show(name)}")
+            _require(name not in value[:i], f"{path}[{i}]", "not repeat an earlier tier", name)
+    elif value not in WARMUP_CHOICES or not isinstance(value, str):
+        raise ConfigError(f"{path!r} must be all, none, a list of tier names or true/false, got {_show(value)}")
 
 
 @dataclass
@@ -626,6 +651,8 @@ def _convert(value: Any, hint: Any, path: str, expected: str | None = None) -> A
     def wrong() -> ConfigError:
         return ConfigError(f"{path!r} must be {expected or _describe(hint)}, got {_show(value)}")
 
+    if hint is Any:  # a field of several shapes: its section's validate() checks it
+        return value
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
         inner = [a for a in args if a is not type(None)]

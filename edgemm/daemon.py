@@ -1,6 +1,6 @@
 """The daemon's lifecycle: its sockets, systemd, signals, and draining.
 
-    bind the UNIX socket (or take systemd's) ─► load + warm up the model ─► READY=1
+    bind the UNIX socket (or take systemd's) ─► load + warm up the model (backend.warmup) ─► READY=1
     ─► serve (edgemm.server) with WATCHDOG=1 pings ─► SIGTERM: stop accepting,
     finish requests and streams in flight within server.grace_period_s ─► exit 0
 
@@ -204,10 +204,11 @@ class Daemon:
         router = Router(self.config, Sampler.from_config(self.config.power).start(), client)
         try:
             if self.runtime is None:
-                self.notifier.status("loading and warming up the model")
-                log.info("loading and warming up the model (every tier) …")
+                self.notifier.status("loading the model")
+                log.info("loading the model …")
                 try:
-                    self.runtime = Runtime(self.config, concurrent=True)
+                    self.runtime = Runtime(self.config, concurrent=True, warm_up=False)
+                    self.runtime.warmup(self.runtime.warmup_tiers, report=self._warming)
                 except Exception as e:
                     self.notifier.status(f"failed to load the model: {e}")
                     raise
@@ -227,6 +228,11 @@ class Daemon:
             for listener in self.listeners:
                 listener.close()
         self.notifier.status("stopped")
+
+    def _warming(self, line: str) -> None:
+        """Warm-up progress: to the log (stderr, the journal) and to systemd's STATUS=."""
+        log.info("%s", line)
+        self.notifier.status(line)
 
     def stop(self) -> None:
         """Begin draining, as SIGTERM does; from any thread."""

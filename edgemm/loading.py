@@ -192,6 +192,12 @@ class ModelComponents:
         """Total time spent inside raw backend run calls so far (for overhead accounting)."""
         return sum(c.stats.seconds for by_device in self.standby.values() for c in by_device.values())
 
+    def release_memory(self) -> None:
+        """Every loaded component hands back the memory its largest run left it (warm-up)."""
+        for by_device in self.standby.values():
+            for component in by_device.values():
+                component.release_memory()
+
     def resolve(self, route: Route | None) -> tuple[str, str, str]:
         """The devices that run (encoder, embedding, decoder) for a wished placement: the
         wished device where that component is loaded on it, else its first device."""

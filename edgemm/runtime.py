@@ -21,13 +21,14 @@ import os
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from edgemm.answering import Answered, Answering, InferenceResult, RequestBatch
 from edgemm.cache import FeatureCache
-from edgemm.config import Config, load_config
+from edgemm.config import Config, ConfigError, load_config
 from edgemm.detokenize import TextCallback
 from edgemm.encoding import Encoding
 from edgemm.loading import ModelComponents, default_engines_dir, usable_cpus
@@ -56,8 +57,9 @@ class Runtime:
     def __init__(self, config: Config | None = None, concurrent: bool = False, warm_up: bool | None = None):
         """`concurrent`: the encoder and the decoder will run at the same time (the pipeline
         of `serve` and `stream`); backend.intra_op_threads 0 then splits the cores between them.
-        `warm_up`: run every tier once now (None: backend.warmup says); a caller that knows
-        which tier it needs passes False and calls warmup(tiers=…) itself (`edgemm infer`)."""
+        `warm_up`: run the tiers of backend.warmup once now (None), every tier (True) or none
+        (False: `edgemm infer`, whose answer is its own first run, and callers that warm up
+        themselves with warmup(), reporting its cost)."""
         self.config = config or load_config(None)
         self.concurrent = concurrent
         if concurrent:
@@ -67,6 +69,7 @@ class Runtime:
             cv2.setNumThreads(1)
         model_dir = Path(self.config.model.path) if self.config.model.path else default_model_dir()
         self.manifest: ModelManifest = load_manifest(model_dir)
+        self.warmup_tiers = self._warmup_tiers()  # a tier the model lacks: exit 2 before any graph loads
         self.adapter = adapter_for(self.manifest)
         self.models = ModelComponents(self.config, self.manifest, self.adapter.stop_ids, concurrent,
                                       graph_inputs(self.adapter))
@@ -82,34 +85,71 @@ class Runtime:
         self.answering = Answering(self.models, self.encoding, self.adapter, self.manifest)
         if self.config.cache.max_bytes:
             self.encoding.cache = FeatureCache(self.config.cache.max_bytes)
-        if self.config.backend.warmup if warm_up is None else warm_up:
-            self.warmup()
+        tiers = self.warmup_tiers if warm_up is None else list(self.manifest.tiers) if warm_up else []
+        if tiers:
+            self.warmup(tiers)
 
     @classmethod
     def from_config(cls, source=None) -> "Runtime":
         """`source`: a Config, a YAML path, a dict, or None for all defaults."""
         return cls(source if isinstance(source, Config) else load_config(source))
 
-    def warmup(self, tiers: list[str] | None = None, standby: bool = True) -> None:
+    def _warmup_tiers(self) -> list[str]:
+        """The tiers backend.warmup names (all, none or a list), each one the model has."""
+        wanted = self.config.backend.warmup
+        if wanted == "all":
+            return list(self.manifest.tiers)
+        if wanted == "none":
+            return []
+        for i, name in enumerate(wanted):
+            if name not in self.manifest.tiers:
+                raise ConfigError(f"'backend.warmup[{i}]' is {name!r}, a tier {self.manifest.name} does not have "
+                                  f"(its tiers: {', '.join(self.manifest.tiers)})")
+        return list(wanted)
+
+    def warmup(self, tiers: list[str] | None = None, standby: bool = True,
+               report: Callable[[str], None] | None = None) -> float:
         """One tiny request per tier (`tiers`, default all) and one look by the scheduler, so
         the first real request doesn't pay for allocation; with `standby`, through each
-        standby component too. The feature cache is left out, so blank frames don't fill it."""
+        standby component too. The feature cache is left out, so blank frames don't fill it.
+        Returns the seconds it took; `report(line)` hears a line per tier and the total.
+
+        The largest tier goes first and the arenas hand back what only it needed: onnxruntime's
+        arena keeps every block it ever grew, so smaller tiers warmed first would leave blocks
+        too small for the next, and the peak would be their sum instead of the largest alone."""
+        chosen = [self.manifest.tier(name) for name in (self.manifest.tiers if tiers is None else tiers)]
+        names = [t.name for t in sorted(chosen, key=lambda t: t.pixels, reverse=True)]
+        if not names:
+            return 0.0
         routes = [None]
         if standby:
             routes += [Route({kind: device}, "warm-up") for kind, loaded in self.standby.items()
                        for device in list(loaded)[1:]]
+        if report:
+            report(f"warming {len(names)} tier{'s' if len(names) != 1 else ''} ({', '.join(names)}), "
+                   f"largest first …")
+        started = time.perf_counter()
         cache, self.encoding.cache = self.encoding.cache, None
         # a question the model knows: words it cannot read would be refused (limits.unknown_words)
         prompt = next(iter(self.adapter.known_prompts), "warm up")
         try:
-            for route in routes:
-                for name in tiers or list(self.manifest.tiers):
-                    tier = self.manifest.tiers[name]
-                    blank = np.zeros((tier.height, tier.width, 3), np.uint8)
+            for i, name in enumerate(names):
+                tier, tier_started = self.manifest.tiers[name], time.perf_counter()
+                blank = np.zeros((tier.height, tier.width, 3), np.uint8)
+                for route in routes:
                     self.infer(blank, prompt, tier=tier.name, max_new_tokens=1, route=route)
+                if i == 0 and len(names) > 1:
+                    self.models.release_memory()
+                if report:
+                    report(f"warmed {name} ({tier.width}×{tier.height}, {tier.image_tokens} image tokens) "
+                           f"in {time.perf_counter() - tier_started:.1f} s")
             self.scheduler.decide(blank, prompt)
         finally:
             self.encoding.cache = cache
+        seconds = time.perf_counter() - started
+        if report:
+            report(f"warming {len(names)} tier{'s' if len(names) != 1 else ''} … {seconds:.1f} s")
+        return seconds
 
     # ---- the three stages (the pipeline calls these, one thread each) ----------------------
 

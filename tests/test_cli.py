@@ -111,7 +111,7 @@ def test_unknown_words_refused_with_exit_2_when_configured(sample, tmp_path):
     assert infer(sample, "--prompt", COUNT_PROMPT, "--config", config).exit_code == 0
 
 
-# ---- warm-up: a one-shot warms the tier it uses, a service every tier --------------------------
+# ---- warm-up: a one-shot warms nothing but its answer, a service every tier (tests/test_warmup.py) --
 
 @pytest.fixture
 def encoded_sizes(monkeypatch) -> list[tuple[int, int]]:
@@ -127,12 +127,12 @@ def encoded_sizes(monkeypatch) -> list[tuple[int, int]]:
     return sizes
 
 
-def test_infer_warms_up_only_the_tier_it_answers_at(sample, encoded_sizes, model_dir):
+def test_infer_encodes_once_its_answer_is_its_warm_up(sample, encoded_sizes, model_dir):
     from edgemm.model.manifest import load_manifest
     tiers = load_manifest(model_dir).tiers
     out = infer_json(sample, "--tier", "low")
     low = (tiers["low"].height, tiers["low"].width)
-    assert out["tier"] == "low" and encoded_sizes == [low, low]  # the warm-up, then the answer
+    assert out["tier"] == "low" and encoded_sizes == [low]  # the answer alone
 
 
 def test_a_runtime_for_a_service_warms_up_every_tier(encoded_sizes, model_dir):

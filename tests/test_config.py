@@ -28,7 +28,7 @@ backend:
   name: onnxruntime
   providers: [tensorrt, cuda, cpu]
   intra_op_threads: 2
-  warmup: false
+  warmup: [global, 2x2]
 limits:
   max_pixels: 12_000_000
   max_image_bytes: 1048576
@@ -167,7 +167,7 @@ def error(data) -> str:
 def test_defaults_match_the_documented_schema():
     cfg = Config()
     assert cfg.model == ModelConfig(path=None, precision="auto")
-    assert cfg.backend == BackendConfig(name="onnxruntime", providers=["cpu"], intra_op_threads=0, warmup=True)
+    assert cfg.backend == BackendConfig(name="onnxruntime", providers=["cpu"], intra_op_threads=0, warmup="all")
     assert cfg.limits == LimitsConfig(max_pixels=25_000_000, max_image_bytes=50 * 1024 * 1024, max_prompt_chars=4000,
                                       max_decoded_bytes=144 << 20, decode_budget_bytes=160 << 20)
     assert cfg.generation == GenerationConfig(max_new_tokens=32, temperature=0.0, top_p=1.0, seed=None, tier=None,
@@ -212,7 +212,7 @@ def test_full_yaml_file_loads_every_field(tmp_path):
     assert cfg == Config(
         model=ModelConfig(path="/opt/models/my-vlm", precision="int8", engines="/opt/engines/my-vlm"),
         backend=BackendConfig(name="onnxruntime", providers=["tensorrt", "cuda", "cpu"],
-                              intra_op_threads=2, warmup=False),
+                              intra_op_threads=2, warmup=["global", "2x2"]),
         limits=LimitsConfig(max_pixels=12_000_000, max_image_bytes=1048576, max_prompt_chars=500, unknown_words="refuse",
                             max_decoded_bytes=50_000_000, decode_budget_bytes=60_000_000,
                             max_synthetic_pixels=1_000_000),
@@ -312,9 +312,17 @@ def test_non_string_key_is_unknown():
     ({"generation": {"max_new_tokens": 10.0}},  # float for int
      "config: 'generation.max_new_tokens' must be an integer, got 10.0 (float)"),
     ({"backend": {"warmup": 1}},  # int for bool
-     "config: 'backend.warmup' must be a boolean (true/false), got 1 (int)"),
+     "config: 'backend.warmup' must be all, none, a list of tier names or true/false, got 1 (int)"),
     ({"backend": {"warmup": "yes"}},
-     "config: 'backend.warmup' must be a boolean (true/false), got 'yes' (str)"),
+     "config: 'backend.warmup' must be all, none, a list of tier names or true/false, got 'yes' (str)"),
+    ({"backend": {"warmup": None}},
+     "config: 'backend.warmup' must be all, none, a list of tier names or true/false, got None (NoneType)"),
+    ({"backend": {"warmup": []}},
+     "config: 'backend.warmup' must list at least one tier (or be none), got []"),
+    ({"backend": {"warmup": ["low", 2]}},
+     "config: 'backend.warmup[1]' must be a tier name, got 2 (int)"),
+    ({"backend": {"warmup": ["low", "low"]}},
+     "config: 'backend.warmup[1]' must not repeat an earlier tier, got 'low'"),
     ({"model": {"precision": ["fp16"]}},  # list for str
      "config: 'model.precision' must be a string, got ['fp16'] (list)"),
     ({"server": {"encoder_batching": False}},  # `encoder_batching: off` unquoted
@@ -355,8 +363,15 @@ def test_long_values_are_shortened_in_messages():
 def test_yaml_true_is_not_an_int_and_1_is_not_a_bool(tmp_path):
     with pytest.raises(ConfigError, match=r"'limits\.max_prompt_chars' must be an integer, got True \(bool\)"):
         load_config(write(tmp_path, "limits:\n  max_prompt_chars: true\n"))
-    with pytest.raises(ConfigError, match=r"'backend\.warmup' must be a boolean \(true/false\), got 1 \(int\)"):
-        load_config(write(tmp_path, "backend:\n  warmup: 1\n"))
+    with pytest.raises(ConfigError, match=r"'offload\.enabled' must be a boolean \(true/false\), got 1 \(int\)"):
+        load_config(write(tmp_path, "offload:\n  enabled: 1\n"))
+
+
+@pytest.mark.parametrize("text, value", [("true", "all"), ("false", "none"), ("off", "none"), ("all", "all"),
+                                         ("none", "none"), ("[high, low]", ["high", "low"])])
+def test_backend_warmup_takes_all_none_a_tier_list_and_the_older_booleans(tmp_path, text, value):
+    assert load_config(write(tmp_path, f"backend:\n  warmup: {text}\n")).backend.warmup == value
+    assert BackendConfig(warmup=True).warmup == "all" and BackendConfig(warmup=False).warmup == "none"
 
 
 @pytest.mark.parametrize("text, value", [("0", 0.0), ("1", 1.0), ("0.25", 0.25)])

@@ -433,7 +433,8 @@ def test_edgemm_infer_exits_1_with_one_line_on_an_internal_error(model_dir, monk
 
     def broken(self, *args, **kwargs):
         raise Injected(INJECTED)
-    monkeypatch.setattr(edgemm.runtime.Runtime, "infer", broken)
+    # prepare: the one-shot's first call into the Runtime (it has no warm-up that calls infer)
+    monkeypatch.setattr(edgemm.runtime.Runtime, "prepare", broken)
     result = CliRunner().invoke(main, ["infer", str(model_dir / "samples" / NORMAL_IMAGES[0])])
     assert result.exit_code == 1
     assert result.output == \

@@ -3,6 +3,7 @@
 
     python tools/bench_realsize.py [--shape smolvlm-256m | --model DIR] [--warm 10] [--cold 3] [--threads 2]
                                    [--precisions fp32,q4,quantized] [--candidates edgemm,raw]
+    python tools/bench_realsize.py --cold-only --cold 8      # `edgemm infer` against the raw loop, cold
 
 The model is a random-weight model of a real shape (tools/make_sized_model.py, built first
 if its cache folder is not complete). One question about probe.png at one 512×512 tile
@@ -16,7 +17,8 @@ candidate:
                  time is the graphs' alone: the bound
   transformers   `Idefics3ForConditionalGeneration.generate` on the same weights
                  (model.safetensors), processor call included
-  edgemm CLI     cold only: `edgemm infer` as a user runs it (default warm-up, and without)
+  edgemm CLI     cold only: `edgemm infer` as a user runs it (default config, and with
+                 `backend.warmup: false`: a one-shot warms nothing either way)
 
 Warm: each candidate is a process of its own that loads once, answers one untimed
 request, then answers when told; the driver asks the candidates in turn, request by
@@ -284,7 +286,8 @@ def bench(args) -> dict:
     env = {**os.environ, "BENCH_REALSIZE_INPUTS": str(inputs), "OMP_NUM_THREADS": str(args.threads)}
 
     # cold first, while no warm worker holds memory the machine may need
-    cold_specs = ["edgemm-cli", "edgemm-cli no-warm-up", "raw:fp32", "transformers:fp32"] if args.cold else []
+    cold_specs = [] if not args.cold else ["edgemm-cli", "raw:fp32"] if args.cold_only else \
+        ["edgemm-cli", "edgemm-cli no-warm-up", "raw:fp32", "transformers:fp32"]
     cold: dict[str, dict] = {s: {"wall_s": [], "rss_mb": [], "tokens": None} for s in cold_specs}
     for round_ in range(args.cold):
         for spec in cold_specs[round_ % len(cold_specs):] + cold_specs[:round_ % len(cold_specs)]:
@@ -294,10 +297,10 @@ def bench(args) -> dict:
             cold[spec]["tokens"] = tokens
             print(f"cold {spec}: {wall:.1f} s, {rss:.0f} MB", file=sys.stderr)
 
-    workers = [Worker(spec, args, env) for spec in specs]
+    workers = [] if args.cold_only else [Worker(spec, args, env) for spec in specs]
     for w in workers:
         w.read()  # loaded and warmed
-    for round_ in range(args.warm):
+    for round_ in range(args.warm if workers else 0):
         shift = round_ % len(workers)
         for w in workers[shift:] + workers[:shift]:
             w.runs.append(w.ask("run"))
@@ -334,6 +337,19 @@ def spread(s: dict, unit: str) -> str:
     return f"{s['median']} {unit} ({s['min']}–{s['max']})"
 
 
+def cold_markdown(r: dict) -> str:
+    """--cold-only: `edgemm infer` and the raw loop, process → answer."""
+    raw = r["cold"]["raw:fp32"]
+    rows = ["| candidate | cold start (process → answer) | vs raw | peak RSS (cold) | vs raw | tokens = transformers |",
+            "|---|---|---|---|---|---|"]
+    for spec, name in (("edgemm-cli", "`edgemm infer`, fp32"), ("raw:fp32", "raw onnxruntime loop, fp32")):
+        c = r["cold"][spec]
+        rows.append(f"| {name} | {spread(c['wall_s'], 's')} | {c['wall_s']['median'] / raw['wall_s']['median']:.2f}× "
+                    f"| {spread(c['rss_mb'], 'MB')} | {c['rss_mb']['median'] / raw['rss_mb']['median']:.2f}× "
+                    f"| {'yes' if c['tokens_equal_transformers_reference'] else 'no'} |")
+    return "\n".join(rows)
+
+
 def markdown(r: dict) -> str:
     raw = r["warm"]["raw:fp32"]["e2e_ms"]["median"] if "raw:fp32" in r["warm"] else float("nan")
     cold_of = {"edgemm:fp32": "edgemm-cli", "raw:fp32": "raw:fp32", "transformers:fp32": "transformers:fp32"}
@@ -353,7 +369,7 @@ def markdown(r: dict) -> str:
     c = r["cold"].get("edgemm-cli no-warm-up")
     if c is None:
         return "\n".join(rows)
-    rows.append(f"| `edgemm infer` without warm-up (`backend.warmup: false`), fp32 | – | – | – | – | – "
+    rows.append(f"| `edgemm infer` with `backend.warmup: false`, fp32 | – | – | – | – | – "
                 f"| {spread(c['wall_s'], 's')} | {c['rss_mb']['max']:.0f} MB "
                 f"| {'yes' if c['tokens_equal_transformers_reference'] else 'no'} |")
     return "\n".join(rows)
@@ -367,6 +383,8 @@ def main() -> None:
     ap.add_argument("--cold", type=int, default=3, help="cold starts per candidate")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=32, help="new tokens at most")
+    ap.add_argument("--cold-only", action="store_true",
+                    help="cold starts of `edgemm infer` and the raw loop only (more rounds in the same time)")
     ap.add_argument("--precisions", help="comma-separated variants to run (default: every one in the folder)")
     ap.add_argument("--candidates", default="edgemm,raw,transformers",
                     help="warm candidates, comma-separated (transformers runs fp32 only)")
@@ -382,7 +400,7 @@ def main() -> None:
     results = bench(args)
     print(json.dumps(results, indent=1))
     print()
-    print(markdown(results))
+    print(cold_markdown(results) if args.cold_only else markdown(results))
 
 
 if __name__ == "__main__":
