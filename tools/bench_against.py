@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The runtime overhead of this tree and of an earlier commit, side by side.
 
-    python tools/bench_against.py REV [--rounds 3] [--n 50]
+    python tools/bench_against.py REV [--rounds 3] [--n 50] [--precision fp32]
 
 `bench.py runtime`'s overhead measure (end-to-end `Runtime.infer` minus the time inside
 the backend's run calls, median of N requests at the top tier) for the working tree and
@@ -28,13 +28,13 @@ sys.path[:0] = ["tools", "."]
 import bench
 from edgemm.config import load_config
 from edgemm.runtime import Runtime
-rt = Runtime(load_config({"model": {"path": "models/tiny-vlm"}, "backend": {"intra_op_threads": 1}}))
+rt = Runtime(load_config({"model": {"path": "models/tiny-vlm", "precision": %r}, "backend": {"intra_op_threads": 1}}))
 print(json.dumps(bench.bench_overhead(rt, %d)))
 """
 
 
-def measure(tree: Path, n: int) -> dict:
-    done = subprocess.run([sys.executable, "-c", RUN % n], cwd=tree, capture_output=True, text=True, check=False)
+def measure(tree: Path, n: int, precision: str) -> dict:
+    done = subprocess.run([sys.executable, "-c", RUN % (precision, n)], cwd=tree, capture_output=True, text=True, check=False)
     if done.returncode:
         raise SystemExit(f"bench_against: the run in {tree} failed:\n{done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -45,6 +45,9 @@ def main() -> None:
     ap.add_argument("rev", help="the commit to compare against, e.g. 53b3def")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--n", type=int, default=50, help="requests per run")
+    # both trees run the same graphs: fp32 is what every earlier tree has (`auto` is newer and
+    # picks the built-in model's _q4 on a CPU, which an older tree does not ship)
+    ap.add_argument("--precision", default="fp32", help="model.precision for both trees (default fp32)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="edgemm-against-") as tmp:
         base = Path(tmp) / "tree"
@@ -54,7 +57,7 @@ def main() -> None:
             runs: dict[str, list[dict]] = {args.rev: [], "this tree": []}
             for _ in range(args.rounds):
                 for name, tree in ((args.rev, base), ("this tree", ROOT)):
-                    result = measure(tree, args.n)
+                    result = measure(tree, args.n, args.precision)
                     runs[name].append(result)
                     print(json.dumps({"tree": name, **result}), flush=True)
         finally:
