@@ -603,21 +603,31 @@ def encoder_batch_limits(runtime: Runtime, max_batch: int, mode: str) -> dict[st
     """Most images per encoder call, per tier: max_batch ("on"), 1 ("off"), or for "auto"
     max_batch where one call on max_batch images is timed at least 20 % faster per image
     than single calls (a margin over the timing's noise), else 1. The decoder batches
-    regardless: its steps always gain."""
+    regardless: its steps always gain.
+
+    A tiled family's image is already several encoder inputs (its tiles): a call holds at
+    most max_batch inputs, so a tier of 5 tiles is never batched at max_batch 4. Without
+    that, timing 4 images of SmolVLM's 17 tiles would be one 68-tile call, gigabytes beyond
+    what serving one image at that tier takes."""
+    manifest = runtime.manifest
+    caps = {name: max(1, max_batch // manifest.encoder_images(tier)) for name, tier in manifest.tiers.items()}
     if mode == "off" or max_batch == 1:
-        return dict.fromkeys(runtime.manifest.tiers, 1)
+        return dict.fromkeys(manifest.tiers, 1)
     if mode == "on":
-        return dict.fromkeys(runtime.manifest.tiers, max_batch)
+        return caps
     limits = {}
-    for tier in runtime.manifest.tiers:
-        try:
-            speedup = runtime.encoder_batch_speedup(tier, max_batch)
-        except Exception as e:  # e.g. an engine built for smaller batches: serve, one image per call
-            log.warning("encoder at %s: a batch of %d failed (%s); encoding one image per call",
-                        tier, max_batch, str(e).splitlines()[0] if str(e) else type(e).__name__)
+    for tier, cap in caps.items():
+        if cap == 1:
             limits[tier] = 1
             continue
-        limits[tier] = max_batch if speedup >= ENCODER_BATCH_GAIN else 1
+        try:
+            speedup = runtime.encoder_batch_speedup(tier, cap)
+        except Exception as e:  # e.g. an engine built for smaller batches: serve, one image per call
+            log.warning("encoder at %s: a batch of %d failed (%s); encoding one image per call",
+                        tier, cap, str(e).splitlines()[0] if str(e) else type(e).__name__)
+            limits[tier] = 1
+            continue
+        limits[tier] = cap if speedup >= ENCODER_BATCH_GAIN else 1
         log.info("encoder at %s: %d images per call run %.2fx the speed of single calls → batch %d",
-                 tier, max_batch, speedup, limits[tier])
+                 tier, cap, speedup, limits[tier])
     return limits

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from edgemm.errors import EdgemmError, InputError
 from edgemm.pipeline import Overloaded, Pipeline, Request
+from edgemm.runtime import Runtime
 from edgemm.scenes import make_scene
 
 PROMPT = "how many shapes are there ?"
@@ -632,3 +634,18 @@ def test_an_overtaken_slow_image_does_not_hold_every_encoder_batch_open(runtime,
         gated.gate.set()
         slow.result(timeout=WAIT_S)
     assert pipeline.stats.batches == [1, 1, 1]
+
+
+def test_a_tiled_tier_is_batched_only_while_a_call_holds_at_most_max_batch_tiles(monkeypatch):
+    """idefics3: `global` is one tile, `2x2` five, `3x3` ten; auto times only what may batch."""
+    from edgemm.config import load_config
+    from edgemm.pipeline import encoder_batch_limits
+    fixture = Path(__file__).parent / "fixtures" / "idefics3-tiny"
+    tiled = Runtime(load_config({"model": {"path": str(fixture), "precision": "fp32"}}), warm_up=False)
+    timed = []
+    monkeypatch.setattr(tiled, "encoder_batch_speedup", lambda tier, batch: timed.append((tier, batch)) or 2.0)
+    assert encoder_batch_limits(tiled, 4, "auto") == {"global": 4, "2x2": 1, "3x3": 1}
+    assert timed == [("global", 4)]  # never a 20- or 40-tile call
+    assert encoder_batch_limits(tiled, 10, "on") == {"global": 10, "2x2": 2, "3x3": 1}
+    assert encoder_batch_limits(tiled, 10, "auto") == {"global": 10, "2x2": 2, "3x3": 1}
+    assert timed[1:] == [("global", 10), ("2x2", 2)]

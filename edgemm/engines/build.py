@@ -127,7 +127,7 @@ def _profile(dims: dict[str, list], sizes: Sizes, graph: str) -> Profile:
 def _tiles(model: ModelManifest, tier) -> int:
     """The most encoder images (tiles plus the global image or thumbnail) a tiled family makes
     at `tier`: its image tokens (the most it gives) over the tokens of one tile."""
-    return tier.image_tokens // model.family_config["image_seq_len"]
+    return model.encoder_images(tier)
 
 
 def encoder_profiles(dims: dict[str, list], model: ModelManifest, tiers: list, max_batch: int, static: bool,

@@ -85,6 +85,12 @@ class ModelManifest:
                              f"(tiers: {', '.join(self.tiers)})")
         return self.tiers[name]
 
+    def encoder_images(self, tier: ResolutionTier) -> int:
+        """The most encoder inputs one image makes at `tier`: a tiled family's tiles plus its
+        global image or thumbnail (its image tokens over one tile's, `image_seq_len`), else 1."""
+        per_tile = self.family_config.get("image_seq_len")
+        return max(1, tier.image_tokens // per_tile) if per_tile else 1
+
     def graph_path(self, component: str, precision: str) -> Path:
         """The ONNX file of `component` in `precision`, by the Optimum suffix convention."""
         path = variant_file(self.path / self.files[component], precision)
