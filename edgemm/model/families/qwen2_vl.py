@@ -170,7 +170,8 @@ class Qwen2VLAdapter:
         self.template = _compile_template(manifest.chat_template or "", manifest.path)
         self.unit = self.cfg["patch_size"] * self.cfg["merge_size"]
         self.graph_inputs = GraphInputs(encoder=(self.cfg["grid_input"],), position_axes=3,
-                                        encoder_feeds=self.encoder_feeds)
+                                        encoder_feeds=self.encoder_feeds,
+                                        split_encoder_feeds=self.split_encoder_feeds)
 
     def _id(self, token: str) -> int:
         return token_id(self.tokenizer, token, f"{self.manifest.path}: token {token!r}")
@@ -209,6 +210,18 @@ class Qwen2VLAdapter:
         merge = self.cfg["merge_size"]
         grid = np.tile(np.array([[1, rows * merge, cols * merge]], np.int64), (batch, 1))
         return {"pixel_values": pixel_values.reshape(-1, pixel_values.shape[-1]), self.cfg["grid_input"]: grid}
+
+    def split_encoder_feeds(self, feeds: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+        """The feeds of several images (encoder_feeds) → each image's own: one row of the grid,
+        and its t·h·w patches of the flat pixel_values, in order."""
+        grid_name = self.cfg["grid_input"]
+        grid, patches = feeds[grid_name], feeds["pixel_values"]
+        ends = np.cumsum(np.prod(grid, axis=1))
+        if len(ends) and ends[-1] != len(patches):
+            raise ValueError(f"{len(patches)} patches for a grid of {int(ends[-1])}")
+        starts = np.concatenate([[0], ends[:-1]])
+        return [{"pixel_values": patches[a:b], grid_name: grid[i:i + 1]}
+                for i, (a, b) in enumerate(zip(starts.tolist(), ends.tolist()))]
 
     def chat_text(self, prompt: str) -> str:
         """The chat template around one image and the user's text, ready for the answer."""
