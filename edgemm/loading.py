@@ -146,7 +146,8 @@ class ModelComponents:
             component = self._onnxruntime().load(kind, path, precision)
         else:
             path = self.engines_dir
-            component = self._tensorrt().load_component(kind, device, precision)
+            split = self.fed.split_encoder_feeds if self.fed is not None and kind == "vision_encoder" else None
+            component = self._tensorrt().load_component(kind, device, precision, split_feeds=split)
         check_component(kind, component, str(path), self.fed)
         return component
 

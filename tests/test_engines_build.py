@@ -344,11 +344,12 @@ QWEN2_VL = ROOT / "tests" / "fixtures" / "qwen2-vl-tiny"
 
 
 def test_qwen2_vl_profiles_are_patches_with_their_grid_and_3d_positions():
-    """GPU: flattened patches from one image token to max_batch images at the top budget, the grid
-    one row per image; the decoder's position_ids [3, B, S]. DLA: one static plan per pixel budget,
+    """GPU: flattened patches from one image token to max_batch images of the most tokens a tier
+    gives (113 at the 64-token budget, a 200:1 image), the top budget the optimum; the grid one
+    row per image; the decoder's position_ids [3, B, S]. DLA: one static plan per pixel budget,
     one image at the tier's square grid."""
     vision, _, decoder = jobs(QWEN2_VL, max_batch=2, max_beams=4)
-    assert vision.profiles == [{"pixel_values": {"min": [4, 1176], "opt": [256, 1176], "max": [512, 1176]},
+    assert vision.profiles == [{"pixel_values": {"min": [4, 1176], "opt": [256, 1176], "max": [2 * 113 * 4, 1176]},
                                 "grid_thw": {"min": [1, 3], "opt": [1, 3], "max": [2, 3]}}]
     prefill, decode = decoder.profiles
     assert prefill["position_ids"] == {"min": [3, 1, 1], "opt": [3, 1, 64], "max": [3, 4, 1024]}
@@ -357,3 +358,24 @@ def test_qwen2_vl_profiles_are_patches_with_their_grid_and_3d_positions():
     assert [(j.tier, j.profiles[0]["pixel_values"]["max"]) for j in dla] == [
         ("16x28x28", [64, 1176]), ("32x28x28", [100, 1176]), ("64x28x28", [256, 1176])]
     assert all(j.profiles[0]["grid_thw"] == {k: [1, 3] for k in ("min", "opt", "max")} for j in dla)
+
+
+def test_qwen2_vl_gpu_profile_fits_the_most_elongated_image_at_the_top_tier():
+    """smart_resize keeps one unit on the short side: a 200:1 image (the most preparation takes)
+    gets more patches than the top budget's. The plan `--dry-run` prints takes --max-batch of them."""
+    import numpy as np
+    from edgemm.config import load_config
+    from edgemm.runtime import Runtime
+    result = CliRunner().invoke(main, ["engines", "build", str(QWEN2_VL), "--dry-run", "--tensorrt", "10.3.0",
+                                       "--components", "vision_encoder", "--max-batch", "3"])
+    assert result.exit_code == 0, result.output
+    ranges = {line.split()[2][:-1]: line for line in result.output.splitlines() if line.startswith("  profile 0")}
+    patches_max = int(ranges["pixel_values"].split("max [")[1].split(",")[0])
+    grid_max = int(ranges["grid_thw"].split("max [")[1].split(",")[0])
+    rt = Runtime(load_config({"model": {"path": str(QWEN2_VL)}, "backend": {"warmup": False, "intra_op_threads": 1}}))
+    top = list(rt.manifest.tiers.values())[-1]
+    for height, width in ((28, 5600), (5600, 28), (25, 5000)):
+        request = rt.prepare(np.zeros((height, width, 3), np.uint8), "What is in the image?", tier=top.name)
+        feeds = rt.adapter.encoder_feeds(np.concatenate([request.pixel_values] * 3))
+        assert len(feeds["pixel_values"]) > 3 * top.image_tokens * 4  # past the top budget's patches
+        assert len(feeds["pixel_values"]) <= patches_max and len(feeds["grid_thw"]) <= grid_max

@@ -23,7 +23,7 @@ from edgemm.config import load_config
 from edgemm.errors import InputError, ModelError
 from edgemm.model.families.internvl import expand_image, tile_grid, tiers
 from edgemm.model.manifest import load_manifest
-from edgemm.model.resample_torch import resize_bicubic
+from edgemm.model.resample_torch import resize_bicubic_torch
 from edgemm.runtime import Runtime
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -159,7 +159,21 @@ def test_bicubic_is_bit_exact_with_torch_antialiased_uint8():
         x = torch.from_numpy(rgb).permute(2, 0, 1)[None].contiguous()
         expected = torch.nn.functional.interpolate(x, size=[out_h, out_w], mode="bicubic", antialias=True,
                                                    align_corners=False)[0].permute(1, 2, 0).numpy()
-        assert np.array_equal(resize_bicubic(rgb, out_h, out_w), expected), (h, w, out_h, out_w)
+        assert np.array_equal(resize_bicubic_torch(rgb, out_h, out_w), expected), (h, w, out_h, out_w)
+
+
+def test_torch_bicubic_gives_the_same_pixels_a_block_of_lines_at_a_time(monkeypatch):
+    """resample_torch runs edgemm.model.resample's blocked tap loop: one output line per block,
+    or every line in one, the pixels are the same (the block boundaries add nothing)."""
+    from edgemm.model import resample
+    rng = np.random.default_rng(4)
+    images = [(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), oh, ow)
+              for h, w, oh, ow in ((37, 300, 90, 448), (200, 150, 7, 3), (5, 600, 448, 448))]
+    whole = [resize_bicubic_torch(rgb, oh, ow) for rgb, oh, ow in images]
+    monkeypatch.setattr(resample, "CHUNK_BYTES", 1)
+    assert all(np.array_equal(resize_bicubic_torch(rgb, oh, ow), w) for (rgb, oh, ow), w in zip(images, whole))
+    monkeypatch.setattr(resample, "CHUNK_BYTES", 1 << 40)
+    assert all(np.array_equal(resize_bicubic_torch(rgb, oh, ow), w) for (rgb, oh, ow), w in zip(images, whole))
 
 
 # ---- folder detection and errors --------------------------------------------------------------

@@ -139,7 +139,7 @@ class FakeTensorRT:
         self.manifest = runtime_model
         self.calls = []
 
-    def load_component(self, name, device, precision):
+    def load_component(self, name, device, precision, split_feeds=None):
         self.calls.append((name, device))
         if device in self.fails:
             raise EngineError(f"no int8 engine for {name} on {device}")

@@ -25,7 +25,7 @@ from edgemm.config import load_config
 from edgemm.errors import InputError, ModelError
 from edgemm.generate import GenerationOptions
 from edgemm.model.contract import check_component
-from edgemm.model.families.qwen2_vl import rope_positions, smart_resize
+from edgemm.model.families.qwen2_vl import most_image_tokens, rope_positions, smart_resize
 from edgemm.model.family import GraphInputs
 from edgemm.model.manifest import load_manifest
 from edgemm.pipeline import Pipeline, Request
@@ -238,6 +238,20 @@ def test_tiers_are_pixel_budgets_from_the_folder():
 ])
 def test_smart_resize(size, budget, expected):
     assert smart_resize(*size, 28, 4 * 28 * 28, budget * 28 * 28) == expected
+
+
+@pytest.mark.parametrize("min_pixels", [4 * 28 * 28, 16 * 28 * 28])
+def test_most_image_tokens_bounds_every_aspect_and_is_reached(min_pixels):
+    """Over small images (grown to min_pixels, rounded up) and large ones (shrunk, the short side
+    held at one unit) of every aspect ratio up to 200:1: never more, and as many are reached."""
+    cfg = {"patch_size": 14, "merge_size": 2, "min_pixels": min_pixels}
+    sizes = [(h, w) for h in range(1, 21) for w in range(h, 200 * h + 1)]
+    sizes += [(h, round(h * r)) for h in range(100, 3000, 271) for r in (1, 1.7, 4, 16.5, 64, 150, 199.99, 200)]
+    for budget in (16, 64):
+        seen = max((a // 28) * (b // 28) for a, b in
+                   (smart_resize(h, w, 28, min(min_pixels, budget * 784), budget * 784) for h, w in sizes))
+        assert seen == most_image_tokens(cfg, budget) > budget
+    assert most_image_tokens({**cfg, "min_pixels": 4 * 784}, 64) == 113  # 25x5000 px at the 64-token budget
 
 
 def test_smart_resize_refuses_extreme_aspect_ratios():

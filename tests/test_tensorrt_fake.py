@@ -587,3 +587,34 @@ def test_qwen2_vl_dla_plans_are_one_static_grid_per_tier(monkeypatch, tmp_path):
     for tier in ours.manifest.tiers.values():
         answer = ours.infer(QWEN2_VL_DIR / "wide.png", "What is in the image?", tier=tier.name, max_new_tokens=3)
         assert answer.image_tokens == (tier.height // 28) ** 2 and answer.devices["encode"] == "dla0"
+
+
+def test_qwen2_vl_on_a_dla_encodes_a_batch_one_image_per_call(monkeypatch, tmp_path):
+    """Flat patches [B·N, 1176] and the grid [B, 3] have no common batch axis: the family splits
+    them by the grid's rows, the static plan takes one image per call, the features are
+    concatenated back: a batch of 2 or 3 equals each image alone, and ONNX Runtime."""
+    h.install(monkeypatch, "11.4.1")
+    h.build(tmp_path, "dla0", model_dir=QWEN2_VL_DIR)
+    ours = h.runtime(tmp_path, model_dir=QWEN2_VL_DIR, vision_encoder=["dla0"], embed_tokens=["cpu"],
+                     decoder=["cpu"])
+    reference = Runtime(load_config({"model": {"path": str(QWEN2_VL_DIR), "precision": "int8"},
+                                     "backend": {"warmup": False, "intra_op_threads": 1}}))
+    rng = np.random.default_rng(3)
+    tier = ours.manifest.tiers["16x28x28"]
+    images = [rng.integers(0, 256, (tier.height, tier.width, 3), dtype=np.uint8) for _ in range(3)]
+    pixels = [ours.preprocess(image, tier.name)[0] for image in images]
+    alone = [ours.generator.encode(p) for p in pixels]
+    for p, features in zip(pixels, alone):
+        assert features.shape == (1, 16, 64)
+        assert np.array_equal(features, fp16_edges(p, reference.generator.encode))
+    assert not np.array_equal(alone[0], alone[1])  # different images: an order mix-up would show
+    for n in (2, 3):
+        batch = np.concatenate(pixels[:n])
+        got = ours.generator.encode(batch)
+        assert got.shape == (n, 16, 64)
+        assert np.array_equal(got, np.concatenate(alone[:n]))
+        assert np.array_equal(got, fp16_edges(batch, reference.generator.encode))  # ORT takes the batch whole
+    # the encode stage's path with server.encoder_batching on: one call for the three, each answered
+    requests = [ours.prepare(image, "What is in the image?", tier=tier.name, max_new_tokens=2) for image in images]
+    features = ours.encode(np.concatenate([r.pixel_values for r in requests]))
+    assert np.array_equal(features, np.concatenate(alone))

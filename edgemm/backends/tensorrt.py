@@ -20,7 +20,10 @@ as onnxruntime (named numpy inputs → named numpy outputs), so nothing above kn
   so placement falls back to the next listed device.
 - A DLA encoder has one static-shape plan per tier; the component picks the plan (and on
   the GPU decoder, the optimisation profile: prefill or single-token decode) whose shape
-  ranges accept the feeds, and splits a batch larger than the plan takes into rows.
+  ranges accept the feeds, and splits a batch larger than the plan takes into rows. A
+  family-fed encoder's inputs (Qwen2-VL: flat patches and their grid) share no batch axis;
+  its family's splitter (GraphInputs.split_encoder_feeds) cuts them into images instead,
+  and the parts' features are concatenated back.
 - Tensors are fed and read in the engine's declared dtype. A strongly typed DLA plan has FP16
   inputs and outputs where its ONNX graph has FP32 (the build converts them: the manifest's
   `fp16_io`); the component still takes and gives FP32 there, as the CPU path does, and
@@ -34,6 +37,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +52,7 @@ from edgemm.errors import BackendError, EngineError
 
 log = logging.getLogger("edgemm")
 ENGINE_PRECISIONS = ("int8", "fp16")
+Splitter = Callable[[dict[str, np.ndarray]], list[dict[str, np.ndarray]]]
 
 
 def capacity_for(nbytes: int) -> int:
@@ -183,8 +188,11 @@ class TrtComponent:
     """A component (encoder, embedding, decoder) backed by one or more plans on one device."""
 
     def __init__(self, name: str, device: str, precision: str, engines: list[_Engine], cuda_context,
-                 trt_version: str):
+                 trt_version: str, split_feeds: Splitter | None = None):
+        """`split_feeds`: a family-fed encoder's feeds of several images → each image's (its
+        GraphInputs.split_encoder_feeds), for plans that take one image per call."""
         self.name, self.device, self.precision = name, device, precision
+        self.split_feeds = split_feeds
         self.provider = f"TensorRT {trt_version} {device.upper()}"
         self.engines = engines
         self._cuda_context = cuda_context
@@ -216,7 +224,14 @@ class TrtComponent:
             profile = engine.profile_for(shapes)
             if profile is not None:
                 return engine.run(feeds, profile)
-        # the rows of a batch, if every input has them (flattened patches and their grid do not)
+        if self.split_feeds is not None:
+            # a family-fed encoder (flattened patches and their grid have no common batch axis):
+            # the family splits its feeds into images; a static plan (DLA) takes one per call
+            parts = self.split_feeds(feeds)
+            if len(parts) > 1:
+                outputs = [self._run(part) for part in parts]
+                return {k: np.concatenate([o[k] for o in outputs]) for k in outputs[0]}
+        # the rows of a batch, if every input has them
         batches = {shape[0] for shape in shapes.values() if shape}
         batch = batches.pop() if len(batches) == 1 else 0
         if batch > 1:  # static-batch plans (DLA): one row at a time, outputs stacked back
@@ -250,8 +265,10 @@ class TensorRTBackend:
         """For a loaded ModelManifest; probes the platform once."""
         return cls(probe(), Path(engines_dir), manifest.path, manifest.name, list(manifest.tiers))
 
-    def load_component(self, name: str, device: str, precision: str) -> TrtComponent:
-        """`name`'s plans for `device` from the engine manifest, checked, then deserialised."""
+    def load_component(self, name: str, device: str, precision: str,
+                       split_feeds: Splitter | None = None) -> TrtComponent:
+        """`name`'s plans for `device` from the engine manifest, checked, then deserialised.
+        `split_feeds`: see TrtComponent."""
         if precision not in ENGINE_PRECISIONS:
             raise EngineError(f"{name} on {device}: TensorRT engines are int8 or fp16, model.precision is "
                               f"{precision} (set model.precision: int8 or fp16)")
@@ -259,7 +276,8 @@ class TensorRTBackend:
         plans = select_engines(self.engines_dir, self.model_dir, self.model_name, name, device, precision,
                                self.tiers, self.platform)
         engines = [self._deserialize(path, entry) for entry, path in plans]
-        return TrtComponent(name, device, precision, engines, self.cuda_context, self.platform.tensorrt)
+        return TrtComponent(name, device, precision, engines, self.cuda_context, self.platform.tensorrt,
+                            split_feeds)
 
     def load(self, name: str, path: Path, precision: str) -> TrtComponent:
         """The Backend protocol: one plan file on the GPU, without a manifest."""

@@ -40,6 +40,7 @@ from edgemm.engines.platform import (DEVICES, Platform, TrtLog, dla_core, import
                                      require_device, trt_log, version_tuple)
 from edgemm.engines.qdq import translate_file
 from edgemm.errors import EngineError, InputError
+from edgemm.model.families.qwen2_vl import most_image_tokens  # the smart_resize family's patch counts
 from edgemm.model.manifest import COMPONENTS, ModelManifest
 
 PRECISIONS = ("int8", "fp16")
@@ -161,15 +162,17 @@ def encoder_profiles(dims: dict[str, list], model: ModelManifest, tiers: list, m
 def _patch_sizes(model: ModelManifest, tiers: list, max_batch: int, static: bool) -> Sizes:
     """Flattened patches [N, patch values] and their grid [images, 3] (Qwen2-VL): N is set by
     each image's own grid under the tier's pixel budget, from one image token (merge² patches)
-    up to the top tier's budget for each of max_batch images. A DLA plan is static: one image
-    at the tier's own (square) grid."""
+    up to, for each of max_batch images, the most tokens any aspect ratio gets at the tiers
+    (most_image_tokens: an elongated image exceeds its budget); the top budget is the optimum.
+    A DLA plan is static: one image at the tier's own (square) grid."""
     patch, merge = model.family_config["patch_size"], model.family_config["merge_size"]
     if static:
         tier = tiers[0]
         patches = (tier.height // patch) * (tier.width // patch)
         return {"patches": (patches,) * 3, "tiles": (1, 1, 1)}
     top = max(t.image_tokens for t in tiers) * merge * merge
-    return {"patches": (merge * merge, top, top * max_batch), "tiles": (1, 1, max_batch)}
+    most = max(most_image_tokens(model.family_config, t.image_tokens) for t in tiers) * merge * merge
+    return {"patches": (merge * merge, top, most * max_batch), "tiles": (1, 1, max_batch)}
 
 
 def embed_profiles(dims: dict[str, list], max_beams: int, max_context: int,

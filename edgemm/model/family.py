@@ -105,6 +105,10 @@ class GraphInputs:
     # pixel values of a batch of same-shape images (as Family.pixels made them, stacked) → the
     # encoder's feeds, pixel_values included; its image_features may be [B·N, D]
     encoder_feeds: Callable[[np.ndarray], dict[str, np.ndarray]] | None = None
+    # those feeds of several images → one image's feeds each, in order (Qwen2-VL: the grid's
+    # rows, and each row's patches): how an encoder that takes one image per call (a static
+    # DLA plan) runs a batch; the features of the parts, concatenated, are the batch's
+    split_encoder_feeds: Callable[[dict[str, np.ndarray]], list[dict[str, np.ndarray]]] | None = None
 
 
 def graph_inputs(family: object) -> GraphInputs:

@@ -34,8 +34,11 @@ def _lanczos(x: np.ndarray) -> np.ndarray:
     return np.where(inside, np.sinc(x) * np.sinc(x / SUPPORT), 0.0)
 
 
-def _bicubic(x: np.ndarray) -> np.ndarray:
-    """Pillow's bicubic_filter: Keys' cubic convolution with a = -0.5 on (-2, 2)."""
+def bicubic_kernel(x: np.ndarray) -> np.ndarray:
+    """Pillow's bicubic_filter: Keys' cubic convolution with a = -0.5 on (-2, 2). torch's
+    antialiased bicubic (edgemm.model.resample_torch) has the same kernel, written
+    ((a·x - 5a)·x + 8a)·x - 4a on [1, 2): with a = -0.5, a power of two, both orders of
+    operations round alike, so they agree bit for bit."""
     x = np.abs(x)
     a = BICUBIC_A
     near = ((a + 2.0) * x - (a + 3.0)) * x * x + 1
@@ -52,7 +55,7 @@ def _bilinear(x: np.ndarray) -> np.ndarray:
 COEFFICIENTS_PER_CHUNK = 1 << 21  # weights (outputs x taps) made at once: 16 MB per array
 
 # preprocessor_config.json "resample" (PIL's numbering) → (kernel, support)
-FILTERS = {1: (_lanczos, SUPPORT), 2: (_bilinear, 1.0), 3: (_bicubic, BICUBIC_SUPPORT)}
+FILTERS = {1: (_lanczos, SUPPORT), 2: (_bilinear, 1.0), 3: (bicubic_kernel, BICUBIC_SUPPORT)}
 FILTER_NAMES = {1: "Lanczos", 2: "bilinear", 3: "bicubic"}
 
 
@@ -103,35 +106,40 @@ def _resample_axis(img: np.ndarray, out_size: int, axis: int, kernel=_lanczos,
     for a in range(start, stop, step):
         b = min(a + step, stop)
         first, weights = _coefficients(in_size, out_size, kernel, kernel_support, (a, b))
-        out[a - start:b - start] = _resample_lines(lines, first, weights)
+        resample_lines(lines, first, weights, out=out[a - start:b - start])
     return np.ascontiguousarray(np.moveaxis(out.reshape(stop - start, *rest), 0, axis))
 
 
-def _resample_lines(lines: np.ndarray, first: np.ndarray, weights: np.ndarray) -> np.ndarray:
-    """uint8 [in, X] → [len(first), X]: each output line the weighted sum of its taps' lines."""
+def resample_lines(lines: np.ndarray, first: np.ndarray, weights: np.ndarray, bits: int = PRECISION_BITS,
+                   out: np.ndarray | None = None) -> np.ndarray:
+    """uint8 [in, X] → [len(first), X] (into `out` if given): each output line the weighted sum
+    of its taps' lines in fixed point with `bits` fraction bits, rounded as
+    (sum + 2**(bits-1)) >> bits and clipped to 0..255, as Pillow (22 bits) and torch (its
+    own bits per axis, edgemm.model.resample_torch) both do."""
     in_size, count = lines.shape[0], len(first)
-    out = np.empty((count, lines.shape[1]), np.uint8)
+    if out is None:
+        out = np.empty((count, lines.shape[1]), np.uint8)
     if weights.shape[1] > count:  # more taps than outputs (a strong shrink): one dot product per output
         for i, (a, w) in enumerate(zip(first, weights)):
             n = min(len(w), in_size - a)
-            total = (1 << (PRECISION_BITS - 1)) + w[:n] @ lines[a:a + n].astype(np.int64)
-            out[i] = np.clip(total >> PRECISION_BITS, 0, 255)
+            total = (1 << (bits - 1)) + w[:n] @ lines[a:a + n].astype(np.int64)
+            out[i] = np.clip(total >> bits, 0, 255)
         return out
     # the sums are int32 as in Pillow (its fixed point is chosen so that they fit), a
     # cache-sized block of output lines at a time
     weights = weights.astype(np.int32)
     block = max(1, CHUNK_BYTES // (4 * lines.shape[1]))
-    acc = np.empty((block, lines.shape[1]), np.int32)
+    acc = np.empty((min(block, count), lines.shape[1]), np.int32)  # no more lines than there are outputs
     term = np.empty_like(acc)
     for begin in range(0, count, block):
         n = min(block, count - begin)
         total, product = acc[:n], term[:n]
-        total.fill(1 << (PRECISION_BITS - 1))
+        total.fill(1 << (bits - 1))
         for tap in range(weights.shape[1]):
             index = np.minimum(first[begin:begin + n] + tap, in_size - 1)  # unused taps have weight 0
             np.multiply(lines[index], weights[begin:begin + n, tap, None], out=product)
             total += product
-        np.right_shift(total, PRECISION_BITS, out=total)
+        np.right_shift(total, bits, out=total)
         np.clip(total, 0, 255, out=total)
         out[begin:begin + n] = total
     return out

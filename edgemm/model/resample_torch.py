@@ -23,18 +23,11 @@ import math
 
 import numpy as np
 
-CUBIC_A = -0.5  # torch uses Pillow's a for antialiased bicubic (-0.75 without antialias)
-SUPPORT = 2.0  # the cubic kernel's half-width
+from edgemm.model.resample import BICUBIC_SUPPORT as SUPPORT, bicubic_kernel, resample_lines
+
 MAX_PRECISION = 22
-
-
-def _cubic(x: np.ndarray) -> np.ndarray:
-    """Keys' cubic convolution kernel with a = -0.5, 0 from |x| = 2 on."""
-    x = np.abs(x)
-    a = CUBIC_A
-    near = ((a + 2) * x - (a + 3)) * x * x + 1
-    far = ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
-    return np.where(x < 1, near, np.where(x < 2, far, 0.0))
+# the kernel is Pillow's (a = -0.5, support 2: torch uses Pillow's a for antialiased bicubic,
+# -0.75 without antialias), bit for bit: see bicubic_kernel
 
 
 def _coefficients(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray, int]:
@@ -49,7 +42,7 @@ def _coefficients(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray, 
     size = np.clip(np.minimum(np.trunc(centers + support + 0.5).astype(np.int64), in_size) - first, 0, taps)
     offsets = np.arange(taps)
     used = offsets[None, :] < size[:, None]
-    weights = np.where(used, _cubic((offsets[None, :] + first[:, None] - centers[:, None] + 0.5) * inv_scale), 0.0)
+    weights = np.where(used, bicubic_kernel((offsets[None, :] + first[:, None] - centers[:, None] + 0.5) * inv_scale), 0.0)
     totals = weights.sum(axis=1, keepdims=True)
     weights = np.divide(weights, totals, out=np.zeros_like(weights), where=totals != 0)
     top = weights.max(initial=0.0)
@@ -62,24 +55,19 @@ def _coefficients(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray, 
 
 
 def _resample_rows(planes: np.ndarray, out_size: int) -> np.ndarray:
-    """One pass along the rows of uint8 (C, H, W) planes → (C, out_size, W), tap by tap in
-    place, summed in int32 as torch sums (|sum| < 255 * 1.1 * 2**22 < 2**31), then torch's
-    rounding: (sum + 2**(bits-1)) >> bits, clipped to 0..255. Whole rows are gathered,
-    which is a plain copy; a column pass runs on the transposed planes.
+    """One pass along the rows of uint8 (C, H, W) planes → (C, out_size, W): each plane's rows
+    through edgemm.model.resample's blocked tap loop (int32 sums as torch sums them,
+    |sum| < 255 * 1.1 * 2**22 < 2**31, then torch's rounding: (sum + 2**(bits-1)) >> bits,
+    clipped to 0..255). Whole rows are gathered, which is a plain copy; a column pass runs on
+    the transposed planes.
 
     A tap loop, not matrix products: BLAS would be several times faster on an idle core,
     but its thread pool stalls on a busy one (two prepare threads, the encoder's threads)."""
     first, weights, bits = _coefficients(planes.shape[1], out_size)
-    shape = (planes.shape[0], out_size, planes.shape[2])
-    acc = np.full(shape, 1 << (bits - 1), np.int32)
-    gathered, product = np.empty(shape, np.uint8), np.empty(shape, np.int32)
-    for tap in range(weights.shape[1]):
-        index = np.minimum(first + tap, planes.shape[1] - 1)  # unused taps have weight 0
-        np.take(planes, index, axis=1, out=gathered)
-        np.multiply(gathered, weights[:, tap].astype(np.int32)[:, None], out=product)
-        acc += product
-    acc >>= bits
-    return np.clip(acc, 0, 255).astype(np.uint8)
+    out = np.empty((planes.shape[0], out_size, planes.shape[2]), np.uint8)
+    for plane, into in zip(planes, out):
+        resample_lines(plane, first, weights, bits, out=into)
+    return out
 
 
 def resize_planes(planes: np.ndarray, height: int, width: int) -> np.ndarray:
@@ -95,6 +83,7 @@ def resize_planes(planes: np.ndarray, height: int, width: int) -> np.ndarray:
     return np.ascontiguousarray(out) if out is not planes else planes.copy()
 
 
-def resize_bicubic(rgb: np.ndarray, height: int, width: int) -> np.ndarray:
-    """RGB8 (H, W, 3) → (height, width, 3), the pixels torch's antialiased uint8 bicubic gives."""
+def resize_bicubic_torch(rgb: np.ndarray, height: int, width: int) -> np.ndarray:
+    """RGB8 (H, W, 3) → (height, width, 3), the pixels torch's antialiased uint8 bicubic gives
+    (not Pillow's: for those, edgemm.model.resample.resize_bicubic)."""
     return np.ascontiguousarray(resize_planes(rgb.transpose(2, 0, 1), height, width).transpose(1, 2, 0))

@@ -23,7 +23,11 @@ on every axis, the delta being the prompt's last position + 1 - its length.
 Tiers are pixel budgets, named `{tokens}x28x28`: the top is the folder's max_pixels, at
 most TOP_TOKENS image tokens, and two cheaper ones at a half and a quarter of it (not
 below min_pixels). The scheduler picks one per frame; the number of image tokens then
-depends on the image's aspect ratio, never above the tier's.
+depends on the image's aspect ratio. It is at most the tier's, except for elongated images:
+smart_resize keeps at least one unit (28 px) on the short side, so a 200:1 image at a
+64-token budget gets 1x113 tokens, and rounds up when it grows a small one to min_pixels
+(1x199 px at 16 gets 29). `most_image_tokens` bounds it over every aspect ratio taken
+(up to MAX_ASPECT), and the GPU engine profile is sized by it.
 
 Qwen2.5-VL's vision tower differs (RMSNorm, SwiGLU, windowed attention in most blocks),
 but all of that is inside the vision_encoder graph: what the runtime feeds and reads is
@@ -32,6 +36,7 @@ the same, but for the grid input's name.
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -72,6 +77,31 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
         h_bar = math.ceil(height * beta / factor) * factor
         w_bar = math.ceil(width * beta / factor) * factor
     return h_bar, w_bar
+
+
+def _ceil_sqrt(x: Fraction) -> int:
+    """⌈√x⌉ of a positive rational, exactly."""
+    return math.isqrt(math.ceil(x) - 1) + 1
+
+
+def most_image_tokens(cfg: dict, tokens: int) -> int:
+    """The most image tokens smart_resize gives any image of aspect ratio up to MAX_ASPECT at a
+    budget of `tokens` (Qwen2VLAdapter.resized's min and max pixels), in exact arithmetic.
+
+    The result depends only on the aspect ratio r ≥ 1, in units of (patch · merge) pixels:
+    rounded to the nearest units, it is within the budget; shrunk under the budget T it is
+    max(1, ⌊√(T/r)⌋) · ⌊√(T·r)⌋, at most T, or ⌊√(T·r)⌋ once the short side is held at one
+    unit; grown to min_pixels (m units) it is ⌈√(m/r)⌉ · ⌈√(m·r)⌉, the most of which, for
+    each value j of the first factor, is at the largest r that keeps it."""
+    unit = cfg["patch_size"] * cfg["merge_size"]
+    most = max(tokens, math.isqrt(MAX_ASPECT * tokens))
+    m = Fraction(min(cfg["min_pixels"], tokens * unit * unit), unit * unit)
+    for j in range(1, _ceil_sqrt(m) + 1):  # ⌈√(m/r)⌉ = j for r in [m/j², m/(j-1)²)
+        low = max(Fraction(1), m / (j * j))
+        high = Fraction(MAX_ASPECT) if j == 1 else min(Fraction(MAX_ASPECT), m / (j - 1) ** 2)
+        if low <= high:
+            most = max(most, j * _ceil_sqrt(m * high))
+    return most
 
 
 def family_config(path: Path, config: dict, preprocessor: dict, generation: dict) -> dict:
@@ -170,7 +200,8 @@ class Qwen2VLAdapter:
         self.template = _compile_template(manifest.chat_template or "", manifest.path)
         self.unit = self.cfg["patch_size"] * self.cfg["merge_size"]
         self.graph_inputs = GraphInputs(encoder=(self.cfg["grid_input"],), position_axes=3,
-                                        encoder_feeds=self.encoder_feeds)
+                                        encoder_feeds=self.encoder_feeds,
+                                        split_encoder_feeds=self.split_encoder_feeds)
 
     def _id(self, token: str) -> int:
         return token_id(self.tokenizer, token, f"{self.manifest.path}: token {token!r}")
@@ -209,6 +240,18 @@ class Qwen2VLAdapter:
         merge = self.cfg["merge_size"]
         grid = np.tile(np.array([[1, rows * merge, cols * merge]], np.int64), (batch, 1))
         return {"pixel_values": pixel_values.reshape(-1, pixel_values.shape[-1]), self.cfg["grid_input"]: grid}
+
+    def split_encoder_feeds(self, feeds: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+        """The feeds of several images (encoder_feeds) → each image's own: one row of the grid,
+        and its t·h·w patches of the flat pixel_values, in order."""
+        grid_name = self.cfg["grid_input"]
+        grid, patches = feeds[grid_name], feeds["pixel_values"]
+        ends = np.cumsum(np.prod(grid, axis=1))
+        if len(ends) and ends[-1] != len(patches):
+            raise ValueError(f"{len(patches)} patches for a grid of {int(ends[-1])}")
+        starts = np.concatenate([[0], ends[:-1]])
+        return [{"pixel_values": patches[a:b], grid_name: grid[i:i + 1]}
+                for i, (a, b) in enumerate(zip(starts.tolist(), ends.tolist()))]
 
     def chat_text(self, prompt: str) -> str:
         """The chat template around one image and the user's text, ready for the answer."""
