@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-from edgemm.decode import BatchItem, DecodingBatch, _Answer
+from edgemm.decode import Answer, BatchItem, DecodingBatch
 from edgemm.detokenize import TextCallback, TextStream
 from edgemm.encoding import Encoding
 from edgemm.generate import PrefixReuse
@@ -110,7 +110,7 @@ class RequestBatch(DecodingBatch):
                                                             prompt.position_ids, prompt.rope_delta)))
         DecodingBatch.join(self, items)
 
-    def _ended(self, a: _Answer, reason: str) -> InferenceResult:
+    def _ended(self, a: Answer, reason: str) -> InferenceResult:
         """An answer ended: the request's InferenceResult, made from the answer itself (no
         Generation in between). This runs once per request, on the caches the decoder call
         left cold, where each object built costs; a failure here fails this request alone."""
