@@ -131,7 +131,7 @@ class RequestBatch(DecodingBatch):
             precision=answering.models.precision, devices={"encode": gen.encoder.device, "decode": gen.decoder.device},
             timings_ms=timings, model=answering.manifest.name, schedule=schedule, prefix_reused=a.reused,
             decode_batch=a.peers, decoder_steps=a.rows_stepped, warnings=list(request.warnings),
-            precision_choice=answering.models.precision_choices)
+            precision_choice=dict(answering.models.precision_choices))  # its own: a caller may change it
 
     def _hand_over(self, key: tuple, outcome: InferenceResult | Exception) -> None:
         """An answer ended (its InferenceResult) or failed: a stream gets the text it has

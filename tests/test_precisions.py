@@ -102,6 +102,20 @@ def test_feature_cache_keys_name_the_variants_loaded_not_auto(tmp_path):
     assert keys[0] != keys[1] and keys[1] == keys[2]
 
 
+def test_each_result_has_its_own_precision_choice(tmp_path):
+    """A caller that changes one result's precision_choice changes neither the next result's
+    nor the runtime's."""
+    rt = cpu_runtime(tiny_copy(tmp_path, ("q4",)))
+    image = h.MODEL_DIR / "samples" / "scene_11.png"
+    first = rt.infer(image, QUESTION, max_new_tokens=2)
+    expected = dict(first.precision_choice)
+    assert expected["decoder"].startswith("auto: q4 on cpu")
+    first.precision_choice["decoder"] = "changed"
+    first.precision_choice.clear()
+    assert rt.infer(image, QUESTION, max_new_tokens=2).precision_choice == expected
+    assert rt.models.precision_choices == expected
+
+
 def test_an_explicit_precision_is_loaded_even_where_auto_would_not(tmp_path):
     rt = cpu_runtime(tiny_copy(tmp_path, ("int8", "q4")), "int8")
     assert rt.precision == "int8" and rt.models.precision_choices == {}
