@@ -39,8 +39,9 @@ import threading
 import time
 import urllib.parse
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -398,12 +399,65 @@ class DeadlineStream(httpcore.NetworkStream):
         return self._inner.get_extra_info(info)
 
 
-def deadline_transport(backend: DeadlineBackend) -> httpx.HTTPTransport:
-    """httpx's transport on `backend`'s sockets (httpx has no total timeout of its own)."""
-    transport = httpx.HTTPTransport()
-    transport._pool = httpcore.ConnectionPool(ssl_context=httpx.create_ssl_context(), max_connections=1,
-                                              network_backend=backend)
-    return transport
+class DeadlineTransport(httpx.BaseTransport):
+    """httpx's transport on `backend`'s sockets (httpx has no total timeout of its own): one
+    httpcore connection pool, as httpx.HTTPTransport has, with httpcore's errors raised as
+    httpx's. It connects directly: HTTP(S)_PROXY is not used (README "Alerts")."""
+
+    def __init__(self, backend: DeadlineBackend) -> None:
+        self._pool = httpcore.ConnectionPool(ssl_context=httpx.create_ssl_context(), max_connections=1,
+                                             network_backend=backend)
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        url = request.url
+        core = httpcore.Request(request.method, httpcore.URL(scheme=url.raw_scheme, host=url.raw_host,
+                                                              port=url.port, target=url.raw_path),
+                                headers=request.headers.raw, content=request.stream,
+                                extensions=request.extensions)
+        with httpx_errors():
+            response = self._pool.handle_request(core)
+        return httpx.Response(response.status, headers=response.headers, stream=ReplyStream(response.stream),
+                              extensions=response.extensions)
+
+    def close(self) -> None:
+        self._pool.close()
+
+
+class ReplyStream(httpx.SyncByteStream):
+    def __init__(self, inner: Iterable[bytes]) -> None:
+        self._inner = inner
+
+    def __iter__(self) -> Iterator[bytes]:
+        with httpx_errors():
+            yield from self._inner
+
+    def close(self) -> None:
+        with httpx_errors():
+            self._inner.close()
+
+
+# httpcore's errors as httpx's, the most specific first (a ReadTimeout is a TimeoutException)
+HTTPX_ERRORS: tuple[tuple[type[Exception], type[httpx.HTTPError]], ...] = (
+    (httpcore.ConnectTimeout, httpx.ConnectTimeout), (httpcore.ReadTimeout, httpx.ReadTimeout),
+    (httpcore.WriteTimeout, httpx.WriteTimeout), (httpcore.PoolTimeout, httpx.PoolTimeout),
+    (httpcore.TimeoutException, httpx.TimeoutException),
+    (httpcore.ConnectError, httpx.ConnectError), (httpcore.ReadError, httpx.ReadError),
+    (httpcore.WriteError, httpx.WriteError), (httpcore.NetworkError, httpx.NetworkError),
+    (httpcore.UnsupportedProtocol, httpx.UnsupportedProtocol),
+    (httpcore.LocalProtocolError, httpx.LocalProtocolError),
+    (httpcore.RemoteProtocolError, httpx.RemoteProtocolError), (httpcore.ProtocolError, httpx.ProtocolError),
+)
+
+
+@contextmanager
+def httpx_errors() -> Iterator[None]:
+    try:
+        yield
+    except Exception as e:
+        for core, ours in HTTPX_ERRORS:
+            if isinstance(e, core):
+                raise ours(str(e)) from e
+        raise
 
 
 class WebhookSender:
@@ -429,7 +483,7 @@ class WebhookSender:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._backend = DeadlineBackend()
         self._http = httpx.Client(timeout=httpx.Timeout(cfg.timeout_s), headers=headers,
-                                  transport=transport or deadline_transport(self._backend),
+                                  transport=transport or DeadlineTransport(self._backend),
                                   follow_redirects=False)  # a redirect must not carry the token elsewhere
         self._failing = False  # logged once when it starts failing, once when it works again
         self.thread = threading.Thread(target=self._run, name="edgemm-webhook", daemon=True)
@@ -492,7 +546,8 @@ class WebhookSender:
     def _attempt(self, event: dict) -> int:
         """One POST, within timeout_s as a whole: the reply's status (at most REPLY_BYTES of
         its body read, the rest never)."""
-        self._backend.deadline = min(time.monotonic() + self.cfg.timeout_s, self._close_deadline)
+        with self._cond:  # as close() sets it: an abandoned sender's deadline (-inf) stays
+            self._backend.deadline = min(time.monotonic() + self.cfg.timeout_s, self._close_deadline)
         with self._http.stream("POST", self.cfg.url, json=event) as response:
             read = 0
             for chunk in response.iter_raw(REPLY_BYTES):

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-from edgemm.decode import BatchItem, DecodingBatch, _Answer
+from edgemm.decode import Answer, BatchItem, DecodingBatch
 from edgemm.detokenize import TextCallback, TextStream
 from edgemm.encoding import Encoding
 from edgemm.generate import PrefixReuse
@@ -110,7 +110,7 @@ class RequestBatch(DecodingBatch):
                                                             prompt.position_ids, prompt.rope_delta)))
         DecodingBatch.join(self, items)
 
-    def _ended(self, a: _Answer, reason: str) -> InferenceResult:
+    def _ended(self, a: Answer, reason: str) -> InferenceResult:
         """An answer ended: the request's InferenceResult, made from the answer itself (no
         Generation in between). This runs once per request, on the caches the decoder call
         left cold, where each object built costs; a failure here fails this request alone."""
@@ -131,7 +131,7 @@ class RequestBatch(DecodingBatch):
             precision=answering.models.precision, devices={"encode": gen.encoder.device, "decode": gen.decoder.device},
             timings_ms=timings, model=answering.manifest.name, schedule=schedule, prefix_reused=a.reused,
             decode_batch=a.peers, decoder_steps=a.rows_stepped, warnings=list(request.warnings),
-            precision_choice=answering.models.precision_choices)
+            precision_choice=dict(answering.models.precision_choices))  # its own: a caller may change it
 
     def _hand_over(self, key: tuple, outcome: InferenceResult | Exception) -> None:
         """An answer ended (its InferenceResult) or failed: a stream gets the text it has

@@ -89,7 +89,7 @@ class BatchItem:
 
 
 @dataclass(slots=True)
-class _Answer:
+class Answer:
     """One request in the batch; it holds `width` consecutive decoder rows. What each step
     reads is an attribute of its own (slots: the step runs on the caches a decoder call left
     cold, and each object it touches costs)."""
@@ -151,7 +151,7 @@ class DecodingBatch:
         more than the rest of a step's bookkeeping for a row."""
         self.gen, self.finished = gen, finished
         self.stop_ids = gen.stop_ids
-        self.answers: list[_Answer] = []
+        self.answers: list[Answer] = []
         # the decoder's feeds between steps: the KV cache ([R, heads, T, head_dim] per layer,
         # left-padded) and the graph's optional inputs; each step takes the new cache in place
         self.feeds: dict[str, np.ndarray] = {}
@@ -283,7 +283,7 @@ class DecodingBatch:
         and leave, a beam search's rows are reordered. The token each row left is fed."""
         gather: list[int] = []  # the rows that go on, as indices into the current rows
         tokens: list[int] = []  # and the token each is fed
-        kept: list[_Answer] = []
+        kept: list[Answer] = []
         start = 0
         for a, outcome in zip(self.answers, outcomes):
             if outcome.__class__ is int:  # its one row goes on, fed this token
@@ -309,7 +309,7 @@ class DecodingBatch:
         while self.answers:
             self.step()
 
-    def _next_beams(self, a: _Answer, start: int) -> list[tuple[int, int]] | Generation | int:
+    def _next_beams(self, a: Answer, start: int) -> list[tuple[int, int]] | Generation | int:
         """A beam search's step (edgemm/beams.py): its survivors, its end, or the offset of
         the row it collapses to (which then goes on greedily in `step`)."""
         beams, options = a.beams, a.item.options
@@ -337,17 +337,17 @@ class DecodingBatch:
             if beams.tokens:
                 return [(int(p), t[-1]) for p, t in zip(parents, beams.tokens)]
 
-    def _beams_end(self, a: _Answer, tokens: list[int], reason: str) -> Generation:
+    def _beams_end(self, a: Answer, tokens: list[int], reason: str) -> Generation:
         self._commit(a, tokens)
         return self._ended(a, reason)
 
-    def _ended(self, a: _Answer, reason: str) -> Any:
+    def _ended(self, a: Answer, reason: str) -> Any:
         """What an answer that ends hands over: its Generation. A subclass that puts answers
         in its own terms builds them here, from the answer itself (RequestBatch). Raising
         fails this answer alone."""
         return a.generation(reason)
 
-    def _commit(self, a: _Answer, tokens: list[int]) -> None:
+    def _commit(self, a: Answer, tokens: list[int]) -> None:
         """The search settled on `tokens`: they become the answer's, and go to its callback."""
         a.tokens = list(tokens)
         if a.on_token is not None:
@@ -427,7 +427,7 @@ class DecodingBatch:
         self.logits = self.logits[gather]
         self._lay_out(padding - start if len(gather) > 1 else None, self.width - start)
 
-    def _merge(self, answers: list[_Answer], logits: np.ndarray, pasts: list[dict]) -> None:
+    def _merge(self, answers: list[Answer], logits: np.ndarray, pasts: list[dict]) -> None:
         """New answers' rows into the batch: one cache per layer for all rows, each row's
         left-padded with zeros to the longest, and the mask that hides the padding."""
         old_width, old_rows = self.width, self.rows
@@ -521,7 +521,7 @@ def generate_batch(gen: Generator, items: list[BatchItem]) -> list[Generation | 
 
 
 def _prefill(gen: Generator, items: list[tuple[Any, BatchItem]],
-             failed: Finished) -> tuple[list[_Answer], list, list]:
+             failed: Finished) -> tuple[list[Answer], list, list]:
     """Every item's prompt through the decoder. A stored prefix is reused item by item;
     the other prompts go through together, one decoder call per prompt length (the same
     question at the same tier has the same length), since a prefill of B short prompts
@@ -597,8 +597,8 @@ def _ones(gen: Generator, rows: int, length: int) -> np.ndarray:
     return _shared("ones", gen.mask_dtype, length)[:, :length] if rows == 1 else np.ones((rows, length), gen.mask_dtype)
 
 
-def _answer(gen: Generator, key: Any, item: BatchItem, started: float, reused: bool) -> _Answer:
+def _answer(gen: Generator, key: Any, item: BatchItem, started: float, reused: bool) -> Answer:
     length = item.input_ids.shape[1]
-    return _Answer(key, item, length, min(item.options.max_new_tokens, gen.max_context - length),
+    return Answer(key, item, length, min(item.options.max_new_tokens, gen.max_context - length),
                    np.random.default_rng(item.options.seed) if item.options.temperature > 0 else None,
                    (time.perf_counter() - started) * 1e3, reused, item.cancelled, item.on_token)

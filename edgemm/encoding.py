@@ -4,8 +4,9 @@
         encoder on the device the request's route resolves to ─► [B,N,D]
 
 The cache (edgemm/cache.py) is a byte-bounded LRU of encoder outputs keyed by the
-pixels, tier, model and precision; it also keeps the decoder's KV cache of an
-image's prompt prefix (edgemm/answering.py hands it to the decode loop).
+pixels, tier, model and each component's precision as loaded (ModelComponents.variants);
+it also keeps the decoder's KV cache of an image's prompt prefix (edgemm/answering.py
+hands it to the decode loop).
 """
 from __future__ import annotations
 

@@ -96,6 +96,14 @@ class ModelComponents:
                               else "+".join(dict.fromkeys(chosen.values())))
         self._generators = {self.resolve(None): self.generator}  # (encoder, embed, decoder device) → Generator
 
+    @property
+    def variants(self) -> str:
+        """Each component's precisions as loaded, its standbys' too (`vision_encoder=fp32
+        embed_tokens=fp32 decoder=q4`): what the feature cache keys by, so that features and
+        prompt prefixes of different variants never share a key (`auto` resolves per component)."""
+        return " ".join(f"{kind}={'+'.join(sorted({c.precision for c in self.standby[kind].values()}))}"
+                        for kind in COMPONENTS)
+
     def _load_alternatives(self, kind: str, devices: list[str]) -> None:
         """Load `kind` on the devices after the first that the power policy could move it to
         (the first DLA when hot or over budget, the GPU when latency is at risk). The CPU

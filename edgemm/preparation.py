@@ -71,9 +71,10 @@ def make_scheduler(config: Config, manifest: ModelManifest) -> Scheduler:
 
 
 class Preparation:
-    def __init__(self, config: Config, manifest: ModelManifest, adapter: Family):
+    def __init__(self, config: Config, manifest: ModelManifest, adapter: Family, variants: str):
+        """`variants`: the precisions loaded (ModelComponents.variants), in every feature-cache key."""
         self.config, self.manifest, self.adapter = config, manifest, adapter
-        self.precision = config.model.precision
+        self.variants = variants
         self.scheduler = make_scheduler(config, manifest)
         # one budget for every thread preparing through this object (the daemon's prepare workers)
         self.decode_budget = DecodeBudget(config.limits.decode_budget_bytes)
@@ -170,4 +171,4 @@ class Preparation:
         return built
 
     def feature_key(self, pixel_values: np.ndarray, tier: str) -> bytes:
-        return feature_key(pixel_values, tier, self.manifest.name, self.precision)
+        return feature_key(pixel_values, tier, self.manifest.name, self.variants)

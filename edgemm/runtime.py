@@ -80,7 +80,7 @@ class Runtime:
             static = getattr(self.adapter, "use_static_shapes", None)
             if static is not None:
                 static()
-        self.preparation = Preparation(self.config, self.manifest, self.adapter)
+        self.preparation = Preparation(self.config, self.manifest, self.adapter, self.models.variants)
         self.encoding = Encoding(self.models, self.preparation, self.manifest)
         self.answering = Answering(self.models, self.encoding, self.adapter, self.manifest)
         if self.config.cache.max_bytes:

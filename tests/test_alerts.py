@@ -536,6 +536,30 @@ def test_timeout_s_caps_a_whole_attempt_even_against_a_server_that_drips_its_rep
         server.close()
 
 
+def test_a_webhook_connects_directly_whatever_http_proxy_says(monkeypatch):
+    """README "Alerts": the webhook's transport uses no proxy, so a proxy in the environment
+    that is not there changes nothing; an endpoint that is not listening is httpx's ConnectError."""
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+        monkeypatch.setenv(name, "http://127.0.0.1:9")  # the discard port: nothing answers there
+    server = Replying(lambda: [b"HTTP/1.1 204 No Content\r\n\r\n"])
+    try:
+        sender = WebhookSender(WebhookConfig(url=server.url, timeout_s=30, retries=0), "w")
+        sender.send(EVENT)
+        wait_until(lambda: sender.figures.delivered == 1, what="the event to be delivered")
+        assert server.requests == 1
+        sender.close()
+    finally:
+        server.close()
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]
+    sender = WebhookSender(WebhookConfig(url=f"http://127.0.0.1:{port}/", timeout_s=30, retries=0), "w")
+    sender.send(EVENT)
+    wait_until(lambda: sender.figures.failed == 1, what="the event to fail")
+    assert sender.figures.last_error == "cannot reach 127.0.0.1: ConnectError"
+    sender.close()
+
+
 def test_a_closed_webhook_gives_up_what_it_holds_after_one_timeout_s():
     """Closing behind a hanging endpoint: what is in flight fails within one timeout_s of the
     close and what is queued is dropped (counted), instead of one timeout_s per event."""

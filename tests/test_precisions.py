@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import onnx
 import pytest
 from click.testing import CliRunner
@@ -88,6 +89,31 @@ def test_auto_picks_per_component_by_what_the_folder_holds(tmp_path):
     assert {c.name: c.precision for c in rt.components.all()} == {
         "vision_encoder": "fp32", "embed_tokens": "fp32", "decoder": "q4"}
     assert rt.precision == "fp32+q4"
+
+
+def test_feature_cache_keys_name_the_variants_loaded_not_auto(tmp_path):
+    """Features and prompt prefixes are cached by key: `auto` over a folder with a q4 decoder
+    keys apart from `auto` over one without, and the latter as named fp32 (the same graphs)."""
+    pixels = np.zeros((3, 8, 8), np.float32)
+    with_q4 = cpu_runtime(tiny_copy(tmp_path / "a", ("q4",), graphs=("decoder_model_merged.onnx",)))
+    assert with_q4.preparation.variants == "vision_encoder=fp32 embed_tokens=fp32 decoder=q4"
+    plain = tiny_copy(tmp_path / "b")
+    keys = [rt.preparation.feature_key(pixels, "low") for rt in (with_q4, cpu_runtime(plain), cpu_runtime(plain, "fp32"))]
+    assert keys[0] != keys[1] and keys[1] == keys[2]
+
+
+def test_each_result_has_its_own_precision_choice(tmp_path):
+    """A caller that changes one result's precision_choice changes neither the next result's
+    nor the runtime's."""
+    rt = cpu_runtime(tiny_copy(tmp_path, ("q4",)))
+    image = h.MODEL_DIR / "samples" / "scene_11.png"
+    first = rt.infer(image, QUESTION, max_new_tokens=2)
+    expected = dict(first.precision_choice)
+    assert expected["decoder"].startswith("auto: q4 on cpu")
+    first.precision_choice["decoder"] = "changed"
+    first.precision_choice.clear()
+    assert rt.infer(image, QUESTION, max_new_tokens=2).precision_choice == expected
+    assert rt.models.precision_choices == expected
 
 
 def test_an_explicit_precision_is_loaded_even_where_auto_would_not(tmp_path):
