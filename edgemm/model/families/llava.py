@@ -1,4 +1,4 @@
-"""The llava family (LLaVA-1.5, and FastVLM as `llava_qwen2`): one image, one `<image>` expanded to N.
+"""The llava family (LLaVA-1.5, and FastVLM as `llava_qwen2` or `fast_vlm`): one image, one `<image>` expanded to N.
 
 The image goes through the CLIP image processor's steps as the folder's
 preprocessor_config.json sets them, each as transformers' PIL backend does it: pad to a
@@ -20,8 +20,10 @@ and newline tokens per row) are out: their model types are not registered here.
 The decoder is causal, so the image prefix is reused for a second question
 (`reuses_image_prefix`).
 
-Registered for the model types `llava` and `llava_qwen2` (FastVLM's config.json, as
-transformers.js keys it); its folders are Hugging Face folders.
+Registered for the model types `llava`, `llava_qwen2` (FastVLM's config.json, as
+transformers.js keys it: LlavaQwen2ForCausalLM is its LlavaForConditionalGeneration) and
+`fast_vlm` (transformers' FastVlmForConditionalGeneration, whose timm FastViT-HD tower's last
+feature map, stride 64, is the N tokens, strategy "full"); its folders are Hugging Face folders.
 """
 from __future__ import annotations
 
@@ -172,7 +174,7 @@ def center_crop(image: np.ndarray, height: int, width: int) -> np.ndarray:
     return image[top:top + height, left:left + width]
 
 
-@register("llava", "llava_qwen2", hf_folder=read_hf_folder)
+@register("llava", "llava_qwen2", "fast_vlm", hf_folder=read_hf_folder)
 class LlavaAdapter:
     """Prompt building and pixels for LLaVA-1.5 and FastVLM folders (see the module docstring)."""
 
