@@ -116,7 +116,10 @@ def test_image_tokens_per_tier_match_encoder_output(model_dir, dims):
         assert features.shape == (1, tier.image_tokens, dims["hidden_size"]), tier.name
 
 
-def test_kv_cache_decoding_matches_full_recompute(runtime, model_dir):
+def test_kv_cache_decoding_matches_full_recompute(make_runtime, model_dir):
+    # the exported fp32 graphs: a q4 decoder's kernels round differently for one row than for
+    # many (onnxruntime 1.23 by ~0.006), which says nothing about the graphs' KV-cache wiring
+    runtime = make_runtime(model={"precision": "fp32"})
     gen = runtime.generator
     pixels, tier = runtime.preprocess(model_dir / "samples" / "scene_12.png")
     prompt = runtime.adapter.build_prompt("describe the image", runtime.manifest.tiers[tier])

@@ -292,7 +292,7 @@ def weight_only_graph(src: Path, dst: Path, variant: str, component: str) -> dic
     if variant in ("q4", "q4f16"):
         # the embedding's table too (GatherBlockQuantized): a third of SmolVLM-256M's bytes
         ops = ("MatMul", "Gather") if component == "embed_tokens" else ("MatMul",)
-        quantizer = MatMulNBitsQuantizer(model, bits=4, block_size=Q4_BLOCK, is_symmetric=True,
+        quantizer = MatMulNBitsQuantizer(model, block_size=Q4_BLOCK, is_symmetric=True,
                                          accuracy_level=Q4_ACCURACY_LEVEL, op_types_to_quantize=ops,
                                          quant_axes=(("MatMul", 0), ("Gather", 1)))
         with np.errstate(invalid="ignore"):  # an all-zero block (a padding row) divides 0 by 0, and is 0
