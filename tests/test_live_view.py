@@ -367,3 +367,42 @@ def test_the_page_shows_a_real_streams_alert_states(runtime):
             states = {browser.evaluate(badge)}
             # scenes of 1 to 6 shapes: the state goes both ways, and the badge with it
             wait_until(lambda: states.add(browser.evaluate(badge)) or len(states) == 2, 30, "the badge to change")
+
+
+def test_delivery_after_the_daemon_drains_keeps_end_and_the_other_listeners():
+    """A page that stopped reading when the daemon drains: its full queue gets END, and the
+    stream's results in flight still go out: no error, its END is kept (and ends it), the
+    stream's other listeners get every event."""
+    import asyncio
+
+    from edgemm.streams import END, AllStreamsListener, ManagedStream, stream_spec
+
+    async def scenario():
+        spec = stream_spec({"id": "cam", "source": "synthetic://", "prompt": COLOUR})
+        stream = ManagedStream(spec, None, asyncio.get_running_loop())  # not started: delivered to by hand
+        stuck, reader = AllStreamsListener(), AllStreamsListener()
+        own = stream.listen()  # a listener of this stream only (GET /v1/streams/cam/events)
+        stream.listeners.update({stuck, reader})
+        for n in range(EVENTS_BUFFER):
+            stream._deliver({"stream": "cam", "answer": str(n)})
+        assert stuck.full() is False and stuck.qsize() == EVENTS_BUFFER
+        stuck.close()  # the daemon drains (StreamManager._close_all_listeners)
+        got = [reader.get_nowait() for _ in range(reader.qsize())]
+        for n in range(EVENTS_BUFFER, 3 * EVENTS_BUFFER):  # results in flight, then the stream's end
+            stream._deliver({"stream": "cam", "answer": str(n)})
+            got.append(reader.get_nowait())
+        stream._deliver(END)
+        items = [stuck.get_nowait() for _ in range(stuck.qsize())]
+        assert items[-1] is END and items.count(END) == 1  # its END survived, last
+        assert [record["answer"] for _, record, _ in items[:-1]] == [str(n) for n in range(EVENTS_BUFFER)]
+        assert [record["answer"] for _, record, _ in got] == [str(n) for n in range(3 * EVENTS_BUFFER)]
+        assert reader.empty()  # one stream's END does not end a listener on all streams
+        own_items = [own.get_nowait() for _ in range(own.qsize())]
+        assert own_items[-1] is END and len(own_items) == EVENTS_BUFFER + 1  # the newest, then END
+        assert own_items[-2][1]["answer"] == str(3 * EVENTS_BUFFER - 1)
+        stream._deliver({"stream": "cam", "answer": "late"})  # after END (an alert's last event, say)
+        assert own.empty() and stuck.empty()  # nothing past END
+        late = stream.listen()  # a listener that comes after the end gets END alone
+        assert late.get_nowait() is END and late.empty()
+
+    asyncio.run(scenario())
