@@ -245,6 +245,49 @@ def test_latest_frame_is_encoded_once_per_answer_and_bounded():
     assert latest.jpeg()[0] == number + 1
 
 
+def test_viewers_asking_at_once_share_one_encode_per_answer(monkeypatch):
+    """8 viewers at once, from threads (LatestFrame.jpeg) and from the event loop (frame.jpg's
+    shared_encode): one encode per answer, on the live view's own threads."""
+    import asyncio
+    import threading
+
+    import edgemm.liveview
+    encodes, threads, release = [], set(), threading.Event()
+    real = edgemm.view.jpeg
+
+    def counted(image):
+        encodes.append(1)
+        threads.add(threading.current_thread().name)
+        release.wait(30)  # every viewer asks while this encode is under way
+        return real(image)
+
+    monkeypatch.setattr(edgemm.view, "jpeg", counted)
+    latest = LatestFrame()
+    frame = type("F", (), {"image": make_scene(1).image})()
+    latest.answer(frame, {"answer": "red"})
+    results = []
+    viewers = [threading.Thread(target=lambda: results.append(latest.jpeg())) for _ in range(8)]
+    for viewer in viewers:
+        viewer.start()
+    wait_until(lambda: encodes, 30, "the first encode")
+    release.set()
+    for viewer in viewers:
+        viewer.join(30)
+    assert len(results) == 8 and len({id(data) for _, data in results}) == 1
+    assert len(encodes) == 1
+
+    async def eight_at_once():
+        return await asyncio.gather(*(edgemm.liveview.shared_encode(latest) for _ in range(8)))
+
+    latest.answer(frame, {"answer": "blue"})
+    threads.clear()
+    results = asyncio.run(eight_at_once())  # all 8 ask before the loop can see an encode finish
+    assert len(encodes) == 2 and {number for number, _ in results} == {2}
+    assert len({id(data) for _, data in results}) == 1
+    assert all(name.startswith("edgemm-jpeg") for name in threads)  # not asyncio's default executor
+    assert edgemm.liveview.encoding == {}  # nothing kept once it is done
+
+
 # ---- edgemm stream --view OUT --------------------------------------------------------------
 
 def run_cli(args: list[str]):
