@@ -4,7 +4,8 @@
     GET /v1/events                     every stream's results (and alert events) as one SSE
                                        stream, so a page watching many streams holds one connection
     GET /v1/streams/{id}/frame.jpg     the latest answered frame, a JPEG of at most 640 px a side
-                                       (edgemm.view.LatestFrame: encoded once per answer); 404 before one
+                                       (edgemm.view.LatestFrame: encoded once per answer, on a pool of
+                                       ENCODE_THREADS of its own); 404 before one
     PATCH /v1/streams/{id}             {"prompt": …}: the prompt of the frames submitted from now on
 
 Everything is bounded as the rest of the API: a page's /v1/events is one of
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Awaitable, Callable
 from importlib import resources
 
@@ -28,6 +30,7 @@ from edgemm.openai_api import ApiError
 from edgemm.pipeline import Overloaded
 from edgemm.service import Service
 from edgemm.streams import END, StreamSpecError
+from edgemm.view import LatestFrame
 
 # the scope key of edgemm.connections.LONG_LIVED (see edgemm.server for why it is not imported)
 LONG_LIVED = "edgemm.long_lived"
@@ -44,6 +47,23 @@ def event_text(record: dict, event: str | None) -> str:
     /v1/streams/{id}/events sends them; their ids are per stream, so none is sent here)."""
     kind = f"event: {event}\n" if event else ""
     return f"{kind}data: {json.dumps(record)}\n\n"
+
+
+# frame.jpg's encodes: a bounded pool of the daemon's own. Its queue holds at most one encode per
+# stream: the viewers that ask meanwhile wait for that one (`encoding`)
+ENCODE_THREADS = 2
+ENCODER = ThreadPoolExecutor(ENCODE_THREADS, thread_name_prefix="edgemm-jpeg")
+encoding: dict[LatestFrame, asyncio.Future] = {}  # a stream's frame → its encode under way (event loop only)
+
+
+async def shared_encode(latest: LatestFrame) -> tuple[int, bytes] | None:
+    """latest.jpeg() on ENCODER, one call per stream at a time, shared by the viewers that ask meanwhile."""
+    future = encoding.get(latest)
+    if future is None:
+        future = asyncio.get_running_loop().run_in_executor(ENCODER, latest.jpeg)
+        encoding[latest] = future
+        future.add_done_callback(lambda _: encoding.pop(latest, None))
+    return await asyncio.shield(future)  # a viewer that leaves does not cancel it for the others
 
 
 def live_view_routes(service: Service, read_json: Callable[..., Awaitable[object]]) -> list[Route]:
@@ -84,8 +104,10 @@ def live_view_routes(service: Service, read_json: Callable[..., Awaitable[object
     async def frame_jpeg(http: HttpRequest) -> Response:
         stream = service.streams.get(http.path_params["id"])  # 404 for no such stream
         latest = stream.latest
-        # encoding (a few ms for 640 px) off the event loop; a frame already encoded is not encoded again
-        encoded = latest.cached() or await asyncio.to_thread(latest.jpeg)
+        # encoding (a few ms for 640 px) off the event loop, on the live view's own threads (not
+        # asyncio's default executor, which remote image fetches use); a frame already encoded is
+        # not encoded again, and viewers asking while it is share that one encode
+        encoded = latest.cached() or await shared_encode(latest)
         if encoded is None:
             raise ApiError(f"stream {stream.spec.id!r} has no answered frame yet", status=404, code="no_frame")
         number, data = encoded

@@ -97,22 +97,40 @@ def stream_spec(data: object) -> StreamConfig:
         raise StreamSpecError(detail, named.group(1) if named else None) from None
 
 
-class AllStreamsListener(asyncio.Queue):
+class ListenerQueue(asyncio.Queue):
+    """One SSE listener's events: at most EVENTS_BUFFER of them (offer() loses the oldest to make
+    room), then END, after which nothing more goes in. END always has its room: it is never lost,
+    nor moved to where the oldest event is taken from."""
+
+    def __init__(self):
+        super().__init__(EVENTS_BUFFER + 1)  # + room for END
+        self.closed = False
+
+    def offer(self, item: tuple) -> tuple | None:
+        """Queue an event (id, record, event name); returns the oldest one it lost to make room, if any."""
+        if self.closed:
+            return None  # after END: dropped, as nobody reads past it
+        lost = self.get_nowait() if self.qsize() >= EVENTS_BUFFER else None
+        super().put_nowait(item)
+        return lost
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            super().put_nowait(END)  # offer() keeps at most EVENTS_BUFFER: there is room
+
+    def stream_ended(self) -> None:
+        """The stream this queue listens to ended."""
+        self.close()
+
+
+class AllStreamsListener(ListenerQueue):
     """One listener on every stream (GET /v1/events, the live view page's): the same queue sits
     in each stream's listeners, so it is bounded, and loses its oldest results, like any other
     listener. One stream's end is not its end: only close() is (the daemon drains)."""
 
-    def __init__(self):
-        super().__init__(EVENTS_BUFFER + 1)  # + room for END
-
-    def put_nowait(self, item) -> None:
-        if item is not END:
-            super().put_nowait(item)
-
-    def close(self) -> None:
-        if self.full():
-            self.get_nowait()
-        super().put_nowait(END)
+    def stream_ended(self) -> None:
+        pass
 
 
 @dataclass
@@ -137,7 +155,7 @@ class ManagedStream:
         self.figures = StreamFigures()
         self.latest = LatestFrame()  # the last answered frame, for GET /v1/streams/{id}/frame.jpg
         self._options: StreamOptions | None = None  # the current run's: where a new prompt goes
-        self.listeners: set[asyncio.Queue] = set()  # touched only from the event loop
+        self.listeners: set[ListenerQueue] = set()  # touched only from the event loop
         self.lagged = 0  # results (and alert events) a slow listener missed
         self.alerts_lagged = 0  # ... of which alert events
         self.alerts = StreamAlerts(spec.id, spec.alerts, spec.webhook, pipeline, self._post_alert, spec.tier, route,
@@ -168,24 +186,26 @@ class ManagedStream:
         if options is not None:
             options.prompt = spec.prompt  # read by the stream's feeding thread for each frame it submits
 
-    def listen(self) -> asyncio.Queue:
-        queue: asyncio.Queue = asyncio.Queue(EVENTS_BUFFER + 1)  # + room for END
+    def listen(self) -> ListenerQueue:
+        queue = ListenerQueue()
         if self.finished:
-            queue.put_nowait(END)
+            queue.close()
         self.listeners.add(queue)
         return queue
 
     def _deliver(self, record: dict | None, event: str | None = None) -> None:
         """To every listener: (the event's id, the result, its SSE event name: None, or "alert"), or END."""
         self.finished = self.finished or record is END
-        if record is not END:
-            self.sent += 1  # numbered in order, so a listener that lagged sees the gap
+        if record is END:
+            for queue in self.listeners:
+                queue.stream_ended()
+            return
+        self.sent += 1  # numbered in order, so a listener that lagged sees the gap
         for queue in self.listeners:
-            if record is not END and queue.qsize() >= EVENTS_BUFFER:
-                _, _, lost = queue.get_nowait()  # the oldest event makes room
+            lost = queue.offer((self.sent, record, event))
+            if lost is not None:  # the oldest event made room
                 self.lagged += 1
-                self.alerts_lagged += lost == "alert"
-            queue.put_nowait(END if record is END else (self.sent, record, event))
+                self.alerts_lagged += lost[2] == "alert"
 
     # -- from any thread --
 

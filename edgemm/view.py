@@ -86,6 +86,7 @@ class LatestFrame:
 
     def __init__(self):
         self._lock = threading.Lock()
+        self._encode_lock = threading.Lock()  # held around an encode (never while _lock waits on it)
         self._image: np.ndarray | None = None
         self._number = 0  # answers seen
         self._encoded: tuple[int, bytes] | None = None  # (answer number, its JPEG)
@@ -106,18 +107,20 @@ class LatestFrame:
             return encoded if encoded is not None and encoded[0] == self._number else None
 
     def jpeg(self) -> tuple[int, bytes] | None:
-        """(the answer's number, the JPEG), or None before the first answer."""
-        with self._lock:
-            image, number, encoded = self._image, self._number, self._encoded
-        if image is None:
-            return None
-        if encoded is not None and encoded[0] == number:
+        """(the answer's number, the JPEG), or None before the first answer. Viewers asking at once
+        wait for one encode: the encode lock is held around it, so an answer is encoded once."""
+        with self._encode_lock:
+            with self._lock:
+                image, number, encoded = self._image, self._number, self._encoded
+            if image is None:
+                return None
+            if encoded is not None and encoded[0] == number:
+                return encoded
+            encoded = (number, jpeg(image))  # answer() goes on meanwhile: it takes only _lock
+            with self._lock:
+                if self._encoded is None or self._encoded[0] < number:
+                    self._encoded = encoded
             return encoded
-        encoded = (number, jpeg(image))
-        with self._lock:
-            if self._encoded is None or self._encoded[0] < number:
-                self._encoded = encoded
-        return encoded
 
 
 # ---- --view OUT ----------------------------------------------------------------------------

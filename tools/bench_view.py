@@ -25,7 +25,9 @@ answers/s go as 1 / CPU per answer, and what the view adds to that is what it co
 stream, however busy the machine. The browser's own CPU (chromium's process tree) is shown
 apart: it is the watcher's machine's cost, not the daemon's, unless both are one machine.
 Printed: median and min-max per mode, and the ratio of the medians to `none`. Target
-(issue 23): the view costs the stream at most 5 % of its answers/s.
+(issue 23): the view costs the stream at most 5 % of its answers/s. Also printed: how long
+the page took, from starting chromium on it, to show the stream's frame and answer (issue
+23's target: within 3 s; the browser test asserts only that it does, not how fast).
 Paste the printed Markdown into docs/BENCHMARKS.md together with the command.
 """
 from __future__ import annotations
@@ -163,14 +165,17 @@ class Browser:
 
     def ready(self) -> bool:
         return bool(self.browser.evaluate(
-            f"(c => !!c && c.querySelector('img.frame').naturalWidth > 0)(document.querySelector('[data-stream={STREAM}]'))"))
+            f"(c => !!c && c.querySelector('img.frame').naturalWidth > 0 && !!c.querySelector('.answer').textContent)"
+            f"(document.querySelector('[data-stream={STREAM}]'))"))
 
     def close(self) -> None:
         self.browser.close()
 
 
-def window(daemon: Daemon, mode: str, seconds: float) -> tuple[float, float, float]:
-    """(answers/s, the daemon's CPU ms per answer, the browser's CPU share of one core)."""
+def window(daemon: Daemon, mode: str, seconds: float) -> tuple[float, float, float, float]:
+    """(answers/s, the daemon's CPU ms per answer, the browser's CPU share of one core, seconds from
+    opening the view to its first frame and answer shown: chromium's start included for the browser)."""
+    opened = time.monotonic()
     attached = None if mode == "none" else PageRequests(daemon.sock) if mode == "requests" else Browser(daemon.port)
     try:
         deadline = time.monotonic() + 30
@@ -178,13 +183,14 @@ def window(daemon: Daemon, mode: str, seconds: float) -> tuple[float, float, flo
             if time.monotonic() > deadline:
                 raise SystemExit(f"{mode}: the view showed nothing within 30 s")
             time.sleep(0.05)
+        shown_s = time.monotonic() - opened
         time.sleep(1.0)
         browser_cpu = attached.cpu_s if isinstance(attached, Browser) else (lambda: 0.0)
         start, t0, cpu0, browser0 = daemon.frames(), time.perf_counter(), cpu_s(daemon.proc.pid), browser_cpu()
         time.sleep(seconds)
         answers, elapsed = daemon.frames() - start, time.perf_counter() - t0
         cpu, browser = cpu_s(daemon.proc.pid) - cpu0, browser_cpu() - browser0
-        return answers / elapsed, 1e3 * cpu / max(1, answers), browser / elapsed
+        return answers / elapsed, 1e3 * cpu / max(1, answers), browser / elapsed, shown_s
     finally:
         if attached is not None:
             attached.close()
@@ -202,14 +208,14 @@ def main() -> None:
     daemon = Daemon([{"id": STREAM, "source": args.source, "prompt": "what color is the circle ?",
                       "max_new_tokens": 2}], args.threads)
     time.sleep(args.warmup)  # the first seconds of a stream are slower (caches, the scheduler's statistics)
-    figures: dict[str, list[tuple[float, float, float]]] = {mode: [] for mode in MODES}
+    figures: dict[str, list[tuple[float, float, float, float]]] = {mode: [] for mode in MODES}
     try:
         for round_ in range(args.rounds):
             for mode in (MODES if round_ % 2 == 0 else MODES[::-1]):
                 figures[mode].append(window(daemon, mode, args.window))
-                rate, cpu, browser = figures[mode][-1]
+                rate, cpu, browser, shown_s = figures[mode][-1]
                 print(f"round {round_ + 1} {mode}: {rate:.2f} answers/s, daemon {cpu:.2f} CPU ms/answer, "
-                      f"browser {100 * browser:.1f} % of a core", file=sys.stderr)
+                      f"browser {100 * browser:.1f} % of a core, shown after {shown_s:.2f} s", file=sys.stderr)
     finally:
         daemon.stop()
 
@@ -225,6 +231,10 @@ def main() -> None:
         browser_share = f"{100 * browser[0]:.1f}" if mode == "browser" else "-"
         print(f"| {mode} | {rate[0]:.2f} ({rate[1]:.2f}-{rate[2]:.2f}) | {rate[0] / base_rate:.3f} "
               f"| {cpu[0]:.2f} ({cpu[1]:.2f}-{cpu[2]:.2f}) | {cpu[0] / base_cpu:.3f} | {browser_share} |")
+    shown = summary("browser", 3)
+    print(f"\nThe page, opened in chromium on a running stream, showed its frame and answer after "
+          f"{shown[0]:.2f} s median ({shown[1]:.2f}-{shown[2]:.2f}), chromium's start included "
+          f"(target, issue 23: within 3 s)")
 
 
 if __name__ == "__main__":
