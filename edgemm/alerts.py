@@ -63,6 +63,7 @@ ALERT_SHARE = 4  # alert questions of one stream in the pipeline at once
 # questions of one alert in the pipeline at once: two, so that an alert still reads every
 # frame when an answer takes longer than the time between frames (up to twice as long)
 ALERT_INFLIGHT = 2
+SETTLE_S = 10.0  # how long a stream that ends waits for its alerts' last answers, so their events precede its end
 WEBHOOK_QUEUE = 64  # events waiting per webhook; beyond, the oldest is dropped (counted)
 WEBHOOK_MAX_BACKOFF_S = 30.0
 REPLY_BYTES = 4096  # of a webhook's reply body, at most this much is read (its status is what counts)
@@ -177,6 +178,8 @@ class StreamAlerts:
         self.tier, self.route, self.pool = tier, route, pool  # pool: the manager's, every stream's alert places
         self.places = threading.BoundedSemaphore(ALERT_SHARE)
         self._lock = threading.Lock()
+        self._settled = threading.Condition(self._lock)
+        self._unanswered = 0  # questions submitted whose answer has not been read and published yet
         self.senders: dict[str, WebhookSender] = {}  # "stream" or the alert's name → its sender
         where = f"streams ({stream_id})"
         shared = None
@@ -217,6 +220,7 @@ class StreamAlerts:
                 continue
             with self._lock:
                 alert.in_flight += 1
+                self._unanswered += 1
             alert.asked = count
             future.add_done_callback(partial(self._answered, alert, frame.index, count))
 
@@ -242,6 +246,14 @@ class StreamAlerts:
     def _answered(self, alert: Alert, frame: int, seq: int, future: Future) -> None:
         """`frame`: the source's frame number (restarts with the source); `seq`: the stream's count."""
         self._give_place()
+        try:
+            self._read(alert, frame, seq, future)
+        finally:
+            with self._settled:
+                self._unanswered -= 1
+                self._settled.notify_all()
+
+    def _read(self, alert: Alert, frame: int, seq: int, future: Future) -> None:
         try:
             reading = alert.rule.read(future.result().text)
             failed = False
@@ -274,6 +286,13 @@ class StreamAlerts:
             return [{"stream": self.stream_id, "alert": a.name, "state": a.debounce.state,
                      "since_frame": a.since_frame, "since_time": None if a.since_time is None else round(a.since_time, 3),
                      "prompt": a.cfg.prompt} for a in self.alerts]
+
+    def settle(self, timeout_s: float = SETTLE_S) -> bool:
+        """Wait (at most `timeout_s`) until every question asked has been answered and its
+        event published: a stream that ends calls this before its end, so that listeners
+        get its last alert events. False if some were still unanswered."""
+        with self._settled:
+            return self._settled.wait_for(lambda: self._unanswered == 0, timeout_s)
 
     def close(self) -> None:
         """The stream is gone: its webhooks deliver what they hold, then stop."""

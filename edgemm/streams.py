@@ -245,6 +245,7 @@ class ManagedStream:
         if self._stop.is_set():
             self._set(state="stopped")
         if self.alerts is not None:
+            self.alerts.settle()  # its last alert events go out before the stream's end
             self.alerts.close()
         self._post(END)
 

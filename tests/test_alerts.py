@@ -119,6 +119,20 @@ def test_scripted_answers_make_debounced_events_with_frame_numbers():
                    "since_time": events[-1]["time"], "prompt": COUNT}
 
 
+def test_settle_waits_for_the_last_answers_so_their_events_come_before_the_streams_end():
+    alerts, pipeline, events = scripted({"p": {"prompt": "is there a person ?", "on_after": 1, "off_after": 1}})
+    alerts.ask(frame(0))
+    assert alerts.settle(0.01) is False  # its answer is still to come
+    answering = threading.Timer(0.05, pipeline.answer, ("is there a person ?", "yes"))
+    answering.start()
+    assert alerts.settle(30) is True
+    assert [e["state"] for e in events] == ["true"]  # published before settle returned
+    assert alerts.settle(0) is True  # nothing left
+    alerts.ask(frame(1))
+    pipeline.requests[-1].future.set_exception(RuntimeError("the decoder failed"))
+    assert alerts.settle(0) is True  # a failed question is answered too
+
+
 def test_a_failed_question_reads_unknown_and_is_counted():
     alerts, pipeline, events = scripted({"p": {"prompt": "is there a person ?", "on_after": 1, "off_after": 1}})
     alerts.ask(frame(0))
