@@ -99,23 +99,26 @@ def read_image_arg(image: str, limits):
 
 
 @contextmanager
-def progress(what: str, quiet: bool = False) -> Iterator[None]:
+def progress(what: str, quiet: bool = False) -> Iterator[list[str]]:
     """`edgemm: loading WHAT … ready in 1.2 s` on stderr (never stdout: --json stays clean).
     On a terminal the first half shows while loading and is erased if an error follows;
-    elsewhere (scripts, logs) the line comes whole once ready, so an error stays one line."""
+    elsewhere (scripts, logs) the line comes whole once ready, so an error stays one line.
+    What the caller adds to the list it is given is said after the time (`… ready in 0.1 s: q4`)."""
     interactive = not quiet and sys.stderr.isatty()
     if interactive:
         click.echo(f"edgemm: loading {what} … ", err=True, nl=False)
     t0 = time.perf_counter()
+    notes: list[str] = []
     try:
-        yield
+        yield notes
     except BaseException:
         if interactive:
             click.echo("\r\033[K", err=True, nl=False)
         raise
     if not quiet:
         start = "" if interactive else f"edgemm: loading {what} … "
-        click.echo(f"{start}ready in {time.perf_counter() - t0:.1f} s", err=True)
+        said = f": {', '.join(notes)}" if notes else ""
+        click.echo(f"{start}ready in {time.perf_counter() - t0:.1f} s{said}", err=True)
 
 
 def say(line: str) -> None:
@@ -231,9 +234,11 @@ def infer(image, prompt, tier, scheduler, beams, beam_gate, precision, model_dir
     if scheduler is not None:
         cfg.scheduler.policy = scheduler  # a click.Choice, so already valid
     source = read_image_arg(image, cfg.limits)
-    with progress(model_label(cfg), quiet):
+    with progress(model_label(cfg), quiet) as notes:
         # a warm-up would answer twice: the answer's own first run is all the warming it needs
         runtime = Runtime(cfg, warm_up=False)
+        if cfg.model.precision == "auto":  # which variant auto took
+            notes.append(runtime.models.precision)
         started = time.perf_counter()
         request = runtime.prepare(source, prompt, tier=tier, max_new_tokens=max_new_tokens,
                                   temperature=temperature, top_p=top_p, seed=seed,

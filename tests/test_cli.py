@@ -45,7 +45,7 @@ def test_json_output(sample):
     assert isinstance(out["answer"], str) and all(isinstance(t, int) for t in out["tokens"])
 
 
-PROGRESS = re.compile(r"edgemm: loading tiny-vlm \(auto\) … ready in \d+\.\d s\n")
+PROGRESS = re.compile(r"edgemm: loading tiny-vlm \(auto\) … ready in \d+\.\d s: q4\n")  # the variant auto took
 
 
 def test_plain_output_is_one_line_with_the_answer(sample):
