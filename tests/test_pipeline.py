@@ -8,6 +8,7 @@ tokens agreeing with the unpipelined path.
 """
 from __future__ import annotations
 
+import math
 import threading
 import time
 from pathlib import Path
@@ -253,7 +254,8 @@ def test_encoder_batch_limits_follow_the_mode_and_the_timing(runtime, monkeypatc
 def test_encoder_batch_speedup_is_timed_on_the_real_encoder(runtime):
     calls_before = runtime.generator.encoder.stats.calls
     speedup = runtime.encoder_batch_speedup("low", 2, repeats=1)
-    assert 0.1 < speedup < 10
+    # a ratio of two timings: any positive figure (a loaded machine gave 14), never a bound here
+    assert math.isfinite(speedup) and speedup > 0
     # the batch shape's first run, one pair, then one run that hands the arena's memory back
     assert runtime.generator.encoder.stats.calls - calls_before == 4
     assert runtime.generator.encoder.shrink_next is False
