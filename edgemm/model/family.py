@@ -32,6 +32,7 @@ from tokenizers import Tokenizer
 
 from edgemm.errors import ModelError
 from edgemm.model.manifest_types import ModelManifest, Preprocessing, ResolutionTier
+from edgemm.model.tokenizer import load_tokenizer, token_id
 
 BUILTIN_FAMILIES = "edgemm.model.families"
 
@@ -88,6 +89,27 @@ class Family(Protocol):
 
     # Optional (not part of the isinstance check): `graph_inputs: GraphInputs`, what the family
     # feeds beyond the contract (Qwen2-VL: the encoder's grid, [3, B, S] positions).
+
+
+class TokenizedFamily:
+    """What every built-in family does the same way around its tokenizer; a family class
+    inherits it. It keeps the manifest and its family_config (`cfg`), loads the folder's
+    tokenizer, looks tokens up and decodes answers (Family.decode)."""
+
+    stop_ids: set[int]  # the family's own __init__ fills it
+
+    def __init__(self, manifest: ModelManifest):
+        self.manifest = manifest
+        self.cfg = manifest.family_config
+        self.tokenizer = load_tokenizer(manifest.path / manifest.files["tokenizer"])
+
+    def id_of(self, token: str) -> int:
+        """The token's id; a ModelError naming the model folder when the vocabulary lacks it."""
+        return token_id(self.tokenizer, token, f"{self.manifest.path}: token {token!r}")
+
+    def decode(self, ids: list[int]) -> str:
+        """Generated ids → the answer's text: stop tokens and special tokens left out."""
+        return self.tokenizer.decode([i for i in ids if i not in self.stop_ids], skip_special_tokens=True)
 
 
 @dataclass(frozen=True)
