@@ -88,7 +88,9 @@ class Family(Protocol):
         ...
 
     # Optional (not part of the isinstance check): `graph_inputs: GraphInputs`, what the family
-    # feeds beyond the contract (Qwen2-VL: the encoder's grid, [3, B, S] positions).
+    # feeds beyond the contract (Qwen2-VL: the encoder's grid, [3, B, S] positions); and, on the
+    # class, `encoder_patches(manifest, tier) -> EncoderPatches` for an encoder that takes its
+    # image as flattened patches (Qwen2-VL): what the engine builder sizes its profiles by.
 
 
 class TokenizedFamily:
@@ -136,6 +138,20 @@ class GraphInputs:
 def graph_inputs(family: object) -> GraphInputs:
     """The family's GraphInputs, or the default for a family that has none."""
     return getattr(family, "graph_inputs", None) or GraphInputs()
+
+
+@dataclass(frozen=True)
+class EncoderPatches:
+    """The rows of flattened patches ([N, patch values]) one image makes at a tier, for a family
+    whose vision encoder takes them so (Qwen2-VL) instead of pixels [B, 3, H, W]: what a TensorRT
+    profile must hold. The family says it with `encoder_patches(manifest, tier)` on its class."""
+    least: int  # the fewest any image makes (one image token's patches)
+    budget: int  # an image that takes the tier's whole budget: the shape to optimise for
+    most: int  # the most any image makes at the tier (an elongated one may pass its budget)
+    square: int  # the tier's own square image (tier.height x tier.width): a static plan's one shape
+
+
+PatchCounter = Callable[[ModelManifest, ResolutionTier], EncoderPatches]
 
 
 @dataclass
@@ -218,10 +234,20 @@ def family_entry(model_type: object, refused: str, hf_folder: bool = False) -> F
     return entry
 
 
+def _entry_of(manifest: ModelManifest) -> FamilyEntry:
+    where = Path(manifest.path) / "model.yaml"
+    return family_entry(manifest.family, f"{where}: unknown family")
+
+
 def family_for(manifest: ModelManifest) -> Family:
     """The family adapter for a loaded manifest, by ModelManifest.family."""
-    where = Path(manifest.path) / "model.yaml"
-    return family_entry(manifest.family, f"{where}: unknown family").adapter(manifest)
+    return _entry_of(manifest).adapter(manifest)
 
 
 adapter_for = family_for  # the name the runtime has always called
+
+
+def encoder_patches(manifest: ModelManifest) -> PatchCounter | None:
+    """The family's `encoder_patches`, asked of its class (no tokenizer is loaded), or None for a
+    family whose encoder takes pixels."""
+    return getattr(_entry_of(manifest).adapter, "encoder_patches", None)

@@ -27,7 +27,7 @@ depends on the image's aspect ratio. It is at most the tier's, except for elonga
 smart_resize keeps at least one unit (28 px) on the short side, so a 200:1 image at a
 64-token budget gets 1x113 tokens, and rounds up when it grows a small one to min_pixels
 (1x199 px at 16 gets 29). `most_image_tokens` bounds it over every aspect ratio taken
-(up to MAX_ASPECT), and the GPU engine profile is sized by it.
+(up to MAX_ASPECT), and the GPU engine profile is sized by it (`encoder_patches`).
 
 Qwen2.5-VL's vision tower differs (RMSNorm, SwiGLU, windowed attention in most blocks),
 but all of that is inside the vision_encoder graph: what the runtime feeds and reads is
@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 from edgemm.errors import InputError, ModelError
 from edgemm.model.chat_template import ChatTemplate
-from edgemm.model.family import FamilyFields, GraphInputs, Prompt, TokenizedFamily, register
+from edgemm.model.family import EncoderPatches, FamilyFields, GraphInputs, Prompt, TokenizedFamily, register
 from edgemm.model.hf_folder import eos_token_ids, read_json
 from edgemm.model.manifest_types import ModelManifest, Preprocessing, ResolutionTier
 from edgemm.model.resample import resize_bicubic
@@ -203,6 +203,17 @@ class Qwen2VLAdapter(TokenizedFamily):
         """From now on every image is resized to its tier's square (tier.height x tier.width), the
         one grid a static (DLA) encoder plan takes, instead of keeping its aspect ratio."""
         self.static_shapes = True
+
+    @staticmethod
+    def encoder_patches(manifest: ModelManifest, tier: ResolutionTier) -> EncoderPatches:
+        """The patch rows one image makes at `tier`, what the engine builder sizes the encoder's
+        profiles by: merge² per image token, up to most_image_tokens' for an elongated image,
+        and the tier's square grid for a static plan (use_static_shapes)."""
+        cfg = manifest.family_config
+        patch, per_token = cfg["patch_size"], cfg["merge_size"] * cfg["merge_size"]
+        return EncoderPatches(least=per_token, budget=tier.image_tokens * per_token,
+                              most=most_image_tokens(cfg, tier.image_tokens) * per_token,
+                              square=(tier.height // patch) * (tier.width // patch))
 
     def resized(self, height: int, width: int, tier: ResolutionTier) -> tuple[int, int]:
         """The size an image of (height, width) is resized to at `tier`'s pixel budget."""
