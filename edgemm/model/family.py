@@ -164,6 +164,20 @@ class FamilyFields:
     family_config: dict  # whatever else the family's adapter needs (ModelManifest.family_config)
     default_tier: str | None = None  # None: the richest tier
 
+    @classmethod
+    def normalised(cls, cfg: dict, resize: str, tiers: dict[str, ResolutionTier], image_token: str,
+                   stop_tokens: list[str]) -> FamilyFields:
+        """The fields of a family whose `cfg` (its family_config) has the RGB image_mean and
+        image_std the pixels are normalised by, and whose images are resized by `resize`."""
+        return cls(tiers=tiers, image_token=image_token, stop_tokens=stop_tokens, family_config=cfg,
+                   preprocessing=Preprocessing(tuple(cfg["image_mean"]), tuple(cfg["image_std"]), "rgb", resize))
+
+
+def one_tier(height: int, width: int, image_tokens: int) -> dict[str, ResolutionTier]:
+    """The tiers of a family that takes every image at one size: one, named `{height}x{width}`."""
+    name = f"{height}x{width}"
+    return {name: ResolutionTier(name, height, width, image_tokens)}
+
 
 HFReader = Callable[[Path, dict], FamilyFields]  # (folder, its config.json) → the family's fields
 

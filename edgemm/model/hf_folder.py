@@ -43,6 +43,11 @@ def read_json(path: Path, required: bool = True) -> dict:
     return data
 
 
+def optional_json(path: Path, *names: str) -> list[dict]:
+    """The folder's JSON files `names`, in order: {} for one the folder does not have."""
+    return [read_json(path / name, required=False) for name in names]
+
+
 def special_token(tokenizer_config: dict, key: str, default: str) -> str:
     """A named token of tokenizer_config.json (a string, or an AddedToken's dict; at the top
     level or under extra_special_tokens), or `default` where the folder names none."""

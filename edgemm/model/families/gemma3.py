@@ -35,9 +35,9 @@ import numpy as np
 
 from edgemm.errors import ModelError
 from edgemm.model.chat_template import ChatTemplate
-from edgemm.model.family import FamilyFields, Prompt, TokenizedFamily, register
-from edgemm.model.hf_folder import eos_token_ids, read_json, special_token
-from edgemm.model.manifest_types import ModelManifest, Preprocessing, ResolutionTier
+from edgemm.model.family import FamilyFields, Prompt, TokenizedFamily, one_tier, register
+from edgemm.model.hf_folder import eos_token_ids, optional_json, read_json, special_token
+from edgemm.model.manifest_types import ModelManifest, ResolutionTier
 from edgemm.model.preprocess import rescale_normalize
 from edgemm.model.resample import FILTER_NAMES, resize_pil
 
@@ -81,15 +81,10 @@ def family_config(path: Path, config: dict, preprocessor: dict, processor: dict,
 def read_hf_folder(path: Path, config: dict) -> FamilyFields:
     """This family's part of a Hugging Face folder's manifest (edgemm.model.hf_folder)."""
     cfg = family_config(path, config, read_json(path / "preprocessor_config.json"),
-                        read_json(path / "processor_config.json", required=False),
-                        read_json(path / "tokenizer_config.json", required=False),
-                        read_json(path / "generation_config.json", required=False))
-    name = f"{cfg['height']}x{cfg['width']}"
-    return FamilyFields(tiers={name: ResolutionTier(name, cfg["height"], cfg["width"], cfg["image_seq_len"])},
-                        image_token=cfg["image_token"], stop_tokens=[END_OF_TURN],
-                        preprocessing=Preprocessing(tuple(cfg["image_mean"]), tuple(cfg["image_std"]), "rgb",
-                                                    "stretch"),
-                        family_config=cfg)
+                        *optional_json(path, "processor_config.json", "tokenizer_config.json",
+                                       "generation_config.json"))
+    return FamilyFields.normalised(cfg, "stretch", one_tier(cfg["height"], cfg["width"], cfg["image_seq_len"]),
+                                   cfg["image_token"], [END_OF_TURN])
 
 
 def expand_image(cfg: dict) -> str:

@@ -27,8 +27,8 @@ import numpy as np
 from edgemm.errors import ModelError
 from edgemm.model.chat_template import ChatTemplate
 from edgemm.model.family import FamilyFields, Prompt, TokenizedFamily, register
-from edgemm.model.hf_folder import eos_token_ids, read_json
-from edgemm.model.manifest_types import ModelManifest, Preprocessing, ResolutionTier
+from edgemm.model.hf_folder import eos_token_ids, optional_json, read_json
+from edgemm.model.manifest_types import ModelManifest, ResolutionTier
 from edgemm.model.tiling import tile_layout, tile_pixels
 
 IMAGE_TOKEN = "<image>"
@@ -80,12 +80,8 @@ def tiers(cfg: dict) -> dict[str, ResolutionTier]:
 def read_hf_folder(path: Path, config: dict) -> FamilyFields:
     """This family's part of a Hugging Face folder's manifest (edgemm.model.hf_folder)."""
     cfg = family_config(path, config, read_json(path / "preprocessor_config.json"),
-                        read_json(path / "processor_config.json", required=False),
-                        read_json(path / "generation_config.json", required=False))
-    return FamilyFields(tiers=tiers(cfg), image_token=IMAGE_TOKEN, stop_tokens=[END_OF_UTTERANCE],
-                        preprocessing=Preprocessing(tuple(cfg["image_mean"]), tuple(cfg["image_std"]),
-                                                    "rgb", "tiles"),
-                        family_config=cfg)
+                        *optional_json(path, "processor_config.json", "generation_config.json"))
+    return FamilyFields.normalised(cfg, "tiles", tiers(cfg), IMAGE_TOKEN, [END_OF_UTTERANCE])
 
 
 def expand_image(rows: int, cols: int, seq_len: int) -> str:

@@ -35,10 +35,10 @@ import numpy as np
 
 from edgemm.errors import InputError, ModelError
 from edgemm.model.chat_template import ChatTemplate
-from edgemm.model.family import FamilyFields, Prompt, TokenizedFamily, register
-from edgemm.model.hf_folder import eos_token_ids, read_json, special_token
+from edgemm.model.family import FamilyFields, Prompt, TokenizedFamily, one_tier, register
+from edgemm.model.hf_folder import eos_token_ids, optional_json, read_json, special_token
 from edgemm.model.image import DEFAULT_MAX_PIXELS
-from edgemm.model.manifest_types import ModelManifest, Preprocessing, ResolutionTier
+from edgemm.model.manifest_types import ModelManifest, ResolutionTier
 from edgemm.model.preprocess import rescale_normalize
 from edgemm.model.resample import FILTER_NAMES, resize_pil
 
@@ -113,16 +113,11 @@ def family_config(path: Path, config: dict, preprocessor: dict, processor: dict,
 def read_hf_folder(path: Path, config: dict) -> FamilyFields:
     """This family's part of a Hugging Face folder's manifest (edgemm.model.hf_folder)."""
     cfg = family_config(path, config, read_json(path / "preprocessor_config.json"),
-                        read_json(path / "processor_config.json", required=False),
-                        read_json(path / "tokenizer_config.json", required=False),
-                        read_json(path / "generation_config.json", required=False))
-    name = f"{cfg['height']}x{cfg['width']}"
+                        *optional_json(path, "processor_config.json", "tokenizer_config.json",
+                                       "generation_config.json"))
     stop = [cfg["eos_token"]] if cfg["eos_token"] else []
-    return FamilyFields(tiers={name: ResolutionTier(name, cfg["height"], cfg["width"], cfg["image_tokens"])},
-                        image_token=cfg["image_token"], stop_tokens=stop,
-                        preprocessing=Preprocessing(tuple(cfg["image_mean"]), tuple(cfg["image_std"]), "rgb",
-                                                    "crop"),
-                        family_config=cfg)
+    return FamilyFields.normalised(cfg, "crop", one_tier(cfg["height"], cfg["width"], cfg["image_tokens"]),
+                                   cfg["image_token"], stop)
 
 
 def resized_size(height: int, width: int, resize: dict) -> tuple[int, int]:

@@ -43,8 +43,8 @@ import numpy as np
 from edgemm.errors import InputError, ModelError
 from edgemm.model.chat_template import ChatTemplate
 from edgemm.model.family import EncoderPatches, FamilyFields, GraphInputs, Prompt, TokenizedFamily, register
-from edgemm.model.hf_folder import eos_token_ids, read_json
-from edgemm.model.manifest_types import ModelManifest, Preprocessing, ResolutionTier
+from edgemm.model.hf_folder import eos_token_ids, optional_json, read_json
+from edgemm.model.manifest_types import ModelManifest, ResolutionTier
 from edgemm.model.resample import resize_bicubic
 
 IMAGE_PAD = "<|image_pad|>"
@@ -154,11 +154,8 @@ def tiers(cfg: dict) -> dict[str, ResolutionTier]:
 def read_hf_folder(path: Path, config: dict) -> FamilyFields:
     """This family's part of a Hugging Face folder's manifest (edgemm.model.hf_folder)."""
     cfg = family_config(path, config, read_json(path / "preprocessor_config.json"),
-                        read_json(path / "generation_config.json", required=False))
-    return FamilyFields(tiers=tiers(cfg), image_token=IMAGE_PAD, stop_tokens=[IM_END],
-                        preprocessing=Preprocessing(tuple(cfg["image_mean"]), tuple(cfg["image_std"]), "rgb",
-                                                    "smart_resize"),
-                        family_config=cfg)
+                        *optional_json(path, "generation_config.json"))
+    return FamilyFields.normalised(cfg, "smart_resize", tiers(cfg), IMAGE_PAD, [IM_END])
 
 
 def rope_positions(input_ids: np.ndarray, image_id: int, grid_h: int, grid_w: int) -> tuple[np.ndarray, int]:
