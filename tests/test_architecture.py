@@ -141,6 +141,17 @@ def test_family_module_imports_no_family():
     assert "edgemm.model.hf_folder" not in graph["edgemm.model.manifest_types"]
 
 
+def test_a_family_is_imported_by_no_other_module():
+    """What families share lives below them (model.family, model.chat_template, model.hf_folder …):
+    no family imports another, and nothing outside the families package names one (the engine
+    builder asks the registry), so a family's file is all there is of it."""
+    graph = import_graph(with_function_imports=True)
+    families = {m for m in graph if m.startswith("edgemm.model.families.")}
+    assert {"edgemm.model.families.qwen2_vl", "edgemm.model.families.llava"} <= families
+    importers = {m: sorted(graph[m] & families) for m in graph if graph[m] & families}
+    assert importers == {}
+
+
 # ---- the family registry ----------------------------------------------------------------
 
 def test_built_in_families_are_registered_by_model_type():

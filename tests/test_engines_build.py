@@ -360,6 +360,35 @@ def test_qwen2_vl_profiles_are_patches_with_their_grid_and_3d_positions():
     assert all(j.profiles[0]["grid_thw"] == {k: [1, 3] for k in ("min", "opt", "max")} for j in dla)
 
 
+def test_a_family_of_one_file_sizes_its_patch_encoders_profiles(monkeypatch):
+    """The builder knows no family: a family registered from anywhere that says how many patch
+    rows an image makes at a tier (encoder_patches) gets its patch profiles from that alone."""
+    from edgemm.model import family
+    from edgemm.model.family import EncoderPatches, register
+
+    monkeypatch.setattr(family, "_registry", dict(family.registered()))  # restored afterwards
+    asked = []
+
+    @register("patchy_vlm")
+    class PatchyFamily:
+        @staticmethod
+        def encoder_patches(manifest, tier):
+            asked.append(tier.name)
+            tokens = tier.image_tokens
+            return EncoderPatches(least=3, budget=5 * tokens, most=7 * tokens, square=tier.height + tier.width)
+
+    model = dataclasses.replace(load_manifest(QWEN2_VL), family="patchy_vlm")
+    dims = build._input_dims(model.graph_path("vision_encoder", "fp32"))
+    tiers = list(model.tiers.values())  # 16, 32 and 64 image tokens
+    (gpu,) = build.encoder_profiles(dims, model, tiers, max_batch=2, static=False)
+    assert gpu["pixel_values"] == {"min": [3, 1176], "opt": [5 * 64, 1176], "max": [2 * 7 * 64, 1176]}
+    assert gpu["grid_thw"] == {"min": [1, 3], "opt": [1, 3], "max": [2, 3]}
+    (dla,) = build.encoder_profiles(dims, model, tiers[1:2], max_batch=1, static=True)
+    side = tiers[1].height + tiers[1].width
+    assert dla["pixel_values"] == {"min": [side, 1176], "opt": [side, 1176], "max": [side, 1176]}
+    assert asked == [t.name for t in tiers] + [tiers[1].name]
+
+
 def test_qwen2_vl_gpu_profile_fits_the_most_elongated_image_at_the_top_tier():
     """smart_resize keeps one unit on the short side: a 200:1 image (the most preparation takes)
     gets more patches than the top budget's. The plan `--dry-run` prints takes --max-batch of them."""

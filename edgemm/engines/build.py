@@ -40,7 +40,7 @@ from edgemm.engines.platform import (DEVICES, Platform, TrtLog, dla_core, import
                                      require_device, trt_log, version_tuple)
 from edgemm.engines.qdq import translate_file
 from edgemm.errors import EngineError, InputError
-from edgemm.model.families.qwen2_vl import most_image_tokens  # the smart_resize family's patch counts
+from edgemm.model.family import PatchCounter, encoder_patches
 from edgemm.model.manifest import COMPONENTS, ModelManifest
 
 PRECISIONS = ("int8", "fp16")
@@ -137,9 +137,11 @@ def encoder_profiles(dims: dict[str, list], model: ModelManifest, tiers: list, m
 
     Plain pixels [B,3,H,W] take the tier's height and width. A tiled family's pixels
     [B,T,3,tile,tile] (and its pixel_attention_mask [B,T,tile,tile]) have the tile's side at
-    every tier; the tier sets the number of tiles T, and a DLA plan takes one tile at a time."""
-    if model.preprocessing.resize == "smart_resize":
-        return [_profile(dims, _patch_sizes(model, tiers, max_batch, static), graph)]
+    every tier; the tier sets the number of tiles T, and a DLA plan takes one tile at a time.
+    A family whose encoder takes flattened patches says how many a tier gives (encoder_patches)."""
+    patches = encoder_patches(model)
+    if patches is not None:
+        return [_profile(dims, _patch_sizes(model, patches, tiers, max_batch, static), graph)]
     if model.preprocessing.resize == "tiles":
         side = model.family_config["tile"]
         if static:
@@ -159,20 +161,18 @@ def encoder_profiles(dims: dict[str, list], model: ModelManifest, tiers: list, m
     return [_profile(dims, sizes, graph)]
 
 
-def _patch_sizes(model: ModelManifest, tiers: list, max_batch: int, static: bool) -> Sizes:
+def _patch_sizes(model: ModelManifest, patches: PatchCounter, tiers: list, max_batch: int, static: bool) -> Sizes:
     """Flattened patches [N, patch values] and their grid [images, 3] (Qwen2-VL): N is set by
-    each image's own grid under the tier's pixel budget, from one image token (merge² patches)
-    up to, for each of max_batch images, the most tokens any aspect ratio gets at the tiers
-    (most_image_tokens: an elongated image exceeds its budget); the top budget is the optimum.
-    A DLA plan is static: one image at the tier's own (square) grid."""
-    patch, merge = model.family_config["patch_size"], model.family_config["merge_size"]
+    each image's own grid under the tier's budget, from one image token's patches up to, for
+    each of max_batch images, the most any image gets at the tiers (an elongated image may pass
+    its budget); the top budget is the optimum. A DLA plan is static: one image at the tier's
+    own (square) grid."""
     if static:
-        tier = tiers[0]
-        patches = (tier.height // patch) * (tier.width // patch)
-        return {"patches": (patches,) * 3, "tiles": (1, 1, 1)}
-    top = max(t.image_tokens for t in tiers) * merge * merge
-    most = max(most_image_tokens(model.family_config, t.image_tokens) for t in tiers) * merge * merge
-    return {"patches": (merge * merge, top, most * max_batch), "tiles": (1, 1, max_batch)}
+        square = patches(model, tiers[0]).square
+        return {"patches": (square,) * 3, "tiles": (1, 1, 1)}
+    counts = [patches(model, tier) for tier in tiers]
+    least, top, most = min(c.least for c in counts), max(c.budget for c in counts), max(c.most for c in counts)
+    return {"patches": (least, top, most * max_batch), "tiles": (1, 1, max_batch)}
 
 
 def embed_profiles(dims: dict[str, list], max_beams: int, max_context: int,

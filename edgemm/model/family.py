@@ -32,6 +32,7 @@ from tokenizers import Tokenizer
 
 from edgemm.errors import ModelError
 from edgemm.model.manifest_types import ModelManifest, Preprocessing, ResolutionTier
+from edgemm.model.tokenizer import load_tokenizer, token_id
 
 BUILTIN_FAMILIES = "edgemm.model.families"
 
@@ -87,7 +88,30 @@ class Family(Protocol):
         ...
 
     # Optional (not part of the isinstance check): `graph_inputs: GraphInputs`, what the family
-    # feeds beyond the contract (Qwen2-VL: the encoder's grid, [3, B, S] positions).
+    # feeds beyond the contract (Qwen2-VL: the encoder's grid, [3, B, S] positions); and, on the
+    # class, `encoder_patches(manifest, tier) -> EncoderPatches` for an encoder that takes its
+    # image as flattened patches (Qwen2-VL): what the engine builder sizes its profiles by.
+
+
+class TokenizedFamily:
+    """What every built-in family does the same way around its tokenizer; a family class
+    inherits it. It keeps the manifest and its family_config (`cfg`), loads the folder's
+    tokenizer, looks tokens up and decodes answers (Family.decode)."""
+
+    stop_ids: set[int]  # the family's own __init__ fills it
+
+    def __init__(self, manifest: ModelManifest):
+        self.manifest = manifest
+        self.cfg = manifest.family_config
+        self.tokenizer = load_tokenizer(manifest.path / manifest.files["tokenizer"])
+
+    def id_of(self, token: str) -> int:
+        """The token's id; a ModelError naming the model folder when the vocabulary lacks it."""
+        return token_id(self.tokenizer, token, f"{self.manifest.path}: token {token!r}")
+
+    def decode(self, ids: list[int]) -> str:
+        """Generated ids → the answer's text: stop tokens and special tokens left out."""
+        return self.tokenizer.decode([i for i in ids if i not in self.stop_ids], skip_special_tokens=True)
 
 
 @dataclass(frozen=True)
@@ -116,6 +140,20 @@ def graph_inputs(family: object) -> GraphInputs:
     return getattr(family, "graph_inputs", None) or GraphInputs()
 
 
+@dataclass(frozen=True)
+class EncoderPatches:
+    """The rows of flattened patches ([N, patch values]) one image makes at a tier, for a family
+    whose vision encoder takes them so (Qwen2-VL) instead of pixels [B, 3, H, W]: what a TensorRT
+    profile must hold. The family says it with `encoder_patches(manifest, tier)` on its class."""
+    least: int  # the fewest any image makes (one image token's patches)
+    budget: int  # an image that takes the tier's whole budget: the shape to optimise for
+    most: int  # the most any image makes at the tier (an elongated one may pass its budget)
+    square: int  # the tier's own square image (tier.height x tier.width): a static plan's one shape
+
+
+PatchCounter = Callable[[ModelManifest, ResolutionTier], EncoderPatches]
+
+
 @dataclass
 class FamilyFields:
     """What a family reads from a Hugging Face folder for its ModelManifest."""
@@ -125,6 +163,20 @@ class FamilyFields:
     stop_tokens: list[str]
     family_config: dict  # whatever else the family's adapter needs (ModelManifest.family_config)
     default_tier: str | None = None  # None: the richest tier
+
+    @classmethod
+    def normalised(cls, cfg: dict, resize: str, tiers: dict[str, ResolutionTier], image_token: str,
+                   stop_tokens: list[str]) -> FamilyFields:
+        """The fields of a family whose `cfg` (its family_config) has the RGB image_mean and
+        image_std the pixels are normalised by, and whose images are resized by `resize`."""
+        return cls(tiers=tiers, image_token=image_token, stop_tokens=stop_tokens, family_config=cfg,
+                   preprocessing=Preprocessing(tuple(cfg["image_mean"]), tuple(cfg["image_std"]), "rgb", resize))
+
+
+def one_tier(height: int, width: int, image_tokens: int) -> dict[str, ResolutionTier]:
+    """The tiers of a family that takes every image at one size: one, named `{height}x{width}`."""
+    name = f"{height}x{width}"
+    return {name: ResolutionTier(name, height, width, image_tokens)}
 
 
 HFReader = Callable[[Path, dict], FamilyFields]  # (folder, its config.json) → the family's fields
@@ -196,10 +248,20 @@ def family_entry(model_type: object, refused: str, hf_folder: bool = False) -> F
     return entry
 
 
+def _entry_of(manifest: ModelManifest) -> FamilyEntry:
+    where = Path(manifest.path) / "model.yaml"
+    return family_entry(manifest.family, f"{where}: unknown family")
+
+
 def family_for(manifest: ModelManifest) -> Family:
     """The family adapter for a loaded manifest, by ModelManifest.family."""
-    where = Path(manifest.path) / "model.yaml"
-    return family_entry(manifest.family, f"{where}: unknown family").adapter(manifest)
+    return _entry_of(manifest).adapter(manifest)
 
 
 adapter_for = family_for  # the name the runtime has always called
+
+
+def encoder_patches(manifest: ModelManifest) -> PatchCounter | None:
+    """The family's `encoder_patches`, asked of its class (no tokenizer is loaded), or None for a
+    family whose encoder takes pixels."""
+    return getattr(_entry_of(manifest).adapter, "encoder_patches", None)

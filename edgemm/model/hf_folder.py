@@ -43,6 +43,28 @@ def read_json(path: Path, required: bool = True) -> dict:
     return data
 
 
+def optional_json(path: Path, *names: str) -> list[dict]:
+    """The folder's JSON files `names`, in order: {} for one the folder does not have."""
+    return [read_json(path / name, required=False) for name in names]
+
+
+def special_token(tokenizer_config: dict, key: str, default: str) -> str:
+    """A named token of tokenizer_config.json (a string, or an AddedToken's dict; at the top
+    level or under extra_special_tokens), or `default` where the folder names none."""
+    extra = tokenizer_config.get("extra_special_tokens")
+    value = tokenizer_config.get(key, extra.get(key) if isinstance(extra, dict) else None)
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else default
+
+
+def eos_token_ids(*configs: dict) -> list[int]:
+    """The `eos_token_id` (one id or a list) of the first of `configs` that has one (a family
+    passes generation_config.json first, then config.json or its parts), integers only."""
+    eos = next((c["eos_token_id"] for c in configs if "eos_token_id" in c), [])
+    return [int(e) for e in (eos if isinstance(eos, list) else [eos]) if isinstance(e, int)]
+
+
 def chat_template(path: Path) -> str:
     """The folder's chat template: chat_template.jinja, else the 'chat_template' key of the JSON files."""
     for name in CHAT_TEMPLATE_FILES:

@@ -35,3 +35,10 @@ def to_pixel_values(rgb: np.ndarray, height: int, width: int,
         scale = 1 / (255 * float(s))
         cv2.addWeighted(plane, scale, plane, 0.0, -float(m) / float(s), dst=out[0, c], dtype=cv2.CV_32F)
     return out
+
+
+def rescale_normalize(image: np.ndarray, rescale: float, mean: Sequence[float], std: Sequence[float]) -> np.ndarray:
+    """uint8 [H, W, 3] → float32 [1, 3, H, W] as transformers' PIL backend computes it:
+    rescale in float64, store float32, normalise in float32."""
+    x = (image.transpose(2, 0, 1)[None].astype(np.float64) * rescale).astype(np.float32)
+    return (x - np.asarray(mean, np.float32)[None, :, None, None]) / np.asarray(std, np.float32)[None, :, None, None]

@@ -33,37 +33,19 @@ from pathlib import Path
 
 import numpy as np
 
-from edgemm.errors import InputError, ModelError
-from edgemm.model.families.idefics3 import _compile_template
-from edgemm.model.family import FamilyFields, Prompt, register
-from edgemm.model.hf_folder import read_json
-from edgemm.model.manifest_types import ModelManifest, Preprocessing, ResolutionTier
+from edgemm.errors import ModelError
+from edgemm.model.chat_template import ChatTemplate
+from edgemm.model.family import FamilyFields, Prompt, TokenizedFamily, one_tier, register
+from edgemm.model.hf_folder import eos_token_ids, optional_json, read_json, special_token
+from edgemm.model.manifest_types import ModelManifest, ResolutionTier
+from edgemm.model.preprocess import rescale_normalize
 from edgemm.model.resample import FILTER_NAMES, resize_pil
-from edgemm.model.tokenizer import load_tokenizer, token_id
 
 # the names Gemma 3's tokenizer_config.json gives them, and their usual values
 TOKEN_DEFAULTS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
                   "image_token": "<image_soft_token>", "bos_token": "<bos>"}
 END_OF_TURN = "<end_of_turn>"
 PIL_BILINEAR = 2  # Gemma3ImageProcessor's default filter
-
-
-def special_token(tokenizer_config: dict, key: str, default: str) -> str:
-    """A named token of tokenizer_config.json (a string, or an AddedToken's dict; at the top
-    level or under extra_special_tokens), or `default` where the folder names none."""
-    extra = tokenizer_config.get("extra_special_tokens")
-    value = tokenizer_config.get(key, extra.get(key) if isinstance(extra, dict) else None)
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) and value else default
-
-
-def eos_ids(generation: dict, config: dict) -> list[int]:
-    """generation_config.json's eos_token_id (one id or a list), else config.json's."""
-    eos = generation.get("eos_token_id", config.get("eos_token_id", (config.get("text_config") or {}).get(
-        "eos_token_id", [])))
-    eos = eos if isinstance(eos, list) else [eos]
-    return [int(e) for e in eos if isinstance(e, int)]
 
 
 def family_config(path: Path, config: dict, preprocessor: dict, processor: dict, tokenizer_config: dict,
@@ -92,22 +74,17 @@ def family_config(path: Path, config: dict, preprocessor: dict, processor: dict,
         "image_mean": list(preprocessor.get("image_mean", [0.5] * 3)),
         "image_std": list(preprocessor.get("image_std", [0.5] * 3)),
         **{key: special_token(tokenizer_config, key, value) for key, value in TOKEN_DEFAULTS.items()},
-        "eos_token_ids": eos_ids(generation, config),
+        "eos_token_ids": eos_token_ids(generation, config, config.get("text_config") or {}),
     }
 
 
 def read_hf_folder(path: Path, config: dict) -> FamilyFields:
     """This family's part of a Hugging Face folder's manifest (edgemm.model.hf_folder)."""
     cfg = family_config(path, config, read_json(path / "preprocessor_config.json"),
-                        read_json(path / "processor_config.json", required=False),
-                        read_json(path / "tokenizer_config.json", required=False),
-                        read_json(path / "generation_config.json", required=False))
-    name = f"{cfg['height']}x{cfg['width']}"
-    return FamilyFields(tiers={name: ResolutionTier(name, cfg["height"], cfg["width"], cfg["image_seq_len"])},
-                        image_token=cfg["image_token"], stop_tokens=[END_OF_TURN],
-                        preprocessing=Preprocessing(tuple(cfg["image_mean"]), tuple(cfg["image_std"]), "rgb",
-                                                    "stretch"),
-                        family_config=cfg)
+                        *optional_json(path, "processor_config.json", "tokenizer_config.json",
+                                       "generation_config.json"))
+    return FamilyFields.normalised(cfg, "stretch", one_tier(cfg["height"], cfg["width"], cfg["image_seq_len"]),
+                                   cfg["image_token"], [END_OF_TURN])
 
 
 def expand_image(cfg: dict) -> str:
@@ -115,15 +92,8 @@ def expand_image(cfg: dict) -> str:
     return f"\n\n{cfg['boi_token']}{cfg['image_token'] * cfg['image_seq_len']}{cfg['eoi_token']}\n\n"
 
 
-def rescale_normalize(image: np.ndarray, rescale: float, mean, std) -> np.ndarray:
-    """uint8 [H, W, 3] → float32 [1, 3, H, W] as transformers' PIL backend computes it:
-    rescale in float64, store float32, normalise in float32."""
-    x = (image.transpose(2, 0, 1)[None].astype(np.float64) * rescale).astype(np.float32)
-    return (x - np.asarray(mean, np.float32)[None, :, None, None]) / np.asarray(std, np.float32)[None, :, None, None]
-
-
 @register("gemma3", hf_folder=read_hf_folder)
-class Gemma3Adapter:
+class Gemma3Adapter(TokenizedFamily):
     """Prompt building and pixels for Gemma 3 folders (see the module docstring)."""
 
     known_prompts: tuple[str, ...] = ()  # an open vocabulary: any text reads
@@ -131,17 +101,12 @@ class Gemma3Adapter:
     reuses_image_prefix = True
 
     def __init__(self, manifest: ModelManifest):
-        self.manifest = manifest
-        self.cfg = manifest.family_config
-        self.tokenizer = load_tokenizer(manifest.path / manifest.files["tokenizer"])
-        self.image_id = self._id(self.cfg["image_token"])
+        super().__init__(manifest)
+        self.image_id = self.id_of(self.cfg["image_token"])
         for key in ("boi_token", "eoi_token"):
-            self._id(self.cfg[key])
-        self.stop_ids = {self._id(END_OF_TURN), *self.cfg["eos_token_ids"]}
-        self.template = _compile_template(manifest.chat_template or "", manifest.path)
-
-    def _id(self, token: str) -> int:
-        return token_id(self.tokenizer, token, f"{self.manifest.path}: token {token!r}")
+            self.id_of(self.cfg[key])
+        self.stop_ids = {self.id_of(END_OF_TURN), *self.cfg["eos_token_ids"]}
+        self.template = ChatTemplate.compile(manifest.chat_template or "", manifest.path)
 
     def pixels(self, rgb: np.ndarray, tier: ResolutionTier) -> np.ndarray:
         """RGB8 → float32 [1, 3, H, W]: the whole image stretched to the tier's size."""
@@ -151,15 +116,8 @@ class Gemma3Adapter:
     def chat_text(self, prompt: str) -> str:
         """The chat template around one image and the user's text, ready for the answer."""
         boi = self.cfg["boi_token"]
-        for token in (boi, self.cfg["image_token"], self.cfg["eoi_token"]):
-            if token in prompt:
-                raise InputError(f"the prompt must not contain the image token {token}")
-        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
-        text = self.template.render(messages=messages, add_generation_prompt=True, bos_token=self.cfg["bos_token"])
-        if text.count(boi) != 1:
-            raise ModelError(f"{self.manifest.path}: the chat template gave {text.count(boi)} {boi} tokens "
-                             "for one image")
-        return text
+        return self.template.one_image(prompt, boi, reserved=(boi, self.cfg["image_token"], self.cfg["eoi_token"]),
+                                       bos_token=self.cfg["bos_token"])
 
     def build_prompt(self, prompt: str, tier: ResolutionTier, image_size: tuple[int, int] | None = None) -> Prompt:
         """Input ids with the image expanded; `image_size` is unused (one square image)."""
@@ -169,6 +127,3 @@ class Gemma3Adapter:
         ids = np.asarray([self.tokenizer.encode(text, add_special_tokens=special).ids], np.int64)
         positions = np.flatnonzero(ids[0] == self.image_id)
         return Prompt(ids, int(positions[0]), len(positions), (), positions)
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode([i for i in ids if i not in self.stop_ids], skip_special_tokens=True)

@@ -21,16 +21,15 @@ Registered for the model types `idefics3` and `smolvlm` (SmolVLM2's config.json 
 from __future__ import annotations
 
 import math
-from datetime import datetime
 from pathlib import Path
 
 import numpy as np
-from edgemm.errors import InputError, ModelError
-from edgemm.model.family import FamilyFields, Prompt, register
-from edgemm.model.hf_folder import read_json
-from edgemm.model.manifest_types import ModelManifest, Preprocessing, ResolutionTier
+from edgemm.errors import ModelError
+from edgemm.model.chat_template import ChatTemplate
+from edgemm.model.family import FamilyFields, Prompt, TokenizedFamily, register
+from edgemm.model.hf_folder import eos_token_ids, optional_json, read_json
+from edgemm.model.manifest_types import ModelManifest, ResolutionTier
 from edgemm.model.tiling import tile_layout, tile_pixels
-from edgemm.model.tokenizer import load_tokenizer, token_id
 
 IMAGE_TOKEN = "<image>"
 FAKE_TOKEN = "<fake_token_around_image>"
@@ -58,13 +57,12 @@ def family_config(path: Path, config: dict, preprocessor: dict, processor: dict,
     if seq_len is None:  # as the processor computes it: patches per tile over the pixel shuffle
         seq_len = (vision.get("image_size", 512) // vision.get("patch_size", 16)) ** 2 // config.get(
             "scale_factor", 2) ** 2
-    eos = generation.get("eos_token_id", [])
     return {
         "tile": edge("max_image_size"), "longest_edge": edge("size"), "image_seq_len": int(seq_len),
         "rescale_factor": float(preprocessor.get("rescale_factor", 1 / 255)),
         "image_mean": list(preprocessor.get("image_mean", [0.5] * 3)),
         "image_std": list(preprocessor.get("image_std", [0.5] * 3)),
-        "eos_token_ids": eos if isinstance(eos, list) else [eos],
+        "eos_token_ids": eos_token_ids(generation),
     }
 
 
@@ -82,12 +80,8 @@ def tiers(cfg: dict) -> dict[str, ResolutionTier]:
 def read_hf_folder(path: Path, config: dict) -> FamilyFields:
     """This family's part of a Hugging Face folder's manifest (edgemm.model.hf_folder)."""
     cfg = family_config(path, config, read_json(path / "preprocessor_config.json"),
-                        read_json(path / "processor_config.json", required=False),
-                        read_json(path / "generation_config.json", required=False))
-    return FamilyFields(tiers=tiers(cfg), image_token=IMAGE_TOKEN, stop_tokens=[END_OF_UTTERANCE],
-                        preprocessing=Preprocessing(tuple(cfg["image_mean"]), tuple(cfg["image_std"]),
-                                                    "rgb", "tiles"),
-                        family_config=cfg)
+                        *optional_json(path, "processor_config.json", "generation_config.json"))
+    return FamilyFields.normalised(cfg, "tiles", tiers(cfg), IMAGE_TOKEN, [END_OF_UTTERANCE])
 
 
 def expand_image(rows: int, cols: int, seq_len: int) -> str:
@@ -101,42 +95,19 @@ def expand_image(rows: int, cols: int, seq_len: int) -> str:
     return f"{lines}\n{global_image}"
 
 
-def _compile_template(source: str, where: Path):
-    """The chat template in a sandbox, with the settings transformers renders it with."""
-    import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise InputError(f"chat template: {message}")
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
-    env.globals.update(raise_exception=raise_exception,
-                       strftime_now=lambda fmt: datetime.now().strftime(fmt))
-    try:
-        return env.from_string(source)
-    except jinja2.TemplateError as e:
-        raise ModelError(f"{where}: chat template does not compile ({e})") from None
-
-
 @register("idefics3", "smolvlm", hf_folder=read_hf_folder)
-class Idefics3Adapter:
+class Idefics3Adapter(TokenizedFamily):
     """Prompt building and pixels for Idefics3 / SmolVLM folders (see the module docstring)."""
 
     known_prompts: tuple[str, ...] = ()  # an open vocabulary (byte-level BPE): any text reads
 
     def __init__(self, manifest: ModelManifest):
-        self.manifest = manifest
-        self.cfg = manifest.family_config
-        self.tokenizer = load_tokenizer(manifest.path / manifest.files["tokenizer"])
-        self.image_id = self._id(IMAGE_TOKEN)
+        super().__init__(manifest)
+        self.image_id = self.id_of(IMAGE_TOKEN)
         for token in (FAKE_TOKEN, GLOBAL_TOKEN, END_OF_UTTERANCE):
-            self._id(token)
-        self.stop_ids = {self._id(END_OF_UTTERANCE), *self.cfg["eos_token_ids"]}
-        self.template = _compile_template(manifest.chat_template or "", manifest.path)
-
-    def _id(self, token: str) -> int:
-        return token_id(self.tokenizer, token, f"{self.manifest.path}: token {token!r}")
+            self.id_of(token)
+        self.stop_ids = {self.id_of(END_OF_UTTERANCE), *self.cfg["eos_token_ids"]}
+        self.template = ChatTemplate.compile(manifest.chat_template or "", manifest.path)
 
     def pixels(self, rgb: np.ndarray, tier: ResolutionTier) -> np.ndarray:
         """RGB8 → float32 [1, tiles, 3, tile, tile] at this tier's longest edge."""
@@ -146,14 +117,7 @@ class Idefics3Adapter:
 
     def chat_text(self, prompt: str) -> str:
         """The chat template around one image and the user's text, ready for the answer."""
-        if IMAGE_TOKEN in prompt:
-            raise InputError(f"the prompt must not contain the image token {IMAGE_TOKEN}")
-        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
-        text = self.template.render(messages=messages, add_generation_prompt=True)
-        if text.count(IMAGE_TOKEN) != 1:
-            raise ModelError(f"{self.manifest.path}: the chat template gave {text.count(IMAGE_TOKEN)} "
-                             f"{IMAGE_TOKEN} tokens for one image")
-        return text
+        return self.template.one_image(prompt, IMAGE_TOKEN, reserved=(IMAGE_TOKEN,))
 
     def build_prompt(self, prompt: str, tier: ResolutionTier, image_size: tuple[int, int] | None = None) -> Prompt:
         """Input ids with the image expanded for an image of `image_size` (h, w) at `tier`."""
@@ -164,6 +128,3 @@ class Idefics3Adapter:
         ids = np.asarray([self.tokenizer.encode(text).ids], np.int64)
         positions = np.flatnonzero(ids[0] == self.image_id)
         return Prompt(ids, int(positions[0]), len(positions), (), positions)
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode([i for i in ids if i not in self.stop_ids], skip_special_tokens=True)

@@ -41,13 +41,12 @@ from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
-from edgemm.errors import InputError, ModelError
-from edgemm.model.families.idefics3 import _compile_template
-from edgemm.model.family import FamilyFields, Prompt, register
-from edgemm.model.hf_folder import read_json
-from edgemm.model.manifest_types import ModelManifest, Preprocessing, ResolutionTier
+from edgemm.errors import ModelError
+from edgemm.model.chat_template import ChatTemplate
+from edgemm.model.family import FamilyFields, Prompt, TokenizedFamily, register
+from edgemm.model.hf_folder import eos_token_ids, optional_json, read_json
+from edgemm.model.manifest_types import ModelManifest, ResolutionTier
 from edgemm.model.resample_torch import resize_planes
-from edgemm.model.tokenizer import load_tokenizer, token_id
 
 IMAGE_TOKEN = "<IMG_CONTEXT>"
 START_IMAGE = "<img>"
@@ -82,13 +81,12 @@ def family_config(path: Path, config: dict, preprocessor: dict, processor: dict,
     if seq_len != expected:
         raise ModelError(f"{path}: image_seq_length {seq_len} does not match the vision config "
                          f"({side}/{patch} patches, downsample_ratio: {expected} tokens per tile)")
-    eos = generation.get("eos_token_id", config.get("text_config", {}).get("eos_token_id", []))
     return {
         "tile": tile, "min_patches": low, "max_patches": high, "image_seq_len": int(seq_len),
         "rescale_factor": float(preprocessor.get("rescale_factor", 1 / 255)),
         "image_mean": list(preprocessor.get("image_mean", [0.485, 0.456, 0.406])),
         "image_std": list(preprocessor.get("image_std", [0.229, 0.224, 0.225])),
-        "eos_token_ids": [e for e in (eos if isinstance(eos, list) else [eos]) if isinstance(e, int)],
+        "eos_token_ids": eos_token_ids(generation, config.get("text_config") or {}),
     }
 
 
@@ -111,12 +109,8 @@ def tiers(cfg: dict) -> dict[str, ResolutionTier]:
 def read_hf_folder(path: Path, config: dict) -> FamilyFields:
     """This family's part of a Hugging Face folder's manifest (edgemm.model.hf_folder)."""
     cfg = family_config(path, config, read_json(path / "preprocessor_config.json"),
-                        read_json(path / "processor_config.json", required=False),
-                        read_json(path / "generation_config.json", required=False))
-    return FamilyFields(tiers=tiers(cfg), image_token=IMAGE_TOKEN, stop_tokens=[END_OF_TURN],
-                        preprocessing=Preprocessing(tuple(cfg["image_mean"]), tuple(cfg["image_std"]),
-                                                    "rgb", "tiles"),
-                        family_config=cfg)
+                        *optional_json(path, "processor_config.json", "generation_config.json"))
+    return FamilyFields.normalised(cfg, "tiles", tiers(cfg), IMAGE_TOKEN, [END_OF_TURN])
 
 
 @lru_cache(maxsize=16)
@@ -166,24 +160,19 @@ def expand_image(tiles: int, seq_len: int) -> str:
 
 
 @register("internvl", hf_folder=read_hf_folder)
-class InternVLAdapter:
+class InternVLAdapter(TokenizedFamily):
     """Prompt building and pixels for InternVL3 -hf folders (see the module docstring)."""
 
     known_prompts: tuple[str, ...] = ()  # an open vocabulary (byte-level BPE): any text reads
 
     def __init__(self, manifest: ModelManifest):
-        self.manifest = manifest
-        self.cfg = manifest.family_config
-        self.tokenizer = load_tokenizer(manifest.path / manifest.files["tokenizer"])
-        self.image_id = self._id(IMAGE_TOKEN)
+        super().__init__(manifest)
+        self.image_id = self.id_of(IMAGE_TOKEN)
         for token in (START_IMAGE, END_IMAGE):
-            self._id(token)
-        self.stop_ids = {self._id(END_OF_TURN), *self.cfg["eos_token_ids"]}
-        self.template = _compile_template(manifest.chat_template or "", manifest.path)
+            self.id_of(token)
+        self.stop_ids = {self.id_of(END_OF_TURN), *self.cfg["eos_token_ids"]}
+        self.template = ChatTemplate.compile(manifest.chat_template or "", manifest.path)
         self._normalise = normalisation(self.cfg["image_mean"], self.cfg["image_std"], self.cfg["rescale_factor"])
-
-    def _id(self, token: str) -> int:
-        return token_id(self.tokenizer, token, f"{self.manifest.path}: token {token!r}")
 
     def budget(self, tier: ResolutionTier) -> int:
         """The tier's max_patches (tier names are `tiles<N>`)."""
@@ -201,15 +190,7 @@ class InternVLAdapter:
 
     def chat_text(self, prompt: str) -> str:
         """The chat template around one image and the user's text, ready for the answer."""
-        for token in (IMAGE_TOKEN, START_IMAGE, END_IMAGE):
-            if token in prompt:
-                raise InputError(f"the prompt must not contain the image token {token}")
-        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
-        text = self.template.render(messages=messages, add_generation_prompt=True)
-        if text.count(IMAGE_TOKEN) != 1:
-            raise ModelError(f"{self.manifest.path}: the chat template gave {text.count(IMAGE_TOKEN)} "
-                             f"{IMAGE_TOKEN} tokens for one image")
-        return text
+        return self.template.one_image(prompt, IMAGE_TOKEN, reserved=(IMAGE_TOKEN, START_IMAGE, END_IMAGE))
 
     def build_prompt(self, prompt: str, tier: ResolutionTier, image_size: tuple[int, int] | None = None) -> Prompt:
         """Input ids with the image expanded for an image of `image_size` (h, w) at `tier`."""
@@ -220,6 +201,3 @@ class InternVLAdapter:
         ids = np.asarray([self.tokenizer.encode(text).ids], np.int64)
         positions = np.flatnonzero(ids[0] == self.image_id)
         return Prompt(ids, int(positions[0]), len(positions), (), positions)
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode([i for i in ids if i not in self.stop_ids], skip_special_tokens=True)

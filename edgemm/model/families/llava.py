@@ -34,14 +34,13 @@ from pathlib import Path
 import numpy as np
 
 from edgemm.errors import InputError, ModelError
-from edgemm.model.families.gemma3 import eos_ids, rescale_normalize, special_token
-from edgemm.model.families.idefics3 import _compile_template
-from edgemm.model.family import FamilyFields, Prompt, register
-from edgemm.model.hf_folder import read_json
+from edgemm.model.chat_template import ChatTemplate
+from edgemm.model.family import FamilyFields, Prompt, TokenizedFamily, one_tier, register
+from edgemm.model.hf_folder import eos_token_ids, optional_json, read_json, special_token
 from edgemm.model.image import DEFAULT_MAX_PIXELS
-from edgemm.model.manifest_types import ModelManifest, Preprocessing, ResolutionTier
+from edgemm.model.manifest_types import ModelManifest, ResolutionTier
+from edgemm.model.preprocess import rescale_normalize
 from edgemm.model.resample import FILTER_NAMES, resize_pil
-from edgemm.model.tokenizer import load_tokenizer, token_id
 
 IMAGE_TOKEN = "<image>"
 MAX_PADDED_PIXELS = DEFAULT_MAX_PIXELS  # do_pad's square: no bigger than the largest image accepted
@@ -107,23 +106,18 @@ def family_config(path: Path, config: dict, preprocessor: dict, processor: dict,
         "image_std": list(preprocessor.get("image_std", [0.26862954, 0.26130258, 0.27577711])),
         "image_token": image_token, "bos_token": special_token(tokenizer_config, "bos_token", ""),
         "eos_token": special_token(tokenizer_config, "eos_token", ""),
-        "eos_token_ids": eos_ids(generation, config),
+        "eos_token_ids": eos_token_ids(generation, config, config.get("text_config") or {}),
     }
 
 
 def read_hf_folder(path: Path, config: dict) -> FamilyFields:
     """This family's part of a Hugging Face folder's manifest (edgemm.model.hf_folder)."""
     cfg = family_config(path, config, read_json(path / "preprocessor_config.json"),
-                        read_json(path / "processor_config.json", required=False),
-                        read_json(path / "tokenizer_config.json", required=False),
-                        read_json(path / "generation_config.json", required=False))
-    name = f"{cfg['height']}x{cfg['width']}"
+                        *optional_json(path, "processor_config.json", "tokenizer_config.json",
+                                       "generation_config.json"))
     stop = [cfg["eos_token"]] if cfg["eos_token"] else []
-    return FamilyFields(tiers={name: ResolutionTier(name, cfg["height"], cfg["width"], cfg["image_tokens"])},
-                        image_token=cfg["image_token"], stop_tokens=stop,
-                        preprocessing=Preprocessing(tuple(cfg["image_mean"]), tuple(cfg["image_std"]), "rgb",
-                                                    "crop"),
-                        family_config=cfg)
+    return FamilyFields.normalised(cfg, "crop", one_tier(cfg["height"], cfg["width"], cfg["image_tokens"]),
+                                   cfg["image_token"], stop)
 
 
 def resized_size(height: int, width: int, resize: dict) -> tuple[int, int]:
@@ -175,26 +169,21 @@ def center_crop(image: np.ndarray, height: int, width: int) -> np.ndarray:
 
 
 @register("llava", "llava_qwen2", "fast_vlm", hf_folder=read_hf_folder)
-class LlavaAdapter:
+class LlavaAdapter(TokenizedFamily):
     """Prompt building and pixels for LLaVA-1.5 and FastVLM folders (see the module docstring)."""
 
     known_prompts: tuple[str, ...] = ()  # an open vocabulary: any text reads
     reuses_image_prefix = True  # a causal decoder: the image prefix never sees the question
 
     def __init__(self, manifest: ModelManifest):
-        self.manifest = manifest
-        self.cfg = manifest.family_config
-        self.tokenizer = load_tokenizer(manifest.path / manifest.files["tokenizer"])
-        self.image_id = self._id(self.cfg["image_token"])
-        self.stop_ids = {*(self._id(t) for t in manifest.stop_tokens), *self.cfg["eos_token_ids"]}
+        super().__init__(manifest)
+        self.image_id = self.id_of(self.cfg["image_token"])
+        self.stop_ids = {*(self.id_of(t) for t in manifest.stop_tokens), *self.cfg["eos_token_ids"]}
         if not self.stop_ids:
             raise ModelError(f"{manifest.path}: no stop token (generation_config.json eos_token_id, or "
                              "tokenizer_config.json eos_token)")
         source = GENERATION_TAG.sub("", manifest.chat_template or "")
-        self.template = _compile_template(source, manifest.path)
-
-    def _id(self, token: str) -> int:
-        return token_id(self.tokenizer, token, f"{self.manifest.path}: token {token!r}")
+        self.template = ChatTemplate.compile(source, manifest.path)
 
     def pixels(self, rgb: np.ndarray, tier: ResolutionTier) -> np.ndarray:
         """RGB8 → float32 [1, 3, crop h, crop w]. Of the resize only the crop is computed: a
@@ -220,15 +209,8 @@ class LlavaAdapter:
     def chat_text(self, prompt: str) -> str:
         """The chat template around one image and the user's text, ready for the answer."""
         image_token = self.cfg["image_token"]
-        if image_token in prompt:
-            raise InputError(f"the prompt must not contain the image token {image_token}")
-        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
-        text = self.template.render(messages=messages, add_generation_prompt=True, bos_token=self.cfg["bos_token"],
-                                    eos_token=self.cfg["eos_token"])
-        if text.count(image_token) != 1:
-            raise ModelError(f"{self.manifest.path}: the chat template gave {text.count(image_token)} "
-                             f"{image_token} tokens for one image")
-        return text
+        return self.template.one_image(prompt, image_token, reserved=(image_token,), bos_token=self.cfg["bos_token"],
+                                       eos_token=self.cfg["eos_token"])
 
     def build_prompt(self, prompt: str, tier: ResolutionTier, image_size: tuple[int, int] | None = None) -> Prompt:
         """Input ids with the `<image>` expanded; `image_size` is unused (one crop per image)."""
@@ -239,6 +221,3 @@ class LlavaAdapter:
         ids = np.asarray([self.tokenizer.encode(text, add_special_tokens=special).ids], np.int64)
         positions = np.flatnonzero(ids[0] == self.image_id)
         return Prompt(ids, int(positions[0]), len(positions), (), positions)
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode([i for i in ids if i not in self.stop_ids], skip_special_tokens=True)

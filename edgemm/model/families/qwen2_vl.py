@@ -27,7 +27,7 @@ depends on the image's aspect ratio. It is at most the tier's, except for elonga
 smart_resize keeps at least one unit (28 px) on the short side, so a 200:1 image at a
 64-token budget gets 1x113 tokens, and rounds up when it grows a small one to min_pixels
 (1x199 px at 16 gets 29). `most_image_tokens` bounds it over every aspect ratio taken
-(up to MAX_ASPECT), and the GPU engine profile is sized by it.
+(up to MAX_ASPECT), and the GPU engine profile is sized by it (`encoder_patches`).
 
 Qwen2.5-VL's vision tower differs (RMSNorm, SwiGLU, windowed attention in most blocks),
 but all of that is inside the vision_encoder graph: what the runtime feeds and reads is
@@ -41,12 +41,11 @@ from pathlib import Path
 
 import numpy as np
 from edgemm.errors import InputError, ModelError
-from edgemm.model.families.idefics3 import _compile_template  # the chat template, as transformers renders it
-from edgemm.model.family import FamilyFields, GraphInputs, Prompt, register
-from edgemm.model.hf_folder import read_json
-from edgemm.model.manifest_types import ModelManifest, Preprocessing, ResolutionTier
+from edgemm.model.chat_template import ChatTemplate
+from edgemm.model.family import EncoderPatches, FamilyFields, GraphInputs, Prompt, TokenizedFamily, register
+from edgemm.model.hf_folder import eos_token_ids, optional_json, read_json
+from edgemm.model.manifest_types import ModelManifest, ResolutionTier
 from edgemm.model.resample import resize_bicubic
-from edgemm.model.tokenizer import load_tokenizer, token_id
 
 IMAGE_PAD = "<|image_pad|>"
 VISION_START = "<|vision_start|>"
@@ -127,7 +126,6 @@ def family_config(path: Path, config: dict, preprocessor: dict, generation: dict
     if vision.get("spatial_merge_size", merge) != merge:
         raise ModelError(f"{path / 'config.json'}: vision_config.spatial_merge_size "
                          f"{vision['spatial_merge_size']} differs from the processor's merge_size {merge}")
-    eos = generation.get("eos_token_id", config.get("eos_token_id", []))
     return {
         "model_type": config["model_type"], "grid_input": GRID_INPUT[config["model_type"]],
         "patch_size": patch, "merge_size": merge, "temporal_patch_size": temporal,
@@ -135,7 +133,7 @@ def family_config(path: Path, config: dict, preprocessor: dict, generation: dict
         "rescale_factor": float(preprocessor.get("rescale_factor", 1 / 255)),
         "image_mean": list(preprocessor.get("image_mean", OPENAI_CLIP_MEAN)),
         "image_std": list(preprocessor.get("image_std", OPENAI_CLIP_STD)),
-        "eos_token_ids": eos if isinstance(eos, list) else [eos],
+        "eos_token_ids": eos_token_ids(generation, config),
     }
 
 
@@ -156,11 +154,8 @@ def tiers(cfg: dict) -> dict[str, ResolutionTier]:
 def read_hf_folder(path: Path, config: dict) -> FamilyFields:
     """This family's part of a Hugging Face folder's manifest (edgemm.model.hf_folder)."""
     cfg = family_config(path, config, read_json(path / "preprocessor_config.json"),
-                        read_json(path / "generation_config.json", required=False))
-    return FamilyFields(tiers=tiers(cfg), image_token=IMAGE_PAD, stop_tokens=[IM_END],
-                        preprocessing=Preprocessing(tuple(cfg["image_mean"]), tuple(cfg["image_std"]), "rgb",
-                                                    "smart_resize"),
-                        family_config=cfg)
+                        *optional_json(path, "generation_config.json"))
+    return FamilyFields.normalised(cfg, "smart_resize", tiers(cfg), IMAGE_PAD, [IM_END])
 
 
 def rope_positions(input_ids: np.ndarray, image_id: int, grid_h: int, grid_w: int) -> tuple[np.ndarray, int]:
@@ -183,33 +178,39 @@ def rope_positions(input_ids: np.ndarray, image_id: int, grid_h: int, grid_w: in
 
 
 @register("qwen2_vl", "qwen2_5_vl", hf_folder=read_hf_folder)
-class Qwen2VLAdapter:
+class Qwen2VLAdapter(TokenizedFamily):
     """Prompt building, pixels and positions for Qwen2-VL / Qwen2.5-VL folders (see the module docstring)."""
 
     known_prompts: tuple[str, ...] = ()  # an open vocabulary (byte-level BPE): any text reads
     static_shapes = False  # every image at its tier's square grid (use_static_shapes), not its own
 
     def __init__(self, manifest: ModelManifest):
-        self.manifest = manifest
-        self.cfg = manifest.family_config
-        self.tokenizer = load_tokenizer(manifest.path / manifest.files["tokenizer"])
-        self.image_id = self._id(IMAGE_PAD)
+        super().__init__(manifest)
+        self.image_id = self.id_of(IMAGE_PAD)
         for token in (VISION_START, VISION_END):
-            self._id(token)
-        self.stop_ids = {self._id(IM_END), *self.cfg["eos_token_ids"]}
-        self.template = _compile_template(manifest.chat_template or "", manifest.path)
+            self.id_of(token)
+        self.stop_ids = {self.id_of(IM_END), *self.cfg["eos_token_ids"]}
+        self.template = ChatTemplate.compile(manifest.chat_template or "", manifest.path)
         self.unit = self.cfg["patch_size"] * self.cfg["merge_size"]
         self.graph_inputs = GraphInputs(encoder=(self.cfg["grid_input"],), position_axes=3,
                                         encoder_feeds=self.encoder_feeds,
                                         split_encoder_feeds=self.split_encoder_feeds)
 
-    def _id(self, token: str) -> int:
-        return token_id(self.tokenizer, token, f"{self.manifest.path}: token {token!r}")
-
     def use_static_shapes(self) -> None:
         """From now on every image is resized to its tier's square (tier.height x tier.width), the
         one grid a static (DLA) encoder plan takes, instead of keeping its aspect ratio."""
         self.static_shapes = True
+
+    @staticmethod
+    def encoder_patches(manifest: ModelManifest, tier: ResolutionTier) -> EncoderPatches:
+        """The patch rows one image makes at `tier`, what the engine builder sizes the encoder's
+        profiles by: merge² per image token, up to most_image_tokens' for an elongated image,
+        and the tier's square grid for a static plan (use_static_shapes)."""
+        cfg = manifest.family_config
+        patch, per_token = cfg["patch_size"], cfg["merge_size"] * cfg["merge_size"]
+        return EncoderPatches(least=per_token, budget=tier.image_tokens * per_token,
+                              most=most_image_tokens(cfg, tier.image_tokens) * per_token,
+                              square=(tier.height // patch) * (tier.width // patch))
 
     def resized(self, height: int, width: int, tier: ResolutionTier) -> tuple[int, int]:
         """The size an image of (height, width) is resized to at `tier`'s pixel budget."""
@@ -255,15 +256,7 @@ class Qwen2VLAdapter:
 
     def chat_text(self, prompt: str) -> str:
         """The chat template around one image and the user's text, ready for the answer."""
-        for token in VISION_TOKENS:
-            if token in prompt:
-                raise InputError(f"the prompt must not contain the vision token {token}")
-        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
-        text = self.template.render(messages=messages, add_generation_prompt=True)
-        if text.count(IMAGE_PAD) != 1:
-            raise ModelError(f"{self.manifest.path}: the chat template gave {text.count(IMAGE_PAD)} "
-                             f"{IMAGE_PAD} tokens for one image")
-        return text
+        return self.template.one_image(prompt, IMAGE_PAD, reserved=VISION_TOKENS, reserved_name="vision token")
 
     def build_prompt(self, prompt: str, tier: ResolutionTier, image_size: tuple[int, int] | None = None) -> Prompt:
         """Input ids with the image pad expanded, and the M-RoPE positions, for an image of `image_size` (h, w)."""
@@ -277,6 +270,3 @@ class Qwen2VLAdapter:
                              f"{rows * cols} image tokens)")
         positions, delta = rope_positions(ids, self.image_id, rows, cols)
         return Prompt(ids, int(image[0]), len(image), (), image, positions, delta)
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode([i for i in ids if i not in self.stop_ids], skip_special_tokens=True)

@@ -11,10 +11,10 @@ from __future__ import annotations
 import numpy as np
 
 from edgemm.errors import InputError
-from edgemm.model.family import Prompt, register
+from edgemm.model.family import Prompt, TokenizedFamily, register
 from edgemm.model.manifest_types import ModelManifest, ResolutionTier
 from edgemm.model.preprocess import to_pixel_values
-from edgemm.model.tokenizer import load_tokenizer, token_id
+from edgemm.model.tokenizer import token_id
 from edgemm.scenes import PROMPTS, SHAPES
 
 # the first phrasing of each task it was trained on (edgemm/scenes.py), for the hint
@@ -23,19 +23,19 @@ KNOWN_PROMPTS = tuple(phrasings[0].replace("{shape}", "|".join(SHAPES)) for phra
 
 
 @register("tiny-vlm")
-class TinyVLMAdapter:
+class TinyVLMAdapter(TokenizedFamily):
     """Prompt format with one `<image>` token, expanded to N for the tier."""
 
     known_prompts = KNOWN_PROMPTS
 
     def __init__(self, manifest: ModelManifest):
-        self.manifest = manifest
-        self.tokenizer = load_tokenizer(manifest.path / manifest.files["tokenizer"])
-        self.image_id = self._id(manifest.image_token)
-        self.stop_ids = {self._id(t) for t in manifest.stop_tokens}
+        super().__init__(manifest)
+        self.image_id = self.id_of(manifest.image_token)
+        self.stop_ids = {self.id_of(t) for t in manifest.stop_tokens}
         self.unk_id = self.tokenizer.token_to_id(manifest.special_tokens.get("unk", "<unk>"))
 
-    def _id(self, token: str) -> int:
+    def id_of(self, token: str) -> int:
+        """The token's id; a ModelError that names model.yaml, where its tokens are written."""
         return token_id(self.tokenizer, token, f"{self.manifest.path}: token {token!r} from model.yaml")
 
     def pixels(self, rgb: np.ndarray, tier: ResolutionTier) -> np.ndarray:
@@ -55,6 +55,3 @@ class TinyVLMAdapter:
         start = ids.index(self.image_id)
         ids[start:start + 1] = [self.image_id] * tier.image_tokens
         return Prompt(np.asarray([ids], np.int64), start, tier.image_tokens, unknown)
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode([i for i in ids if i not in self.stop_ids], skip_special_tokens=True)
