@@ -12,8 +12,8 @@ unknown, debounced, and announced when they change.
 
 The stream's own answers come first: alerts take the capacity that is spare. An alert due
 on a frame the stream is behind on (the frame waited for a place of the stream's: the
-source delivers faster than the stream answers, edgemm.stream) is deferred to the next
-frame (counted), unless it has gone max(every, max_every) frames without being asked: that
+source delivers faster than the stream answers, edgemm.stream), or on one of the
+SPARE_AFTER - 1 frames after it, is deferred to the next frame (counted), unless it has gone max(every, max_every) frames without being asked: that
 floor keeps a saturated stream's alerts alive at a cost bounded by the number of alerts /
 max_every questions per frame, and it is what they cost a stream that has no capacity to
 spare. A stream that keeps up with its source (a camera with compute left over) asks every
@@ -73,6 +73,10 @@ ALERT_SHARE = 4  # alert questions of one stream in the pipeline at once
 # questions of one alert in the pipeline at once: two, so that an alert still reads every
 # frame when an answer takes longer than the time between frames (up to twice as long)
 ALERT_INFLIGHT = 2
+# a stream is behind from a frame that waited for its place until this many frames in a row
+# have not: one frame that happened to find a place free (the source slow for a moment) is not
+# capacity to spare
+SPARE_AFTER = 3
 SETTLE_S = 10.0  # how long a stream that ends waits for its alerts' last answers, so their events precede its end
 WEBHOOK_QUEUE = 64  # events waiting per webhook; beyond, the oldest is dropped (counted)
 WEBHOOK_MAX_BACKOFF_S = 30.0
@@ -206,6 +210,7 @@ class StreamAlerts:
                                                          environ, transport)
             self.alerts.append(Alert(name, cfg, own or shared))
         self.processed = 0  # frames this stream submitted (the clock of `every`)
+        self.keeping_up = SPARE_AFTER  # frames in a row that found a place free (none has waited yet)
 
     # -- the stream's feeding thread --
 
@@ -216,6 +221,8 @@ class StreamAlerts:
         are deferred)."""
         count = self.processed
         self.processed += 1
+        self.keeping_up = 0 if behind else self.keeping_up + 1
+        behind = self.keeping_up < SPARE_AFTER
         due = [a for a in self.alerts if a.asked is None or count - a.asked >= a.cfg.every]
         due.sort(key=lambda a: -1 if a.asked is None else a.asked)  # the longest waiting first
         for alert in due:

@@ -201,23 +201,25 @@ def test_an_alert_is_deferred_while_the_stream_is_behind_but_asked_at_least_ever
                                     "b": {"prompt": "is there a dog ?", "every": 3, "max_every": 4},
                                     "c": {"prompt": "is there a cow ?", "every": 6, "max_every": 4},
                                     "d": {"prompt": "is there a pig ?", "max_every": 1}})
-    behind = [False, True, True, True, True, True, True, True, True, True, False, True, True, True]
+    # frames 10-13 found a place free: the stream keeps up again from the third of them (SPARE_AFTER)
+    behind = [False] + [True] * 9 + [False] * 4 + [True] * 2
     for i, late in enumerate(behind):
         alerts.ask(frame(i), behind=late)
         for request in pipeline.requests:
             if not request.future.done():
                 request.future.set_result(SimpleNamespace(text="no"))
     asked = {p: [r.tag.index for r in pipeline.requests if r.prompt == p] for p in {r.prompt for r in pipeline.requests}}
-    assert asked["is there a cat ?"] == [0, 4, 8, 10]  # the floor while behind, then at once when not
+    assert edgemm.alerts.SPARE_AFTER == 3
+    assert asked["is there a cat ?"] == [0, 4, 8, 12, 13]  # the floor while behind, every frame once keeping up
     assert asked["is there a dog ?"] == [0, 4, 8, 12]  # due every 3rd frame: deferred to the floor, 4
     assert asked["is there a cow ?"] == [0, 6, 12]  # `every` above max_every: `every` is its floor
     assert asked["is there a pig ?"] == list(range(len(behind)))  # max_every 1: never deferred
     by_name = {a.name: a.figures for a in alerts.alerts}
-    assert [by_name[n].deferred for n in "abcd"] == [10, 3, 0, 0]
-    assert [by_name[n].asked for n in "abcd"] == [4, 4, 3, 14]
+    assert [by_name[n].deferred for n in "abcd"] == [11, 4, 0, 0]
+    assert [by_name[n].asked for n in "abcd"] == [5, 4, 3, 16]
     rows = {r["alert"]: r for r in alerts.states()}
-    assert (rows["a"]["evaluations"], rows["a"]["deferred"], rows["a"]["evaluated_every"]) == (4, 10, 3.5)
-    assert alerts.deferred() == 13
+    assert (rows["a"]["evaluations"], rows["a"]["deferred"], rows["a"]["evaluated_every"]) == (5, 11, 3.2)
+    assert alerts.deferred() == 15
 
 
 class AnsweringPipeline:
