@@ -466,7 +466,7 @@ class AlertConfig:
     every: int = 1  # ask on every Nth frame the stream processes
     # on a stream that is behind, the alert is deferred, but asked at least on every max_every-th
     # frame (or every `every`-th, if larger): a floor, so it is never starved (README "Alerts")
-    max_every: int = 10
+    max_every: int = 30
     on_after: int = 2  # the state becomes true after this many true readings in a row
     off_after: int = 3  # ... false after this many false ones (unknown: after the larger of the two)
     match: str | None = None  # true when the answer has these words (case-insensitive), else false

@@ -28,7 +28,8 @@ browser) on a temporary UNIX socket; everything is read through its HTTP API.
              (A B C, C B A, ...):
                none      no alerts, nothing watching
                watched   3 alerts (red, many and "what color is the square ?" match
-                         blue) due on every frame (`every: 1`, the default max_every),
+                         blue) due on every frame (`every: 1`, max_every as the
+                         config's default, or --max-every),
                          and the live view page open in a headless chromium over TCP
                          (tools/headless_browser.py) at the same time
                old rule  the same, but max_every 1: every alert asked on every frame
@@ -40,7 +41,7 @@ browser) on a temporary UNIX socket; everything is read through its HTTP API.
              answer (the daemon is this process; the browser's CPU is its own process
              tree's, shown apart), and the alerts' evaluations and deferrals over the
              window (GET /v1/alerts). With --no-browser (or no chromium) the view is
-             left out.
+             left out. --sources and --setups pick which of them run.
 
 The machine may be shared: the figures are medians over rounds and ratios of runs side
 by side. Paste the printed Markdown into docs/BENCHMARKS.md with the command.
@@ -258,9 +259,10 @@ def alert_counts(http: httpx.Client, stream_id: str) -> tuple[int, int]:
     return sum(r["evaluations"] for r in rows), sum(r["deferred"] for r in rows)
 
 
-def window(d: DaemonThread, source: str, setup: str, seconds: float, n: int, browser: bool) -> Window:
-    alerts = {} if setup == "none" else {name: {**alert, "every": 1, **({"max_every": 1} if setup == "old rule" else {})}
-                                         for name, alert in {**ALERTS, **THIRD}.items()}
+def window(d: DaemonThread, source: str, setup: str, seconds: float, n: int, browser: bool,
+           max_every: int | None = None) -> Window:
+    floor = {"max_every": 1} if setup == "old rule" else {"max_every": max_every} if max_every else {}
+    alerts = {} if setup == "none" else {name: {**alert, "every": 1, **floor} for name, alert in {**ALERTS, **THIRD}.items()}
     stream_id = f"cost{n}"
     spec = {"id": stream_id, "source": source, "prompt": "describe the image", "alerts": alerts}
     me = os.getpid()
@@ -291,13 +293,17 @@ def window(d: DaemonThread, source: str, setup: str, seconds: float, n: int, bro
     return Window(answered / elapsed, 1e3 * cpu / per, browser_cpu, (asked - asked0) / per, (deferred - deferred0) / per)
 
 
-def cost(d: DaemonThread, source: str, seconds: float, rounds: int, browser: bool, counter: list[int]) -> dict:
-    windows: dict[str, list[Window]] = {setup: [] for setup in SETUPS}
+def cost(d: DaemonThread, source: str, seconds: float, rounds: int, browser: bool, counter: list[int],
+         setups: tuple[str, ...] = SETUPS, max_every: tuple[int | None, ...] = (None,)) -> dict:
+    """`max_every`: one `watched` set-up for each (None: the config's default)."""
+    runs = [(f"watched, max_every {n}" if setup == "watched" and n else setup, setup, n)
+            for setup in setups for n in (max_every if setup == "watched" else (None,))]
+    windows: dict[str, list[Window]] = {label: [] for label, _, _ in runs}
     for r in range(rounds):
-        for setup in (SETUPS if r % 2 == 0 else SETUPS[::-1]):
+        for label, setup, n in (runs if r % 2 == 0 else runs[::-1]):
             counter[0] += 1
-            windows[setup].append(w := window(d, source, setup, seconds, counter[0], browser))
-            print(f"{source} round {r + 1} {setup}: {w.answers_per_s:.2f} answers/s, {w.cpu_ms_per_answer:.2f} CPU "
+            windows[label].append(w := window(d, source, setup, seconds, counter[0], browser, n))
+            print(f"{source} round {r + 1} {label}: {w.answers_per_s:.2f} answers/s, {w.cpu_ms_per_answer:.2f} CPU "
                   f"ms/answer, {w.questions_per_answer:.2f} alert questions/answer, browser "
                   f"{100 * w.browser_cpu:.1f} % of a core", file=sys.stderr, flush=True)
     out: dict = {"source": source, "browser": browser, "setups": {}}
@@ -325,6 +331,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--skip", choices=("accuracy", "cost"), action="append", default=[])
     parser.add_argument("--no-browser", action="store_true", help="leave the live view out of the cost rounds")
+    parser.add_argument("--max-every", default="", help="the watched alerts' max_every, or several (10,30): one "
+                        "set-up each (default: the config's)")
+    parser.add_argument("--sources", default="paced,unpaced", help="cost: paced, unpaced or both")
+    parser.add_argument("--setups", default=",".join(SETUPS), help=f"cost: some of {', '.join(SETUPS)}")
     args = parser.parse_args()
     browser = not args.no_browser and find_chromium() is not None
     if not args.no_browser and not browser:
@@ -337,8 +347,13 @@ def main() -> None:
             print(json.dumps(out["accuracy"], indent=1), flush=True)
         if "cost" not in args.skip:
             counter = [0]
-            out["cost"] = [cost(d, f"synthetic://?fps={args.fps:g}", args.seconds, args.rounds, browser, counter),
-                           cost(d, "synthetic://", args.seconds, args.rounds, browser, counter)]
+            sources = {"paced": f"synthetic://?fps={args.fps:g}", "unpaced": "synthetic://"}
+            setups = tuple(args.setups.split(","))
+            if "none" not in setups or not set(setups) <= set(SETUPS):
+                raise SystemExit(f"--setups: 'none' and any of {', '.join(SETUPS)}")
+            floors = tuple(int(n) for n in args.max_every.split(",")) if args.max_every else (None,)
+            out["cost"] = [cost(d, sources[name], args.seconds, args.rounds, browser, counter, setups, floors)
+                           for name in args.sources.split(",")]
             print(json.dumps(out["cost"], indent=1), flush=True)
     markdown(out, args)
 
