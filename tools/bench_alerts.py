@@ -41,7 +41,9 @@ browser) on a temporary UNIX socket; everything is read through its HTTP API.
              answer (the daemon is this process; the browser's CPU is its own process
              tree's, shown apart), and the alerts' evaluations and deferrals over the
              window (GET /v1/alerts). With --no-browser (or no chromium) the view is
-             left out. --sources and --setups pick which of them run.
+             left out. --sources and --setups pick which of them run; --setups may
+             also name `view` (the browser, no alerts) and `alerts` (the alerts, no
+             browser), the two halves of `watched`.
 
 The machine may be shared: the figures are medians over rounds and ratios of runs side
 by side. Paste the printed Markdown into docs/BENCHMARKS.md with the command.
@@ -222,6 +224,7 @@ def metric(text: str, start: str) -> float:
 # ---- cost ------------------------------------------------------------------------------------------
 
 SETUPS = ("none", "watched", "old rule")
+EXTRA_SETUPS = ("view", "alerts")  # the two halves of `watched`: the browser alone, the alerts alone
 
 
 @dataclass
@@ -262,7 +265,7 @@ def alert_counts(http: httpx.Client, stream_id: str) -> tuple[int, int]:
 def window(d: DaemonThread, source: str, setup: str, seconds: float, n: int, browser: bool,
            max_every: int | None = None) -> Window:
     floor = {"max_every": 1} if setup == "old rule" else {"max_every": max_every} if max_every else {}
-    alerts = {} if setup == "none" else {name: {**alert, "every": 1, **floor} for name, alert in {**ALERTS, **THIRD}.items()}
+    alerts = {} if setup in ("none", "view") else {name: {**alert, "every": 1, **floor} for name, alert in {**ALERTS, **THIRD}.items()}
     stream_id = f"cost{n}"
     spec = {"id": stream_id, "source": source, "prompt": "describe the image", "alerts": alerts}
     me = os.getpid()
@@ -271,7 +274,7 @@ def window(d: DaemonThread, source: str, setup: str, seconds: float, n: int, bro
         frames = lambda: http.get(f"/v1/streams/{stream_id}").json()["frames"]  # noqa: E731
         while frames() < 3:  # past the start
             time.sleep(0.05)
-        view = ViewInBrowser(d.port, stream_id) if browser and setup != "none" else None
+        view = ViewInBrowser(d.port, stream_id) if browser and setup not in ("none", "alerts") else None
         try:
             time.sleep(1.0)
             asked0, deferred0 = alert_counts(http, stream_id) if alerts else (0, 0)
@@ -296,8 +299,8 @@ def window(d: DaemonThread, source: str, setup: str, seconds: float, n: int, bro
 def cost(d: DaemonThread, source: str, seconds: float, rounds: int, browser: bool, counter: list[int],
          setups: tuple[str, ...] = SETUPS, max_every: tuple[int | None, ...] = (None,)) -> dict:
     """`max_every`: one `watched` set-up for each (None: the config's default)."""
-    runs = [(f"watched, max_every {n}" if setup == "watched" and n else setup, setup, n)
-            for setup in setups for n in (max_every if setup == "watched" else (None,))]
+    runs = [(f"{setup}, max_every {n}" if setup in ("watched", "alerts") and n else setup, setup, n)
+            for setup in setups for n in (max_every if setup in ("watched", "alerts") else (None,))]
     windows: dict[str, list[Window]] = {label: [] for label, _, _ in runs}
     for r in range(rounds):
         for label, setup, n in (runs if r % 2 == 0 else runs[::-1]):
@@ -349,8 +352,8 @@ def main() -> None:
             counter = [0]
             sources = {"paced": f"synthetic://?fps={args.fps:g}", "unpaced": "synthetic://"}
             setups = tuple(args.setups.split(","))
-            if "none" not in setups or not set(setups) <= set(SETUPS):
-                raise SystemExit(f"--setups: 'none' and any of {', '.join(SETUPS)}")
+            if "none" not in setups or not set(setups) <= set(SETUPS + EXTRA_SETUPS):
+                raise SystemExit(f"--setups: 'none' and any of {', '.join(SETUPS + EXTRA_SETUPS)}")
             floors = tuple(int(n) for n in args.max_every.split(",")) if args.max_every else (None,)
             out["cost"] = [cost(d, sources[name], args.seconds, args.rounds, browser, counter, setups, floors)
                            for name in args.sources.split(",")]
