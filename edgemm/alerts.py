@@ -13,8 +13,8 @@ unknown, debounced, and announced when they change.
 The stream's own answers come first: alerts take the capacity that is spare. An alert due
 on a frame the stream is behind on (the frame waited for a place of the stream's: the
 source delivers faster than the stream answers, edgemm.stream), or on one of the
-SPARE_AFTER - 1 frames after it, is deferred to the next frame (counted), unless it has gone max(every, max_every) frames without being asked: that
-floor keeps a saturated stream's alerts alive at a cost bounded by the number of alerts /
+SPARE_AFTER - 1 frames after it, is deferred to the next frame (counted), unless it has
+gone max(every, max_every) frames without being asked: that floor keeps a saturated stream's alerts alive at a cost bounded by the number of alerts /
 max_every questions per frame, and it is what they cost a stream that has no capacity to
 spare. A stream that keeps up with its source (a camera with compute left over) asks every
 alert on every frame it is due.
@@ -222,12 +222,12 @@ class StreamAlerts:
         count = self.processed
         self.processed += 1
         self.keeping_up = 0 if behind else self.keeping_up + 1
-        behind = self.keeping_up < SPARE_AFTER
+        deferring = self.keeping_up < SPARE_AFTER  # behind, or not caught up for long enough
         due = [a for a in self.alerts if a.asked is None or count - a.asked >= a.cfg.every]
         due.sort(key=lambda a: -1 if a.asked is None else a.asked)  # the longest waiting first
         for alert in due:
             # never asked counts from the stream's first frame: the floor holds from the start
-            if behind and count - (-1 if alert.asked is None else alert.asked) < alert.floor:
+            if deferring and count - (-1 if alert.asked is None else alert.asked) < alert.floor:
                 with self._lock:
                     alert.figures.deferred += 1
                 continue
