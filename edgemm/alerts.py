@@ -2,12 +2,22 @@
 unknown, debounced, and announced when they change.
 
     a frame the stream submits ─► StreamAlerts.ask: each alert that is due (every N frames,
-        none of its own questions unanswered, a place free) ─► one more request into the
-        daemon's pipeline, same image (the feature cache spares the encoder)
+        the stream not behind or the alert at its floor, fewer than ALERT_INFLIGHT of its
+        questions unanswered, a place free) ─► one more request into the daemon's pipeline,
+        same image (the feature cache spares the encoder)
     its answer (decode thread) ─► Rule.read: "true" | "false" | "unknown"
         ─► Debounce: on_after true / off_after false readings in a row change the state
         ─► an event {"stream", "alert", "state", "frame", "time"}: the stream's SSE
            listeners (`event: alert`) and the alert's webhook (WebhookSender)
+
+The stream's own answers come first: alerts take the capacity that is spare. An alert due
+on a frame the stream is behind on (the frame waited for a place of the stream's: the
+source delivers faster than the stream answers, edgemm.stream), or on one of the
+SPARE_AFTER - 1 frames after it, is deferred to the next frame (counted), unless it has
+gone max(every, max_every) frames without being asked: that floor keeps a saturated stream's alerts alive at a cost bounded by the number of alerts /
+max_every questions per frame, and it is what they cost a stream that has no capacity to
+spare. A stream that keeps up with its source (a camera with compute left over) asks every
+alert on every frame it is due.
 
 What is fair and bounded. The stream's own prompt keeps its share of the pipeline
 (edgemm.streams.STREAM_SHARE frames in flight) untouched: alert questions have places of
@@ -63,6 +73,10 @@ ALERT_SHARE = 4  # alert questions of one stream in the pipeline at once
 # questions of one alert in the pipeline at once: two, so that an alert still reads every
 # frame when an answer takes longer than the time between frames (up to twice as long)
 ALERT_INFLIGHT = 2
+# a stream is behind from a frame that waited for its place until this many frames in a row
+# have not: one frame that happened to find a place free (the source slow for a moment) is not
+# capacity to spare
+SPARE_AFTER = 3
 SETTLE_S = 10.0  # how long a stream that ends waits for its alerts' last answers, so their events precede its end
 WEBHOOK_QUEUE = 64  # events waiting per webhook; beyond, the oldest is dropped (counted)
 WEBHOOK_MAX_BACKOFF_S = 30.0
@@ -149,6 +163,8 @@ class AlertFigures:
     transitions: Counter = field(default_factory=Counter)  # state changes, by the state changed to
     errors: int = 0  # questions that failed in the pipeline (read as unknown)
     skipped: int = 0  # due, but asked on a later frame: the last question unanswered or no place free
+    deferred: int = 0  # due, but the stream was behind: asked on a later frame (spare capacity, or the floor)
+    asked: int = 0  # questions submitted (evaluations)
 
 
 class Alert:
@@ -160,6 +176,7 @@ class Alert:
         self.since_frame: int | None = None  # the frame whose reading made the state what it is
         self.since_time: float | None = None
         self.asked: int | None = None  # the stream's processed-frame count when last asked
+        self.floor = max(cfg.every, cfg.max_every)  # asked at least this often, however far behind the stream is
         self.in_flight = 0  # this alert's questions in the pipeline (at most ALERT_INFLIGHT)
         self.read_seq = -1  # the stream's processed-frame count of the latest reading taken (an older one is stale)
 
@@ -193,17 +210,27 @@ class StreamAlerts:
                                                          environ, transport)
             self.alerts.append(Alert(name, cfg, own or shared))
         self.processed = 0  # frames this stream submitted (the clock of `every`)
+        self.keeping_up = SPARE_AFTER  # frames in a row that found a place free (none has waited yet)
 
     # -- the stream's feeding thread --
 
-    def ask(self, frame: Frame) -> None:
+    def ask(self, frame: Frame, behind: bool = False) -> None:
         """The alerts due on `frame` (just submitted by the stream) go into the pipeline, if
-        they can without waiting; the others are asked on a later frame."""
+        they can without waiting; the others are asked on a later frame. `behind`: the
+        stream is behind its source, so only alerts at their floor are asked (the others
+        are deferred)."""
         count = self.processed
         self.processed += 1
+        self.keeping_up = 0 if behind else self.keeping_up + 1
+        deferring = self.keeping_up < SPARE_AFTER  # behind, or not caught up for long enough
         due = [a for a in self.alerts if a.asked is None or count - a.asked >= a.cfg.every]
         due.sort(key=lambda a: -1 if a.asked is None else a.asked)  # the longest waiting first
         for alert in due:
+            # never asked counts from the stream's first frame: the floor holds from the start
+            if deferring and count - (-1 if alert.asked is None else alert.asked) < alert.floor:
+                with self._lock:
+                    alert.figures.deferred += 1
+                continue
             if alert.in_flight >= ALERT_INFLIGHT or not self._take_place():
                 self._skipped(alert)
                 continue
@@ -221,6 +248,7 @@ class StreamAlerts:
             with self._lock:
                 alert.in_flight += 1
                 self._unanswered += 1
+                alert.figures.asked += 1
             alert.asked = count
             future.add_done_callback(partial(self._answered, alert, frame.index, count))
 
@@ -285,7 +313,20 @@ class StreamAlerts:
         with self._lock:
             return [{"stream": self.stream_id, "alert": a.name, "state": a.debounce.state,
                      "since_frame": a.since_frame, "since_time": None if a.since_time is None else round(a.since_time, 3),
-                     "prompt": a.cfg.prompt} for a in self.alerts]
+                     "prompt": a.cfg.prompt, **self._rate(a)} for a in self.alerts]
+
+    def _rate(self, alert: Alert) -> dict:
+        """How often the alert was really asked: its questions, how many due ones were
+        deferred (the stream behind) or skipped, and one question per how many of the
+        stream's frames, on average (null before the first)."""
+        figures = alert.figures
+        return {"evaluations": figures.asked, "deferred": figures.deferred, "skipped": figures.skipped,
+                "evaluated_every": round(self.processed / figures.asked, 2) if figures.asked else None}
+
+    def deferred(self) -> int:
+        """Due questions of all this stream's alerts deferred because the stream was behind."""
+        with self._lock:
+            return sum(a.figures.deferred for a in self.alerts)
 
     def settle(self, timeout_s: float = SETTLE_S) -> bool:
         """Wait (at most `timeout_s`) until every question asked has been answered and its
@@ -637,6 +678,13 @@ def alert_metrics(registry: Registry, streams: Mapping[str, Any]) -> None:
                        "yes nor no, no number, or the question failed).", ("stream", "alert", "reading"),
                        lambda: {(s, a.name, reading): n for s, _, a in each()
                                 for reading, n in a.figures.readings.items()}, kind="counter"))
+    registry.add(Gauge("edgemm_alert_evaluations_total", "Alert questions asked (submitted into the pipeline).",
+                       ("stream", "alert"), lambda: {(s, a.name): a.figures.asked for s, _, a in each()},
+                       kind="counter"))
+    registry.add(Gauge("edgemm_alert_deferred_total", "Alert questions due but deferred to a later frame: the "
+                       "stream was behind its source (asked again with spare capacity, or at the max_every floor).",
+                       ("stream", "alert"), lambda: {(s, a.name): a.figures.deferred for s, _, a in each()},
+                       kind="counter"))
     registry.add(Gauge("edgemm_alert_skipped_total", "Alert questions due but asked on a later frame (the last "
                        "one unanswered, or the stream's alert places full).", ("stream", "alert"),
                        lambda: {(s, a.name): a.figures.skipped for s, _, a in each()}, kind="counter"))

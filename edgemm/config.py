@@ -464,6 +464,9 @@ class AlertConfig:
     SHORTHAND: ClassVar[str] = "prompt"  # `person: is there a person ?` = {prompt: …}
     prompt: str = ""  # the question asked about the stream's frames
     every: int = 1  # ask on every Nth frame the stream processes
+    # on a stream that is behind, the alert is deferred, but asked at least on every max_every-th
+    # frame (or every `every`-th, if larger): a floor, so it is never starved (README "Alerts")
+    max_every: int = 30
     on_after: int = 2  # the state becomes true after this many true readings in a row
     off_after: int = 3  # ... false after this many false ones (unknown: after the larger of the two)
     match: str | None = None  # true when the answer has these words (case-insensitive), else false
@@ -478,7 +481,7 @@ class AlertConfig:
         except LimitError as e:
             raise ConfigError(str(e)) from None
         _require(self.prompt.strip() != "", f"{path}.prompt", "be a question", self.prompt)
-        for name in ("every", "on_after", "off_after"):
+        for name in ("every", "max_every", "on_after", "off_after"):
             _require(1 <= getattr(self, name) <= MAX_ALERT_RUN, f"{path}.{name}", f"be in 1..{MAX_ALERT_RUN}",
                      getattr(self, name))
         if self.match is not None:

@@ -59,9 +59,11 @@ class StreamOptions:
     # edgemm.view's AnnotatedView (--view) or LatestFrame (the daemon's frame.jpg): given every
     # answer, and (when its every_frame says so) every source frame, once, in source order
     view: Any = None
-    # called with each frame that went into the pipeline (not a reused one), right after it:
-    # the daemon's alerts ask their questions about it (edgemm.alerts); must not wait
-    also_ask: Callable[[Frame], None] | None = None
+    # called with each frame that went into the pipeline (not a reused one), right after it, and
+    # whether the stream is behind (the frame waited for a place of the stream's: the source
+    # delivers faster than the stream answers): the daemon's alerts ask their questions about it
+    # only when it is not, but for a floor (edgemm.alerts); must not wait
+    also_ask: Callable[[Frame, bool], None] | None = None
 
     def share(self, live: bool) -> int:
         """Most frames of this stream in the pipeline at once."""
@@ -214,12 +216,17 @@ def run_stream(pipeline: Pipeline, source: Source, options: StreamOptions,
     last_prompt = options.prompt  # what `last` answered: a new prompt (PATCH) is never answered with it
     started = time.perf_counter()
 
-    def take_share() -> None:
+    def take_share() -> float | None:
         """One of this stream's places in the pipeline (and one of the daemon's pool): the
-        wait ends when a frame of ours (or, for the pool, of a stream just removed) is answered."""
-        share.acquire()
-        if pool is not None:
+        wait ends when a frame of ours (or, for the pool, of a stream just removed) is answered.
+        Returns when (time.time()) the place came if it had to wait for it, else None."""
+        waited = not share.acquire(blocking=False)
+        if waited:
+            share.acquire()
+        if pool is not None and not pool.acquire(blocking=False):
+            waited = True
             pool.acquire()
+        return time.time() if waited else None
 
     def give_back(_: Future | None = None) -> None:
         if pool is not None:
@@ -230,9 +237,10 @@ def run_stream(pipeline: Pipeline, source: Source, options: StreamOptions,
         if gate is not None and not future.cancelled() and future.exception() is not None:
             gate.forget()
 
-    def submit(frame: Frame) -> bool:
+    def submit(frame: Frame, behind: bool = False) -> bool:
         """A frame holding a share: into the pipeline, or answered with the last processed
-        frame's answer when the gate says it barely changed. False once max_frames were taken."""
+        frame's answer when the gate says it barely changed. False once max_frames were taken.
+        `behind`: the frame had to wait for its place (said to also_ask)."""
         nonlocal taken, last, last_prompt
         if options.max_frames is not None and taken >= options.max_frames:
             give_back()
@@ -260,7 +268,7 @@ def run_stream(pipeline: Pipeline, source: Source, options: StreamOptions,
             future.add_done_callback(forget_if_failed)
             last, last_prompt = future, prompt
             if options.also_ask is not None:
-                options.also_ask(frame)
+                options.also_ask(frame, behind)
         pending.put(_Taken(frame, future, reused))
         return True
 
@@ -285,11 +293,13 @@ def run_stream(pipeline: Pipeline, source: Source, options: StreamOptions,
                 elif slot is not None:
                     slot.put(frame)
                 else:
-                    take_share()  # lossless: the reader waits here until the stream has room
+                    # lossless: the reader waits here until the stream has room; a frame that
+                    # waited for it is one the stream is behind on
+                    waited = take_share() is not None
                     if stop.is_set():
                         give_back()
                         break
-                    if not submit(frame):
+                    if not submit(frame, behind=waited):
                         break
         except Exception as e:  # the source failed for good: say so after what was read
             (slot.put(e) if slot is not None else pending.put(e))
@@ -300,14 +310,16 @@ def run_stream(pipeline: Pipeline, source: Source, options: StreamOptions,
         try:
             while True:
                 # a share first, the frame second: the frame taken is the newest when there is room
-                take_share()
+                place_at = take_share()
                 item = slot.get()
                 if item is _END or isinstance(item, Exception):
                     give_back()
                     if item is not _END:
                         pending.put(item)
                     break
-                if not submit(item):
+                # behind: the frame was captured while the stream waited for a place (it, or
+                # the frames it replaced, waited for the stream, not the stream for it)
+                if not submit(item, behind=place_at is not None and item.capture_time <= place_at):
                     break
         except Exception as e:  # e.g. the pipeline is closing: this stream ends, with the reason
             pending.put(e)

@@ -11,8 +11,9 @@ out. Stopping a stream never closes the pipeline; its frames in flight are answe
 Its results go to whoever listens on /v1/streams/{id}/events, through a bounded buffer
 per listener: a listener that falls behind loses the oldest results (counted), never
 the daemon's memory. A stream's `alerts:` (edgemm.alerts) ask their own questions about
-its frames, in places of their own (ALERT_SHARE), and their state changes go to the same
-listeners as `event: alert` (and to their webhooks).
+its frames, in places of their own (ALERT_SHARE), with what capacity the stream leaves
+spare (deferred while it is behind, but for a floor), and their state changes go to the
+same listeners as `event: alert` (and to their webhooks).
 
 A stream is "starting" until its source delivers its first frame, then "running". A
 source that fails to open or to deliver (a camera unplugged, a network camera down, a
@@ -177,7 +178,9 @@ class ManagedStream:
         return {"id": self.spec.id, "object": "stream", **without_secrets(asdict(self.spec)), **figures,
                 # a live camera that stops delivering is first reopened by the source itself
                 "source_reconnects": source.stats.reconnects if source is not None else 0,
-                "listeners": len(self.listeners), "lagged": self.lagged}
+                "listeners": len(self.listeners), "lagged": self.lagged,
+                # alert questions due but put off while the stream was behind (edgemm.alerts)
+                "alerts_deferred": self.alerts.deferred() if self.alerts is not None else 0}
 
     def change_prompt(self, spec: StreamConfig) -> None:
         """PATCH /v1/streams/{id}: frames submitted from now on are asked `spec.prompt`."""

@@ -30,8 +30,10 @@ from edgemm.alerts import ALERT_SHARE, Debounce, Rule, StreamAlerts, WebhookSend
 from edgemm.config import AlertConfig, ConfigError, WebhookConfig, config_from_dict, load_config
 from edgemm.daemon import Daemon
 from edgemm.errors import InputError
-from edgemm.sources import Frame
+from edgemm.sources import Frame, Source
+from edgemm.stream import StreamOptions, run_stream
 
+WAIT_S = 30  # upper bound for anything that should happen "now"; never a timing assumption
 COUNT = "how many shapes are there ?"
 COLOUR = "what color is the circle ?"
 TOKEN = "s3cret-hook-token"
@@ -116,7 +118,8 @@ def test_scripted_answers_make_debounced_events_with_frame_numbers():
     assert figures.transitions == {"true": 1, "false": 1, "unknown": 1}
     [row] = alerts.states()
     assert row == {"stream": "cam", "alert": "many", "state": "unknown", "since_frame": 18,
-                   "since_time": events[-1]["time"], "prompt": COUNT}
+                   "since_time": events[-1]["time"], "prompt": COUNT,
+                   "evaluations": 9, "deferred": 0, "skipped": 0, "evaluated_every": 1.0}
 
 
 def test_settle_waits_for_the_last_answers_so_their_events_come_before_the_streams_end():
@@ -191,6 +194,198 @@ def test_the_managers_pool_bounds_every_streams_questions_together():
     assert pool.acquire(blocking=False)  # given back once answered
 
 
+# ---- spare capacity: the stream's own answers first ---------------------------------------------
+
+def test_an_alert_is_deferred_while_the_stream_is_behind_but_asked_at_least_every_max_every_frames():
+    alerts, pipeline, _ = scripted({"a": {"prompt": "is there a cat ?", "max_every": 4},
+                                    "b": {"prompt": "is there a dog ?", "every": 3, "max_every": 4},
+                                    "c": {"prompt": "is there a cow ?", "every": 6, "max_every": 4},
+                                    "d": {"prompt": "is there a pig ?", "max_every": 1}})
+    # frames 10-13 found a place free: the stream keeps up again from the third of them (SPARE_AFTER)
+    behind = [False] + [True] * 9 + [False] * 4 + [True] * 2
+    for i, late in enumerate(behind):
+        alerts.ask(frame(i), behind=late)
+        for request in pipeline.requests:
+            if not request.future.done():
+                request.future.set_result(SimpleNamespace(text="no"))
+    asked = {p: [r.tag.index for r in pipeline.requests if r.prompt == p] for p in {r.prompt for r in pipeline.requests}}
+    assert edgemm.alerts.SPARE_AFTER == 3
+    assert asked["is there a cat ?"] == [0, 4, 8, 12, 13]  # the floor while behind, every frame once keeping up
+    assert asked["is there a dog ?"] == [0, 4, 8, 12]  # due every 3rd frame: deferred to the floor, 4
+    assert asked["is there a cow ?"] == [0, 6, 12]  # `every` above max_every: `every` is its floor
+    assert asked["is there a pig ?"] == list(range(len(behind)))  # max_every 1: never deferred
+    by_name = {a.name: a.figures for a in alerts.alerts}
+    assert [by_name[n].deferred for n in "abcd"] == [11, 4, 0, 0]
+    assert [by_name[n].asked for n in "abcd"] == [5, 4, 3, 16]
+    rows = {r["alert"]: r for r in alerts.states()}
+    assert (rows["a"]["evaluations"], rows["a"]["deferred"], rows["a"]["evaluated_every"]) == (5, 11, 3.2)
+    assert alerts.deferred() == 15
+
+
+class AnsweringPipeline:
+    """Takes requests and answers them: the alerts' questions at once, the stream's own when the
+    test says (`answer_oldest`), or all at once from a thread when `answer_all`."""
+
+    def __init__(self, answer_all: bool = False):
+        self.requests: list = []
+        self.answer_all = answer_all
+        self.lock = threading.Lock()
+
+    def submit(self, request, block: bool = True, timeout: float | None = None) -> Future:
+        with self.lock:
+            self.requests.append(request)
+        if self.answer_all or request.prompt != "describe":
+            threading.Thread(target=request.future.set_result, args=(SimpleNamespace(
+                text="no", tier="low", timings_ms={"total": 1.0}),), daemon=True).start()
+        return request.future
+
+    def own(self) -> list:
+        with self.lock:
+            return [r for r in self.requests if r.prompt == "describe"]
+
+    def answer_oldest(self) -> None:
+        next(r for r in self.own() if not r.future.done()).future.set_result(
+            SimpleNamespace(text="a scene", tier="low", timings_ms={"total": 1.0}))
+
+    @property
+    def stats(self):  # what run_stream reads at its end
+        return SimpleNamespace(busy_s={}, items={})
+
+
+class WatchedPool:
+    """The daemon's pool of stream places, telling the test each time a stream waits for one."""
+
+    def __init__(self, size: int):
+        self.places = threading.Semaphore(size)
+        self.waiting = threading.Semaphore(0)
+
+    def acquire(self, blocking: bool = True, timeout: float | None = None) -> bool:
+        if self.places.acquire(blocking=False):
+            return True
+        if not blocking:
+            return False
+        self.waiting.release()
+        return self.places.acquire(timeout=timeout)
+
+    def release(self) -> None:
+        self.places.release()
+
+
+class CountedFrames(Source):
+    """`count` frames, each read at once (a file, or an unpaced synthetic source)."""
+
+    def __init__(self, count: int):
+        super().__init__("fake://frames", live=False)
+        self.count = count
+
+    def _next_frame(self):
+        return None if self._next_index >= self.count else self._frame(np.zeros((8, 8, 3), np.uint8))
+
+
+def run(source, options, pipeline) -> tuple[list[dict], threading.Thread]:
+    records: list[dict] = []
+    thread = threading.Thread(target=run_stream, args=(pipeline, source, options, records.append), daemon=True)
+    thread.start()
+    return records, thread
+
+
+def test_a_saturated_stream_answers_every_frame_and_asks_its_alerts_only_at_the_floor():
+    """By counts, not timings: a stream whose source is always ahead (every frame waits for the
+    pipeline to answer the one before) submits each of its frames once, and its 3 alerts add one
+    question each per max_every frames, not 3 per frame."""
+    frames, max_every = 60, 10
+    pipeline, pool = AnsweringPipeline(), WatchedPool(1)
+    alerts = StreamAlerts("cam", config_from_dict({"streams": [{"id": "cam", "source": "synthetic://", "alerts": {
+        n: {"prompt": f"is there a {n} ?", "max_every": max_every} for n in ("cat", "dog", "cow")}}]}).streams[0].alerts,
+        None, pipeline, lambda event: None)
+    options = StreamOptions("describe", pool=pool, also_ask=alerts.ask)
+    records, thread = run(CountedFrames(frames), options, pipeline)
+    for _ in range(frames - 1):  # frame n+1 waits for a place until frame n is answered: always behind
+        assert pool.waiting.acquire(timeout=WAIT_S), "the stream did not wait for a place"
+        pipeline.answer_oldest()
+    wait_until(lambda: len(pipeline.own()) == frames, what="the last frame submitted")
+    pipeline.answer_oldest()
+    thread.join(WAIT_S)
+    assert [r["frame"] for r in records] == list(range(frames))  # every frame answered, in order
+    assert len(pipeline.own()) == frames
+    for alert in alerts.alerts:  # asked on its first frame (not behind yet), then on the floor only
+        assert [r.tag.index for r in pipeline.requests if r.prompt == alert.cfg.prompt] == \
+            list(range(0, frames, max_every))
+        assert alert.figures.deferred == frames - frames // max_every
+    assert len(pipeline.requests) - frames == 3 * frames // max_every  # 0.3 questions per frame, not 3
+
+
+class CameraOnCue(Source):
+    """A camera whose next frame comes when the test releases `cue`."""
+
+    def __init__(self, count: int):
+        super().__init__("fake://camera", live=True)
+        self.count = count
+        self.cue = threading.Semaphore(0)
+
+    def _next_frame(self):
+        assert self.cue.acquire(timeout=WAIT_S), "the test gave no cue"
+        return None if self._next_index >= self.count else self._frame(np.zeros((8, 8, 3), np.uint8))
+
+
+def test_a_live_stream_whose_frames_wait_for_a_place_is_behind_and_defers_its_alerts():
+    """A camera frame captured while the stream waits for a place (the pipeline has not
+    answered the frame before) is one the stream is behind on: its alerts wait for the floor."""
+    frames, max_every = 25, 5
+    pipeline, pool, source = AnsweringPipeline(), WatchedPool(1), CameraOnCue(frames)
+    alerts = StreamAlerts("cam", config_from_dict({"streams": [{"id": "cam", "source": "synthetic://", "alerts": {
+        "cat": {"prompt": "is there a cat ?", "max_every": max_every}}}]}).streams[0].alerts,
+        None, pipeline, lambda event: None)
+    records, thread = run(source, StreamOptions("describe", pool=pool, also_ask=alerts.ask), pipeline)
+    source.cue.release()  # frame 0: the stream has a place waiting for it
+    for n in range(1, frames + 1):
+        assert pool.waiting.acquire(timeout=WAIT_S), "the stream did not wait for a place"
+        source.cue.release()  # frame n (or the end) comes while the stream waits
+        wait_until(lambda: source.stats.frames == min(n + 1, frames),
+                   what="the camera's frame")
+        pipeline.answer_oldest()
+    thread.join(WAIT_S)
+    assert not thread.is_alive() and [r["frame"] for r in records] == list(range(frames))
+    assert [r.tag.index for r in pipeline.requests if r.prompt == "is there a cat ?"] == list(range(0, frames, max_every))
+    assert alerts.alerts[0].figures.deferred == frames - frames // max_every
+
+
+class CameraPacedByAnswers(Source):
+    """A camera slower than the stream: each frame comes only once the one before was answered."""
+
+    def __init__(self, count: int):
+        super().__init__("fake://camera", live=True)
+        self.count = count
+        self.answered = threading.Semaphore(0)  # released by the test's emit
+
+    def _next_frame(self):
+        if self._next_index > 0:
+            assert self.answered.acquire(timeout=WAIT_S), "the stream stopped answering"
+        return None if self._next_index >= self.count else self._frame(np.zeros((8, 8, 3), np.uint8))
+
+
+def test_a_stream_with_spare_capacity_asks_every_alert_on_every_frame_it_is_due():
+    frames = 30
+    pipeline, source = AnsweringPipeline(answer_all=True), CameraPacedByAnswers(frames)
+    alerts = StreamAlerts("cam", config_from_dict({"streams": [{"id": "cam", "source": "synthetic://", "alerts": {
+        "cat": "is there a cat ?", "dog": {"prompt": "is there a dog ?", "every": 3}}}]}).streams[0].alerts,
+        None, pipeline, lambda event: None)
+    records: list[dict] = []
+
+    def emit(record: dict) -> None:
+        records.append(record)
+        source.answered.release()
+    options = StreamOptions("describe", pool=WatchedPool(2), also_ask=alerts.ask)
+    thread = threading.Thread(target=run_stream, args=(pipeline, source, options, emit), daemon=True)
+    thread.start()
+    thread.join(WAIT_S)
+    assert [r["frame"] for r in records] == list(range(frames)) and records[0]["dropped"] == 0
+    asked = lambda prompt: [r.tag.index for r in pipeline.requests if r.prompt == prompt]  # noqa: E731
+    assert asked("is there a cat ?") == list(range(frames))
+    assert asked("is there a dog ?") == list(range(0, frames, 3))
+    assert [a.figures.deferred for a in alerts.alerts] == [0, 0]
+
+
 def test_synthetic_hold_keeps_each_scene_for_n_frames_with_fresh_noise():
     from edgemm.sources import open_source
     with open_source("synthetic://?hold=3&seed=5&count=7") as source:
@@ -213,7 +408,7 @@ def test_synthetic_hold_keeps_each_scene_for_n_frames_with_fresh_noise():
     ({"p": {"prompt": "x", "on_after": 0}}, "'streams[0].alerts.p.on_after' must be in 1..1000, got 0"),
     ({"p": {"prompt": ""}}, "'streams[0].alerts.p.prompt' must be a question, got ''"),
     ({"p": {"prompt": "x", "mach": "red"}}, "unknown key 'streams[0].alerts.p.mach' (known: above, below, every, "
-                                            "match, max_new_tokens, off_after, on_after, prompt, webhook)"),
+                                            "match, max_every, max_new_tokens, off_after, on_after, prompt, webhook)"),
     ({"a b": "x"}, "'streams[0].alerts' must have names of letters, digits, '_', '.', '-' (at most 64), got 'a b'"),
     ({f"a{i}": "x" for i in range(9)}, "'streams[0].alerts' must have at most 8 alerts, got 9"),
     ({"p": {"prompt": "x", "webhook": {"url": 'ftp://x'}}},
@@ -234,6 +429,7 @@ def test_synthetic_hold_keeps_each_scene_for_n_frames_with_fresh_noise():
     ({"p": {"prompt": "x", "webhook": {"url": 'http://h:99999/'}}},
      "'streams[0].alerts.p.webhook.url' must be an http:// or https:// URL with a host name and no spaces, "
      "got 'http://h:99999/'"),
+    ({"p": {"prompt": "x", "max_every": 0}}, "'streams[0].alerts.p.max_every' must be in 1..1000, got 0"),
     ({"p": {"prompt": "x", "webhook": {"url": "http://x", "token_env": "A", "token_file": "f"}}},
      "'streams[0].alerts.p.webhook.token_file' must not be given with token_env (one token), got 'f'"),
 ])
@@ -286,22 +482,26 @@ def sse(path: str, stream_id: str) -> list[tuple[str | None, dict]]:
     return events
 
 
-def counting_stream(stream_id: str, frames: int, **extra) -> dict:
-    """A finite synthetic stream (read losslessly) that asks the count and, as alerts, the count
-    above 2 and the circle's colour, each changing state on every new reading."""
+def counting_stream(stream_id: str, frames: int, max_every: int = 1, **extra) -> dict:
+    """A finite synthetic stream (read losslessly, so always behind its source) that asks the
+    count and, as alerts, the count above 2 and the circle's colour, each changing state on
+    every new reading; with max_every 1 the alerts are asked on every frame all the same."""
     return {"id": stream_id, "source": f"synthetic://?count={frames}&seed=3", "prompt": COUNT,
             "tier": "low",
             "max_new_tokens": 2,
-            "alerts": {"many": {"prompt": COUNT, "above": 2, "on_after": 1, "off_after": 1},
-                       "red": {"prompt": COLOUR, "match": "red", "on_after": 1, "off_after": 1}}, **extra}
+            "alerts": {"many": {"prompt": COUNT, "above": 2, "on_after": 1, "off_after": 1, "max_every": max_every},
+                       "red": {"prompt": COLOUR, "match": "red", "on_after": 1, "off_after": 1,
+                               "max_every": max_every}}, **extra}
 
 
 def settled(http, stream_id: str, alerts=("many", "red")) -> bool:
-    """The stream ended and each of its frames' questions was answered (or its skip counted)."""
+    """The stream ended and each of its frames' questions was answered (or its skip or
+    deferral counted)."""
     figures = http.get(f"/v1/streams/{stream_id}").json()
     text = http.get("/metrics").text
     return figures["state"] == "ended" and all(
         figures["frames"] == metric(text, f'edgemm_alert_skipped_total{{stream="{stream_id}",alert="{a}"}}')
+        + metric(text, f'edgemm_alert_deferred_total{{stream="{stream_id}",alert="{a}"}}')
         + sum(metric(text, f'edgemm_alert_answers_total{{stream="{stream_id}",alert="{a}",reading="{r}"}}', 0)
               for r in ("true", "false", "unknown")) for a in alerts)
 
@@ -337,10 +537,33 @@ def test_a_daemon_stream_sends_alert_events_lists_states_and_counts_them(runtime
     assert {r["alert"]: r for r in alerts["data"]}.keys() == {"many", "red"}
     assert alerts["object"] == "list"
     for row in alerts["data"]:
-        assert set(row) == {"stream", "alert", "state", "since_frame", "since_time", "prompt"}
+        assert set(row) == {"stream", "alert", "state", "since_frame", "since_time", "prompt",
+                            "evaluations", "deferred", "skipped", "evaluated_every"}
+        assert row["deferred"] == 0 and row["evaluations"] >= 1  # max_every 1: never deferred
         last = [e for e in alert_events if e["alert"] == row["alert"]][-1]
         assert (row["state"], row["since_frame"], row["since_time"]) == (last["state"], last["frame"], last["time"])
     assert metric(text, 'edgemm_alert_events_dropped_total{stream="shapes",sink="listener"}') == 0
+
+
+def test_a_daemon_stream_behind_its_source_defers_its_alerts_and_says_how_often_they_were_asked(runtime):
+    """An unpaced synthetic source is read as fast as the stream answers: the stream is behind,
+    so its alerts are asked at the max_every floor, and the status, /v1/alerts and /metrics say
+    how many were deferred."""
+    frames, max_every = 40, 10
+    with running(runtime, {"streams": [counting_stream("busy", frames, max_every=max_every)]}) as d, \
+            raw_client(sock_path(d)) as http:
+        wait_until(lambda: settled(http, "busy"), what="every frame answered, deferred or skipped")
+        figures = http.get("/v1/streams/busy").json()
+        rows = {r["alert"]: r for r in http.get("/v1/alerts").json()["data"]}
+        text = http.get("/metrics").text
+    assert figures["frames"] == frames
+    assert figures["alerts_deferred"] == sum(r["deferred"] for r in rows.values()) > 0
+    for name, row in rows.items():
+        assert row["deferred"] == metric(text, f'edgemm_alert_deferred_total{{stream="busy",alert="{name}"}}')
+        assert row["evaluations"] == metric(text, f'edgemm_alert_evaluations_total{{stream="busy",alert="{name}"}}')
+        assert frames // max_every <= row["evaluations"] < frames  # the floor, at least; not every frame
+        assert row["evaluations"] + row["deferred"] <= frames  # a frame's question is asked or deferred, once
+        assert row["evaluated_every"] == round(frames / row["evaluations"], 2)
 
 
 # ---- webhooks ------------------------------------------------------------------------------------

@@ -99,6 +99,7 @@ streams:
     open:
       prompt: is the door open ?
       every: 2
+      max_every: 6
       on_after: 3
       off_after: 4
       match: null
@@ -234,7 +235,7 @@ def test_full_yaml_file_loads_every_field(tmp_path):
                             webhook_hosts=["hooks.example", "10.0.0.9:8080"]),
         streams=[StreamConfig(id="door", source="rtsp://10.0.0.5/stream", prompt="is the door open ?", fps=0.5,
                               every=2, change_threshold=4.0, tier="low", max_new_tokens=8,
-                              alerts={"open": AlertConfig(prompt="is the door open ?", every=2, on_after=3, off_after=4,
+                              alerts={"open": AlertConfig(prompt="is the door open ?", every=2, max_every=6, on_after=3, off_after=4,
                                                           max_new_tokens=4, webhook=WebhookConfig(
                                                               url="https://hooks.example/door",
                                                               token_file="/etc/edgemm/hook-token", timeout_s=2.0,

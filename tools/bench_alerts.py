@@ -2,10 +2,11 @@
 """Alerts (edgemm/alerts.py): how right and how quick they are, and what they cost a stream.
 
     python tools/bench_alerts.py [--frames 600] [--fps 10] [--hold 20] [--seconds 8] [--rounds 5]
+                                 [--no-browser] [--skip accuracy|cost]
 
 One daemon (edgemm.daemon.Daemon in this process, the built-in model, its shipped
-config but for backend.intra_op_threads 1 and the socket) on a temporary UNIX socket;
-everything is read through its HTTP API.
+config but for backend.intra_op_threads 1, the socket and a loopback TCP port for the
+browser) on a temporary UNIX socket; everything is read through its HTTP API.
 
   accuracy   one stream on synthetic://?fps=FPS&hold=HOLD (a camera at FPS watching
              scenes that each last HOLD frames, with fresh noise on every frame), prompt
@@ -22,12 +23,27 @@ everything is read through its HTTP API.
              onset frame's capture time), against the target on_after frames + one
              pipeline latency (on_after / FPS + the stream's median capture-to-answer
              time).
-  cost       the stream's answers per second without alerts and with 3 (red, many and
-             "what color is the square ?" match blue), rounds interleaved (without, with,
-             with, without, ...), `seconds` each, on the same daemon: paced (a camera
-             at FPS), and unpaced (synthetic://, as fast as the pipeline goes: the
-             stream's prompt and the alerts compete for the same cores), the alerts
-             asked on every frame and on every 5th.
+  cost       the stream's answers per second, on the same daemon, in three set-ups
+             measured in turn, `seconds` each, order reversed every other round
+             (A B C, C B A, ...):
+               none      no alerts, nothing watching
+               watched   3 alerts (red, many and "what color is the square ?" match
+                         blue) due on every frame (`every: 1`, max_every as the
+                         config's default, or --max-every),
+                         and the live view page open in a headless chromium over TCP
+                         (tools/headless_browser.py) at the same time
+               old rule  the same, but max_every 1: every alert asked on every frame
+                         whether or not the stream keeps up (the rule before
+                         spare-capacity scheduling), for comparison
+             for a paced source (a camera at FPS) and an unpaced one (synthetic://, as
+             fast as the pipeline goes: the stream's prompt and the alerts compete for
+             the same cores). Each window also records the process's CPU time per
+             answer (the daemon is this process; the browser's CPU is its own process
+             tree's, shown apart), and the alerts' evaluations and deferrals over the
+             window (GET /v1/alerts). With --no-browser (or no chromium) the view is
+             left out. --sources and --setups pick which of them run; --setups may
+             also name `view` (the browser, no alerts) and `alerts` (the alerts, no
+             browser), the two halves of `watched`.
 
 The machine may be shared: the figures are medians over rounds and ratios of runs side
 by side. Paste the printed Markdown into docs/BENCHMARKS.md with the command.
@@ -37,22 +53,27 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import shutil
 import statistics
 import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from edgemm.config import load_config  # noqa: E402
 from edgemm.daemon import Daemon  # noqa: E402
 from edgemm.runtime import Runtime  # noqa: E402
 from edgemm.scenes import make_scene  # noqa: E402
+from bench_view import cpu_s, free_port, tree_cpu_s  # noqa: E402
+from headless_browser import HeadlessBrowser, find_chromium  # noqa: E402
 
 WAIT_S = 60.0
 SEED = 11
@@ -90,7 +111,8 @@ class DaemonThread:
     def __init__(self, runtime: Runtime):
         self.folder = Path(tempfile.mkdtemp(prefix="edgemm-alerts-", dir="/tmp"))
         self.sock = str(self.folder / "edgemm.sock")
-        cfg = load_config({"backend": {"intra_op_threads": 1}, "server": {"socket": self.sock}})
+        self.port = free_port()  # the live view, for the browser
+        cfg = load_config({"backend": {"intra_op_threads": 1}, "server": {"socket": self.sock, "tcp_port": self.port}})
         self.daemon = Daemon(cfg, runtime=runtime)
         self.thread = threading.Thread(target=self.daemon.run, name="bench-daemon", daemon=True)
 
@@ -188,6 +210,8 @@ def accuracy(d: DaemonThread, frames: int, fps: float, hold: int) -> dict:
             "delay_s_max": round(max(delays_s), 3) if delays_s else None,
             "within_bound": within,
             "skipped": metric(metrics, f'edgemm_alert_skipped_total{{stream="watch",alert="{name}"}}'),
+            "deferred": metric(metrics, f'edgemm_alert_deferred_total{{stream="watch",alert="{name}"}}'),
+            "evaluations": metric(metrics, f'edgemm_alert_evaluations_total{{stream="watch",alert="{name}"}}'),
             "unknown": metric(metrics, f'edgemm_alert_answers_total{{stream="watch",alert="{name}",reading="unknown"}}'),
         }
     return report
@@ -199,36 +223,106 @@ def metric(text: str, start: str) -> float:
 
 # ---- cost ------------------------------------------------------------------------------------------
 
-def answers_per_second(d: DaemonThread, source: str, alerts: dict, seconds: float, n: int) -> float:
-    spec = {"id": f"cost{n}", "source": source, "prompt": "describe the image", "alerts": alerts}
+SETUPS = ("none", "watched", "old rule")
+EXTRA_SETUPS = ("view", "alerts")  # the two halves of `watched`: the browser alone, the alerts alone
+
+
+@dataclass
+class Window:
+    answers_per_s: float
+    cpu_ms_per_answer: float  # this process's (the daemon's) CPU over the window, per answer
+    browser_cpu: float  # the browser's CPU over the window, share of one core (0 without one)
+    questions_per_answer: float  # alert questions asked per answered frame over the window
+    deferred_per_answer: float
+
+
+class ViewInBrowser:
+    """The live view page open in headless chromium on `port`, showing stream `stream_id`."""
+
+    def __init__(self, port: int, stream_id: str):
+        self.browser = HeadlessBrowser(f"http://127.0.0.1:{port}/")
+        check = (f"(c => !!c && c.querySelector('img.frame').naturalWidth > 0 && !!c.querySelector('.answer').textContent)"
+                 f"(document.querySelector('[data-stream=\"{stream_id}\"]'))")
+        deadline = time.monotonic() + WAIT_S
+        while not self.browser.evaluate(check):
+            if time.monotonic() > deadline:
+                self.close()
+                raise SystemExit("the live view showed nothing within 60 s")
+            time.sleep(0.05)
+
+    def cpu_s(self) -> float:
+        return tree_cpu_s(self.browser.process.pid)
+
+    def close(self) -> None:
+        self.browser.close()
+
+
+def alert_counts(http: httpx.Client, stream_id: str) -> tuple[int, int]:
+    rows = [r for r in http.get("/v1/alerts").json()["data"] if r["stream"] == stream_id]
+    return sum(r["evaluations"] for r in rows), sum(r["deferred"] for r in rows)
+
+
+def window(d: DaemonThread, source: str, setup: str, seconds: float, n: int, browser: bool,
+           max_every: int | None = None) -> Window:
+    floor = {"max_every": 1} if setup == "old rule" else {"max_every": max_every} if max_every else {}
+    alerts = {} if setup in ("none", "view") else {name: {**alert, "every": 1, **floor} for name, alert in {**ALERTS, **THIRD}.items()}
+    stream_id = f"cost{n}"
+    spec = {"id": stream_id, "source": source, "prompt": "describe the image", "alerts": alerts}
+    me = os.getpid()
     with d.client() as http:
         assert http.post("/v1/streams", json=spec).status_code == 201
-        frames = lambda: http.get(f"/v1/streams/cost{n}").json()["frames"]  # noqa: E731
+        frames = lambda: http.get(f"/v1/streams/{stream_id}").json()["frames"]  # noqa: E731
         while frames() < 3:  # past the start
             time.sleep(0.05)
-        began, count = time.perf_counter(), frames()
-        time.sleep(seconds)
-        rate = (frames() - count) / (time.perf_counter() - began)
-        http.delete(f"/v1/streams/cost{n}")
-        # its last frames and questions answered before the next round starts
+        view = ViewInBrowser(d.port, stream_id) if browser and setup not in ("none", "alerts") else None
+        try:
+            time.sleep(1.0)
+            asked0, deferred0 = alert_counts(http, stream_id) if alerts else (0, 0)
+            browser0 = view.cpu_s() if view else 0.0
+            began, count, cpu0 = time.perf_counter(), frames(), cpu_s(me)
+            time.sleep(seconds)
+            answered, elapsed, cpu = frames() - count, time.perf_counter() - began, cpu_s(me) - cpu0
+            browser_cpu = (view.cpu_s() - browser0) / elapsed if view else 0.0
+            asked, deferred = alert_counts(http, stream_id) if alerts else (0, 0)
+        finally:
+            if view is not None:
+                view.close()
+        http.delete(f"/v1/streams/{stream_id}")
+        # its last frames and questions answered before the next window starts
         while any(http.get("/v1/status").json()["queue"]["depths"].values()):
             time.sleep(0.05)
     time.sleep(0.3)
-    return rate
+    per = max(1, answered)
+    return Window(answered / elapsed, 1e3 * cpu / per, browser_cpu, (asked - asked0) / per, (deferred - deferred0) / per)
 
 
-def cost(d: DaemonThread, source: str, seconds: float, rounds: int, every: int = 1) -> dict:
-    three = {name: {**alert, "every": every} for name, alert in {**ALERTS, **THIRD}.items()}
-    rates: dict[str, list[float]] = {"without": [], "with": []}
-    n = 0
+def cost(d: DaemonThread, source: str, seconds: float, rounds: int, browser: bool, counter: list[int],
+         setups: tuple[str, ...] = SETUPS, max_every: tuple[int | None, ...] = (None,)) -> dict:
+    """`max_every`: one `watched` set-up for each (None: the config's default)."""
+    runs = [(f"{setup}, max_every {n}" if setup in ("watched", "alerts") and n else setup, setup, n)
+            for setup in setups for n in (max_every if setup in ("watched", "alerts") else (None,))]
+    windows: dict[str, list[Window]] = {label: [] for label, _, _ in runs}
     for r in range(rounds):
-        for label in (("without", "with") if r % 2 == 0 else ("with", "without")):
-            n += 1
-            rates[label].append(answers_per_second(d, source, three if label == "with" else {}, seconds, n))
-    without, with_ = statistics.median(rates["without"]), statistics.median(rates["with"])
-    return {"source": source, "every": every, "without_per_s": [round(x, 2) for x in rates["without"]],
-            "with_per_s": [round(x, 2) for x in rates["with"]], "median_without": round(without, 2),
-            "median_with": round(with_, 2), "ratio": round(with_ / without, 3)}
+        for label, setup, n in (runs if r % 2 == 0 else runs[::-1]):
+            counter[0] += 1
+            windows[label].append(w := window(d, source, setup, seconds, counter[0], browser, n))
+            print(f"{source} round {r + 1} {label}: {w.answers_per_s:.2f} answers/s, {w.cpu_ms_per_answer:.2f} CPU "
+                  f"ms/answer, {w.questions_per_answer:.2f} alert questions/answer, browser "
+                  f"{100 * w.browser_cpu:.1f} % of a core", file=sys.stderr, flush=True)
+    out: dict = {"source": source, "browser": browser, "setups": {}}
+    base = {k: statistics.median(getattr(w, k) for w in windows["none"]) for k in ("answers_per_s", "cpu_ms_per_answer")}
+    for setup, ws in windows.items():
+        row = {}
+        for key in ("answers_per_s", "cpu_ms_per_answer", "browser_cpu", "questions_per_answer", "deferred_per_answer"):
+            values = [getattr(w, key) for w in ws]
+            row[key] = {"median": round(statistics.median(values), 3), "min": round(min(values), 3),
+                        "max": round(max(values), 3), "rounds": [round(v, 3) for v in values]}
+        row["rate_ratio"] = round(row["answers_per_s"]["median"] / base["answers_per_s"], 3)
+        row["cpu_ratio"] = round(row["cpu_ms_per_answer"]["median"] / base["cpu_ms_per_answer"], 3)
+        # per round, side by side: this set-up's window over the `none` window of the same round
+        row["rate_ratio_per_round"] = [round(w.answers_per_s / b.answers_per_s, 3) for w, b in zip(ws, windows["none"])]
+        out["setups"][setup] = row
+    return out
 
 
 def main() -> None:
@@ -239,7 +333,15 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--skip", choices=("accuracy", "cost"), action="append", default=[])
+    parser.add_argument("--no-browser", action="store_true", help="leave the live view out of the cost rounds")
+    parser.add_argument("--max-every", default="", help="the watched alerts' max_every, or several (10,30): one "
+                        "set-up each (default: the config's)")
+    parser.add_argument("--sources", default="paced,unpaced", help="cost: paced, unpaced or both")
+    parser.add_argument("--setups", default=",".join(SETUPS), help=f"cost: some of {', '.join(SETUPS)}")
     args = parser.parse_args()
+    browser = not args.no_browser and find_chromium() is not None
+    if not args.no_browser and not browser:
+        print("no chromium on PATH: the cost rounds run without the live view", file=sys.stderr)
     runtime = Runtime(load_config({"backend": {"intra_op_threads": 1}}))
     out: dict = {}
     with DaemonThread(runtime) as d:
@@ -247,9 +349,14 @@ def main() -> None:
             out["accuracy"] = accuracy(d, args.frames, args.fps, args.hold)
             print(json.dumps(out["accuracy"], indent=1), flush=True)
         if "cost" not in args.skip:
-            out["cost"] = [cost(d, f"synthetic://?fps={args.fps:g}", args.seconds, args.rounds),
-                           cost(d, "synthetic://", args.seconds, args.rounds),
-                           cost(d, "synthetic://", args.seconds, args.rounds, every=5)]
+            counter = [0]
+            sources = {"paced": f"synthetic://?fps={args.fps:g}", "unpaced": "synthetic://"}
+            setups = tuple(args.setups.split(","))
+            if "none" not in setups or not set(setups) <= set(SETUPS + EXTRA_SETUPS):
+                raise SystemExit(f"--setups: 'none' and any of {', '.join(SETUPS + EXTRA_SETUPS)}")
+            floors = tuple(int(n) for n in args.max_every.split(",")) if args.max_every else (None,)
+            out["cost"] = [cost(d, sources[name], args.seconds, args.rounds, browser, counter, setups, floors)
+                           for name in args.sources.split(",")]
             print(json.dumps(out["cost"], indent=1), flush=True)
     markdown(out, args)
 
@@ -261,20 +368,29 @@ def markdown(out: dict, args) -> None:
               f"({a['dropped']} dropped by the stream), pipeline latency p50 {a['pipeline_latency_ms_p50']} ms, "
               f"bound on_after/fps + latency = {a['bound_s']} s\n")
         print("| alert | precision | recall | ... where the question is well posed (frames) | onsets detected | "
-              "delay frames p50 (max) | delay s p50 (max) | within bound | skipped | unknown |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+              "delay frames p50 (max) | delay s p50 (max) | within bound | evaluations | deferred | skipped | unknown |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for name, r in a["alerts"].items():
             print(f"| {name} | {r['precision']} | {r['recall']} | {r['precision_posed']} / {r['recall_posed']} "
                   f"({r['frames_posed']}) | {r['detected']}/{r['onsets']} | "
                   f"{r['delay_frames_p50']} ({r['delay_frames_max']}) | {r['delay_s_p50']} ({r['delay_s_max']}) | "
-                  f"{r['within_bound']}/{r['detected']} | {r['skipped']:g} | {r['unknown']:g} |")
+                  f"{r['within_bound']}/{r['detected']} | {r['evaluations']:g} | {r['deferred']:g} | {r['skipped']:g} | "
+                  f"{r['unknown']:g} |")
     if "cost" in out:
-        print("\n| source | alerts' `every` | answers/s without alerts (rounds) | with 3 alerts (rounds) | "
-              "median ratio |")
-        print("|---|---|---|---|---|")
+        print("\n| source | set-up | answers/s median (min-max) | vs none | per-round ratio to none, median "
+              "(min-max) | CPU ms per answer median (min-max) | vs none | alert questions per answer | "
+              "deferred per answer | browser CPU, % of a core |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for c in out["cost"]:
-            print(f"| `{c['source']}` | {c['every']} | {c['median_without']} ({', '.join(map(str, c['without_per_s']))}) | "
-                  f"{c['median_with']} ({', '.join(map(str, c['with_per_s']))}) | {c['ratio']} |")
+            for setup, r in c["setups"].items():
+                label = setup if setup == "none" or c["browser"] else f"{setup} (no browser)"
+                per_round = r["rate_ratio_per_round"]
+                rate, cpu = r["answers_per_s"], r["cpu_ms_per_answer"]
+                print(f"| `{c['source']}` | {label} | {rate['median']:.2f} ({rate['min']:.2f}-{rate['max']:.2f}) | "
+                      f"{r['rate_ratio']:.3f} | {statistics.median(per_round):.3f} ({min(per_round):.3f}-{max(per_round):.3f}) | "
+                      f"{cpu['median']:.2f} ({cpu['min']:.2f}-{cpu['max']:.2f}) | {r['cpu_ratio']:.3f} | "
+                      f"{r['questions_per_answer']['median']:.2f} | {r['deferred_per_answer']['median']:.2f} | "
+                      f"{100 * r['browser_cpu']['median']:.1f} |")
 
 
 if __name__ == "__main__":
