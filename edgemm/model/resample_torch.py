@@ -31,16 +31,17 @@ MAX_PRECISION = 22
 # -0.75 without antialias), bit for bit: see bicubic_kernel
 
 
-@lru_cache(maxsize=64)  # an InternVL image needs four (the grid's two axes, the thumbnail's two)
+@lru_cache(maxsize=16)  # an InternVL image needs four (the grid's two axes, the thumbnail's two)
 def _coefficients(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """(first input index [out], int16 weights [out, taps], fraction bits) for one axis,
+    """(first input index [out], int16-range weights [out, taps], fraction bits) for one axis,
     made once per (in_size, out_size) and shared (read-only): a camera's frames all have
     one size, so every frame after the first reuses them.
 
     The weights are cut to the taps some output uses: torch allocates
     ceil(support) * 2 + 1 taps, but a window 2 * support wide covers at most
     ceil(2 * support) + 1 inputs (5 of 7 for a small shrink, 4 of 5 for an enlargement), and
-    the taps past it have weight 0 everywhere, so the tap loop would add zeros."""
+    the taps past it have weight 0 everywhere, so the tap loop would add zeros. Kept as
+    int32 (the sums' type): at most 16 sizes, a few MB even for strips of 25 megapixels."""
     scale = in_size / out_size
     support = SUPPORT * scale if scale >= 1 else SUPPORT
     taps = int(math.ceil(support)) * 2 + 1
@@ -59,7 +60,7 @@ def _coefficients(in_size: int, out_size: int) -> tuple[np.ndarray, np.ndarray, 
     while bits < MAX_PRECISION and int(0.5 + top * (1 << (bits + 1))) < (1 << 15):
         bits += 1
     scaled = weights * (1 << bits)
-    fixed = np.trunc(np.where(scaled < 0, scaled - 0.5, scaled + 0.5)).astype(np.int64)
+    fixed = np.trunc(np.where(scaled < 0, scaled - 0.5, scaled + 0.5)).astype(np.int32)
     fixed = np.ascontiguousarray(fixed[:, :max(1, int(size.max(initial=0)))])
     first.flags.writeable = fixed.flags.writeable = False
     return first, fixed, bits
