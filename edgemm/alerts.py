@@ -386,11 +386,58 @@ class WebhookFigures:
     last_error: str | None = None
 
 
+MAX_NAME_LOOKUPS = 4  # webhook host names being resolved at once, every webhook together
+
+
+class NameLookups:
+    """socket.getaddrinfo within a wait. httpcore's connect timeout does not cover the name:
+    its SyncBackend calls socket.create_connection, whose getaddrinfo waits as long as the
+    system's resolver does (resolv.conf's timeout x attempts x servers, or forever on a
+    stuck NSS module). Here each lookup runs in a thread of its own and the attempt waits
+    for it at most until its deadline; a lookup that outlives its attempt keeps its thread
+    until the resolver returns, so at most MAX_NAME_LOOKUPS run at once and an attempt
+    that finds them all busy fails at once (a ConnectError, retried with backoff)."""
+
+    def __init__(self, limit: int = MAX_NAME_LOOKUPS) -> None:
+        self.limit = limit
+        self._slots = threading.BoundedSemaphore(limit)
+
+    def resolve(self, host: str, port: int, wait: float) -> list[tuple]:
+        try:  # an address needs no lookup
+            return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST)
+        except socket.gaierror:
+            pass
+        if not self._slots.acquire(blocking=False):
+            raise httpcore.ConnectError(f"{self.limit} name lookups are still waiting for the resolver")
+        found: dict[str, Any] = {}
+        done = threading.Event()
+
+        def look() -> None:
+            try:
+                found["addresses"] = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            except OSError as e:
+                found["error"] = e
+            finally:
+                self._slots.release()
+                done.set()
+
+        threading.Thread(target=look, name="edgemm-webhook-lookup", daemon=True).start()
+        if not done.wait(wait):
+            raise httpcore.ConnectTimeout(f"the name lookup of {host} did not finish before the attempt's deadline")
+        if "error" in found:
+            raise httpcore.ConnectError(f"cannot resolve {host}: {found['error']}")
+        return found["addresses"]
+
+
+NAME_LOOKUPS = NameLookups()
+
+
 class DeadlineBackend(httpcore.NetworkBackend):
-    """httpcore's sockets, where each connect, write and read waits at most until `deadline`
-    (time.monotonic()), whatever its own timeout: a whole attempt within timeout_s, even
-    against a server that drips its reply a byte at a time. `abandon()` (any thread) shuts
-    the open connections, which wakes a read in progress."""
+    """httpcore's sockets, where each name lookup, connect, write and read waits at most
+    until `deadline` (time.monotonic()), whatever its own timeout: a whole attempt within
+    timeout_s, even against a resolver that hangs or a server that drips its reply a byte
+    at a time. `abandon()` (any thread) shuts the open connections, which wakes a read in
+    progress."""
 
     def __init__(self) -> None:
         self.deadline = math.inf
@@ -411,7 +458,17 @@ class DeadlineBackend(httpcore.NetworkBackend):
         return stream
 
     def connect_tcp(self, host, port, timeout=None, local_address=None, socket_options=None):
-        return self._track(self._inner.connect_tcp(host, port, self.left(timeout), local_address, socket_options))
+        """The name resolved within the deadline (NameLookups), then its addresses tried in
+        the resolver's order, as socket.create_connection tries them. TLS still checks the
+        host name: httpcore gives start_tls the URL's host, not the address."""
+        failure: Exception = httpcore.ConnectError(f"{host} has no address")
+        for *_, address in NAME_LOOKUPS.resolve(host, port, self.left(timeout)):
+            try:
+                return self._track(self._inner.connect_tcp(address[0], port, self.left(timeout),
+                                                           local_address, socket_options))
+            except httpcore.ConnectError as e:  # a timeout is the deadline's: no next address
+                failure = e
+        raise failure
 
     def connect_unix_socket(self, path, timeout=None, socket_options=None):
         return self._track(self._inner.connect_unix_socket(path, self.left(timeout), socket_options))
@@ -462,13 +519,29 @@ class DeadlineStream(httpcore.NetworkStream):
 class DeadlineTransport(httpx.BaseTransport):
     """httpx's transport on `backend`'s sockets (httpx has no total timeout of its own): one
     httpcore connection pool, as httpx.HTTPTransport has, with httpcore's errors raised as
-    httpx's. It connects directly: HTTP(S)_PROXY is not used (README "Alerts")."""
+    httpx's. Through `proxy` if given, as httpx.HTTPTransport goes through one: plain HTTP
+    as absolute-URI requests to it, HTTPS through a CONNECT tunnel (the proxy's own
+    connection is on `backend` too, so the deadline covers it)."""
 
-    def __init__(self, backend: DeadlineBackend) -> None:
-        self._pool = httpcore.ConnectionPool(ssl_context=httpx.create_ssl_context(), max_connections=1,
-                                             network_backend=backend)
+    def __init__(self, backend: DeadlineBackend, proxy: httpx.Proxy | None = None) -> None:
+        ssl_context = httpx.create_ssl_context()
+        self._refusal: str | None = None  # a proxy it cannot use: each attempt fails, saying so
+        self._pool: httpcore.ConnectionPool | httpcore.HTTPProxy | None = None
+        if proxy is None:
+            self._pool = httpcore.ConnectionPool(ssl_context=ssl_context, max_connections=1,
+                                                 network_backend=backend)
+        elif proxy.url.scheme in ("http", "https"):
+            self._pool = httpcore.HTTPProxy(
+                proxy_url=httpcore.URL(scheme=proxy.url.raw_scheme, host=proxy.url.raw_host,
+                                       port=proxy.url.port, target=proxy.url.raw_path),
+                proxy_auth=proxy.raw_auth, proxy_headers=proxy.headers.raw, ssl_context=ssl_context,
+                proxy_ssl_context=proxy.ssl_context, max_connections=1, network_backend=backend)
+        else:
+            self._refusal = f"webhooks go through http:// and https:// proxies only, not {proxy.url.scheme}://"
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
+        if self._pool is None:
+            raise httpx.UnsupportedProtocol(self._refusal or "closed")
         url = request.url
         core = httpcore.Request(request.method, httpcore.URL(scheme=url.raw_scheme, host=url.raw_host,
                                                               port=url.port, target=url.raw_path),
@@ -480,7 +553,26 @@ class DeadlineTransport(httpx.BaseTransport):
                               extensions=response.extensions)
 
     def close(self) -> None:
-        self._pool.close()
+        if self._pool is not None:
+            self._pool.close()
+
+
+class WebhookClient(httpx.Client):
+    """httpx.Client on DeadlineTransports. httpx itself reads HTTP_PROXY, HTTPS_PROXY,
+    ALL_PROXY and NO_PROXY (trust_env), exactly as for the offload client, and makes one
+    transport per proxy and one for direct connections through these two hooks: here they
+    make DeadlineTransports, which httpx.HTTPTransport (no network backend of its own to
+    give) cannot be."""
+
+    def __init__(self, backend: DeadlineBackend, **kwargs: Any) -> None:
+        self._deadline_backend = backend
+        super().__init__(**kwargs)
+
+    def _init_transport(self, *args: Any, **kwargs: Any) -> httpx.BaseTransport:
+        return DeadlineTransport(self._deadline_backend)
+
+    def _init_proxy_transport(self, proxy: httpx.Proxy, *args: Any, **kwargs: Any) -> httpx.BaseTransport:
+        return DeadlineTransport(self._deadline_backend, proxy)
 
 
 class ReplyStream(httpx.SyncByteStream):
@@ -542,9 +634,9 @@ class WebhookSender:
         self._drains = False  # counted in WebhookSender._draining
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._backend = DeadlineBackend()
-        self._http = httpx.Client(timeout=httpx.Timeout(cfg.timeout_s), headers=headers,
-                                  transport=transport or DeadlineTransport(self._backend),
-                                  follow_redirects=False)  # a redirect must not carry the token elsewhere
+        client = httpx.Client if transport is not None else partial(WebhookClient, self._backend)
+        self._http = client(timeout=httpx.Timeout(cfg.timeout_s), headers=headers, transport=transport,
+                            follow_redirects=False)  # a redirect must not carry the token elsewhere
         self._failing = False  # logged once when it starts failing, once when it works again
         self.thread = threading.Thread(target=self._run, name="edgemm-webhook", daemon=True)
         self.thread.start()

@@ -26,10 +26,9 @@ from edgemm.engines.manifest import MANIFEST, MAX_MANIFEST_BYTES, rebuild_comman
 from edgemm.engines.cuda import CudaError, CudaMissing, installed_bindings, load_cuda
 from edgemm.errors import EdgemmError, one_line
 from edgemm.files import load_yaml, read_regular_file
-from edgemm.loading import default_engines_dir
+from edgemm.loading import default_engines_dir, default_model_dir
 from edgemm.model.manifest import COMPONENTS, ModelManifest, load_manifest
 from edgemm.model.manifest_types import AUTO, AUTO_ORDER
-from edgemm.runtime import default_model_dir
 from edgemm.telemetry import Sensors, read_text
 
 FAILED_EXIT_CODE = 3

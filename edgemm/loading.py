@@ -11,6 +11,7 @@ its one-line reason (placement_report, `edgemm status`).
 """
 from __future__ import annotations
 
+import importlib.resources
 import logging
 import os
 from pathlib import Path
@@ -52,6 +53,17 @@ def default_engines_root() -> Path:
         return SYSTEM_ENGINES
     cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(cache) / "edgemm" / "engines"
+
+
+# Package data (pyproject.toml), so every install has it: editable, `pip install .`, a wheel.
+# The clone's models/tiny-vlm is a symlink to it. Here rather than in edgemm.runtime, which
+# imports OpenCV: `edgemm doctor` names the model folder without it.
+BUILTIN_MODEL = Path(str(importlib.resources.files("edgemm").joinpath("builtin", "tiny-vlm")))
+
+
+def default_model_dir() -> Path:
+    """$EDGEMM_MODEL, else the built-in tiny VLM inside the package."""
+    return Path(os.environ.get("EDGEMM_MODEL", BUILTIN_MODEL))
 
 
 def default_engines_dir(model_name: str) -> Path:

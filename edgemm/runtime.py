@@ -15,9 +15,7 @@ It is a thin facade over the four parts that do the work (docs/ARCHITECTURE.md):
 """
 from __future__ import annotations
 
-import importlib.resources
 import logging
-import os
 import threading
 import time
 from collections import Counter
@@ -31,26 +29,17 @@ from edgemm.cache import FeatureCache
 from edgemm.config import Config, ConfigError, load_config
 from edgemm.detokenize import TextCallback
 from edgemm.encoding import Encoding
-from edgemm.loading import ModelComponents, default_engines_dir, usable_cpus
+from edgemm.loading import BUILTIN_MODEL, ModelComponents, default_engines_dir, default_model_dir, usable_cpus
 from edgemm.model.family import adapter_for, graph_inputs
 from edgemm.model.manifest import ModelManifest, ResolutionTier, load_manifest
 from edgemm.opencv import cv2
 from edgemm.power import Route
 from edgemm.preparation import PreparedRequest, Preparation
 
-__all__ = ["Runtime", "InferenceResult", "PreparedRequest", "default_engines_dir", "default_model_dir",
-           "usable_cpus"]
+__all__ = ["Runtime", "InferenceResult", "PreparedRequest", "BUILTIN_MODEL", "default_engines_dir",
+           "default_model_dir", "usable_cpus"]
 
 log = logging.getLogger("edgemm")
-
-# Package data (pyproject.toml), so every install has it: editable, `pip install .`, a wheel.
-# The clone's models/tiny-vlm is a symlink to it.
-BUILTIN_MODEL = Path(str(importlib.resources.files("edgemm").joinpath("builtin", "tiny-vlm")))
-
-
-def default_model_dir() -> Path:
-    """$EDGEMM_MODEL, else the built-in tiny VLM inside the package."""
-    return Path(os.environ.get("EDGEMM_MODEL", BUILTIN_MODEL))
 
 
 class Runtime:

@@ -39,14 +39,27 @@ import yaml
 
 from edgemm.errors import ModelError
 from edgemm.files import load_yaml, read_model_file
-from edgemm.opencv import cv2
 
 POLICY_FILE = "scheduler.yaml"  # in the model folder, written by tools/calibrate_scheduler.py
 SALIENCY_WIDTH = 64  # the frame size spectral residual was designed for
 ANALYSIS_WIDTH = 128  # edges and spectrum: enough to see digits a few pixels tall at the top tier
 EDGE_LOW, EDGE_HIGH = 40, 100  # Canny hysteresis in grey levels: above sensor noise, below object edges
 STROKE_CONTRAST = 30  # grey levels a stroke stands out from its 3x3 surroundings (top-hat / black-hat)
-_STROKE = cv2.getStructuringElement(cv2.MORPH_RECT, (3, 3))
+
+
+def opencv():
+    """cv2, imported when a frame is first measured, not with this module: the config
+    (edgemm.config takes STATISTICS and DETAIL_WORDS from here) loads without OpenCV, so
+    `edgemm doctor` can report a missing cv2 as one check among the others. Whatever
+    measures frames (the runtime) imports edgemm.opencv itself first."""
+    from edgemm.opencv import cv2
+    return cv2
+
+
+@lru_cache(maxsize=1)
+def _stroke() -> np.ndarray:
+    cv2 = opencv()
+    return cv2.getStructuringElement(cv2.MORPH_RECT, (3, 3))
 
 
 # ---- statistics ---------------------------------------------------------------------------
@@ -70,6 +83,7 @@ STATISTICS = ("mean_saliency", "salient_fraction", "high_freq", "edge_density", 
 
 def analysis_grey(rgb: np.ndarray, width: int = ANALYSIS_WIDTH) -> np.ndarray:
     """RGB8 (H, W, 3) → grey uint8 `width` wide, same aspect. Strides before averaging."""
+    cv2 = opencv()
     h, w = rgb.shape[:2]
     stride = max(1, w // (2 * width))  # keep ≥ 2 source pixels per output pixel for the area filter
     small = np.ascontiguousarray(rgb[::stride, ::stride])
@@ -83,6 +97,7 @@ def analysis_grey(rgb: np.ndarray, width: int = ANALYSIS_WIDTH) -> np.ndarray:
 
 def spectral_residual(grey: np.ndarray) -> np.ndarray:
     """Saliency map (float32, max 1; all zeros for a flat frame) of a small grey frame."""
+    cv2 = opencv()
     f = grey.astype(np.float32)
     if float(f.std()) < 1e-3:
         return np.zeros_like(f)
@@ -101,6 +116,7 @@ def spectral_residual(grey: np.ndarray) -> np.ndarray:
 
 def high_frequency_share(grey: np.ndarray) -> float:
     """Share of the non-DC spectral power above half the Nyquist frequency (radially)."""
+    cv2 = opencv()
     f = grey.astype(np.float32)
     f -= f.mean()
     spectrum = cv2.dft(f, flags=cv2.DFT_COMPLEX_OUTPUT)
@@ -116,8 +132,9 @@ def fine_stroke_share(grey: np.ndarray) -> float:
     their surroundings by STROKE_CONTRAST: the marks of text and fine print. Object
     outlines and flat regions hardly respond; on generated scenes it tells a frame
     with a label from one without almost perfectly, where edge density cannot."""
-    dark = cv2.morphologyEx(grey, cv2.MORPH_BLACKHAT, _STROKE)
-    light = cv2.morphologyEx(grey, cv2.MORPH_TOPHAT, _STROKE)
+    cv2 = opencv()
+    dark = cv2.morphologyEx(grey, cv2.MORPH_BLACKHAT, _stroke())
+    light = cv2.morphologyEx(grey, cv2.MORPH_TOPHAT, _stroke())
     return float(np.count_nonzero(np.maximum(dark, light) > STROKE_CONTRAST)) / grey.size
 
 
@@ -131,6 +148,7 @@ def _high_band(height: int, width: int) -> np.ndarray:
 
 def saliency_stats(rgb: np.ndarray) -> SaliencyStats:
     """The statistics of an RGB8 frame of any size."""
+    cv2 = opencv()
     t0 = time.perf_counter()
     grey = analysis_grey(rgb)
     small = cv2.resize(grey, (SALIENCY_WIDTH, max(1, round(SALIENCY_WIDTH * grey.shape[0] / grey.shape[1]))),

@@ -773,28 +773,130 @@ def test_timeout_s_caps_a_whole_attempt_even_against_a_server_that_drips_its_rep
         server.close()
 
 
-def test_a_webhook_connects_directly_whatever_http_proxy_says(monkeypatch):
-    """README "Alerts": the webhook's transport uses no proxy, so a proxy in the environment
-    that is not there changes nothing; an endpoint that is not listening is httpx's ConnectError."""
-    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
-        monkeypatch.setenv(name, "http://127.0.0.1:9")  # the discard port: nothing answers there
+PROXY_VARIABLES = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY", "REQUEST_METHOD")
+
+
+class ForwardProxy:
+    """An HTTP proxy written with the standard library, recording what it is asked: an
+    absolute-URI POST it answers 204 itself (the target's name is never resolved); a CONNECT
+    it accepts and then closes, so TLS through it cannot start."""
+
+    def __init__(self):
+        self.seen: list[tuple[str, str, dict, bytes]] = []
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                proxy.seen.append(("POST", self.path, dict(self.headers), body))
+                self.send_response(204)
+                self.end_headers()
+
+            def do_CONNECT(self):
+                proxy.seen.append(("CONNECT", self.path, dict(self.headers), b""))
+                self.send_response(200)
+                self.end_headers()
+                self.close_connection = True
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def proxy(monkeypatch) -> Iterator[ForwardProxy]:
+    for name in PROXY_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.lower(), raising=False)
+    server = ForwardProxy()
+    yield server
+    server.close()
+
+
+def test_a_webhook_goes_through_http_proxy_and_no_proxy_bypasses_it(proxy, monkeypatch):
+    """README "Alerts": HTTP_PROXY as httpx reads it for the offload client: the POST goes to
+    the proxy as an absolute URI (with the token; the host, .invalid, is never resolved here);
+    a host in NO_PROXY is reached directly."""
+    monkeypatch.setenv("HTTP_PROXY", proxy.url)
+    sender = WebhookSender(WebhookConfig(url="http://hook.invalid/alerts", timeout_s=30, retries=0,
+                                         token_env="EDGEMM_HOOK_TOKEN"), "w",
+                           environ={"EDGEMM_HOOK_TOKEN": TOKEN})
+    sender.send(EVENT)
+    wait_until(lambda: sender.figures.delivered == 1, what="the event to be delivered through the proxy")
+    sender.close()
+    ((method, target, headers, body),) = proxy.seen
+    assert (method, target, json.loads(body)) == ("POST", "http://hook.invalid/alerts", EVENT)
+    assert headers["Authorization"] == f"Bearer {TOKEN}"
+
     server = Replying(lambda: [b"HTTP/1.1 204 No Content\r\n\r\n"])
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
     try:
         sender = WebhookSender(WebhookConfig(url=server.url, timeout_s=30, retries=0), "w")
         sender.send(EVENT)
-        wait_until(lambda: sender.figures.delivered == 1, what="the event to be delivered")
-        assert server.requests == 1
+        wait_until(lambda: sender.figures.delivered == 1, what="the event to be delivered directly")
         sender.close()
+        assert server.requests == 1 and len(proxy.seen) == 1
     finally:
         server.close()
+
+
+def test_a_webhook_to_https_opens_a_connect_tunnel_through_https_proxy(proxy, monkeypatch):
+    monkeypatch.setenv("HTTPS_PROXY", proxy.url)
+    sender = WebhookSender(WebhookConfig(url="https://hook.invalid/alerts", timeout_s=30, retries=0), "w")
+    sender.send(EVENT)
+    wait_until(lambda: sender.figures.failed == 1, what="TLS through the closed tunnel to fail")
+    sender.close()
+    assert [(method, target) for method, target, *_ in proxy.seen] == [("CONNECT", "hook.invalid:443")]
+    assert sender.figures.last_error.startswith("cannot reach hook.invalid: ")
+
+
+def test_a_webhook_with_no_proxy_set_connects_directly(proxy):
     with socket.socket() as unused:
         unused.bind(("127.0.0.1", 0))
         port = unused.getsockname()[1]
     sender = WebhookSender(WebhookConfig(url=f"http://127.0.0.1:{port}/", timeout_s=30, retries=0), "w")
     sender.send(EVENT)
     wait_until(lambda: sender.figures.failed == 1, what="the event to fail")
-    assert sender.figures.last_error == "cannot reach 127.0.0.1: ConnectError"
+    assert sender.figures.last_error == "cannot reach 127.0.0.1: ConnectError" and proxy.seen == []
     sender.close()
+
+
+def test_timeout_s_covers_a_name_lookup_that_hangs_and_hung_lookups_are_bounded(proxy, monkeypatch):
+    """httpcore's connect timeout leaves the name to getaddrinfo, which can wait far longer:
+    the attempt fails as a timeout at its deadline while the lookup still hangs, and with
+    the lookup slots all held by hung lookups the next attempt fails at once."""
+    release, resolve = threading.Event(), socket.getaddrinfo
+    hung: list[str] = []
+
+    def getaddrinfo(host, *args, **kwargs):
+        if host == "hangs.invalid" and not kwargs.get("flags"):
+            hung.append(host)
+            release.wait(60)
+            raise socket.gaierror(socket.EAI_AGAIN, "released")
+        return resolve(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    monkeypatch.setattr(edgemm.alerts, "NAME_LOOKUPS", edgemm.alerts.NameLookups(limit=1))
+    try:
+        sender = WebhookSender(WebhookConfig(url="http://hangs.invalid:8080/", timeout_s=0.5, retries=0), "w")
+        sender.send(EVENT)
+        wait_until(lambda: sender.figures.failed == 1, what="the attempt to time out")
+        assert sender.figures.last_error == "no reply from hangs.invalid within 0.5 s (timeout_s)"
+        assert not release.is_set() and hung == ["hangs.invalid"]  # failed while the lookup still hangs
+        sender.send(EVENT)
+        wait_until(lambda: sender.figures.failed == 2, what="the second attempt to fail")
+        assert sender.figures.last_error == "cannot reach hangs.invalid: ConnectError"
+        assert hung == ["hangs.invalid"]  # no second thread started for it
+        sender.close()
+    finally:
+        release.set()
 
 
 def test_a_closed_webhook_gives_up_what_it_holds_after_one_timeout_s():

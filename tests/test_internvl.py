@@ -176,6 +176,16 @@ def test_torch_bicubic_gives_the_same_pixels_a_block_of_lines_at_a_time(monkeypa
     assert all(np.array_equal(resize_bicubic_torch(rgb, oh, ow), w) for (rgb, oh, ow), w in zip(images, whole))
 
 
+def test_torch_bicubic_weights_are_made_once_per_size_cut_to_the_taps_used_and_read_only():
+    """A camera's frames share one size: the second resize reuses the first one's weights,
+    which nothing may change in place; taps past every output's window (weight 0) are cut."""
+    from edgemm.model import resample_torch
+    first, weights, bits = resample_torch._coefficients(1920, 1792)
+    assert resample_torch._coefficients(1920, 1792)[1] is weights
+    assert weights.shape[1] == 5 and not weights.flags.writeable and not first.flags.writeable
+    assert resample_torch._coefficients(640, 1792)[1].shape[1] == 4  # an enlargement: 4 of torch's 5 taps
+
+
 # ---- folder detection and errors --------------------------------------------------------------
 
 def test_folder_without_model_yaml_is_detected():

@@ -124,9 +124,11 @@ def test_without_opencv_commands_say_what_to_install_in_one_line():
     assert done.stderr.startswith("edgemm: error: OpenCV (cv2) is not installed: install it with: "
                                   "pip install 'edgemm[opencv]'")
     assert "--system-site-packages" in done.stderr and "edgemm[jetson]" in done.stderr
-    # the config imports the scheduler, which needs cv2: even doctor stops at the same one line
+    # doctor does not stop there: OpenCV is one failed check among the others (exit 3)
     doctor = run_cli(["doctor"], "sys.modules['cv2'] = None")
-    assert (doctor.returncode, doctor.stderr) == (2, done.stderr)
+    assert (doctor.returncode, doctor.stderr) == (3, "")
+    assert f"fail  opencv: {done.stderr.removeprefix('edgemm: error: ')}" in doctor.stdout
+    assert "python: " in doctor.stdout.splitlines()[0] and "engines: " in doctor.stdout
 
 
 def test_a_cv2_built_for_numpy_1_under_numpy_2_is_one_line_not_numpys_page(tmp_path):

@@ -167,6 +167,9 @@ def test_a_missing_variant_is_one_line_naming_the_precisions_present(tmp_path):
 
 @pytest.fixture(scope="module")
 def quantized_tiny(tmp_path_factory) -> Path:
+    # the runtime's floor is onnxruntime 1.20; the tool's q4 quantizer module is 1.22's (README "Set-up")
+    pytest.importorskip("onnxruntime.quantization.matmul_nbits_quantizer",
+                        reason="tools/quantize.py needs onnxruntime 1.22 or newer")
     folder = tiny_copy(tmp_path_factory.mktemp("quantized"))
     for variant in ("q4", "quantized"):
         done = subprocess.run([sys.executable, str(ROOT / "tools" / "quantize.py"), str(folder), "--variant", variant],

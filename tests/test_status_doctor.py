@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import sys
 import types
 
@@ -113,6 +114,32 @@ def test_doctor_on_an_orin_nx(tmp_path, socket_config):
         assert checks[name] == "ok", (name, result.output)
     assert {"tensorrt", "cuda", "cuda binding", "opencv gstreamer", "engines"} <= set(checks)
     assert "ok    dla: 2 cores" in lines
+
+
+def test_doctor_without_opencv_reports_every_check_and_fails_only_opencv(tmp_path, socket_config):
+    """cv2 made unimportable (sys.modules["cv2"] = None, in a fresh process): the doctor
+    still runs every check; the OpenCV one fails with what to install, and nothing else
+    changes level (README "Set-up")."""
+    orin_nx(tmp_path / "root").add_camera("video0")
+    (tmp_path / "run").mkdir()
+    config = tmp_path / "edgemm.yaml"
+    config.write_text(json.dumps(socket_config))
+    args = ["doctor", "--json", "--root", str(tmp_path / "root"), "--engines", str(tmp_path / "engines"),
+            "--config", str(config)]
+    without = subprocess.run([sys.executable, "-c", "import sys; sys.modules['cv2'] = None\n"
+                              "from edgemm.cli import main; main()", *args],
+                             capture_output=True, text=True, timeout=120, check=False)
+    assert without.returncode == 3, without.stderr
+    checks = {c["name"]: c for c in json.loads(without.stdout)}
+    assert checks["opencv"]["level"] == "fail"
+    assert "OpenCV (cv2) is not installed" in checks["opencv"]["detail"]
+    assert "pip install 'edgemm[opencv]'" in checks["opencv"]["detail"]
+    result = invoke(*args)
+    with_cv2 = {c["name"]: c["level"] for c in json.loads(result.output)}
+    assert [n for n in with_cv2 if n != "opencv gstreamer"] == [n for n in checks if n != "opencv"]
+    assert {n: c["level"] for n, c in checks.items() if n != "opencv"} == \
+        {n: level for n, level in with_cv2.items() if n != "opencv gstreamer"}
+    assert [c["level"] for c in checks.values()].count("fail") == 1
 
 
 def test_doctor_fails_when_placement_needs_a_dla_the_module_lacks(tmp_path, socket_config):

@@ -46,7 +46,7 @@ from edgemm.model.chat_template import ChatTemplate
 from edgemm.model.family import FamilyFields, Prompt, TokenizedFamily, register
 from edgemm.model.hf_folder import eos_token_ids, optional_json, read_json
 from edgemm.model.manifest_types import ModelManifest, ResolutionTier
-from edgemm.model.resample_torch import resize_planes
+from edgemm.model.resample_torch import resize_rows_of_planes
 
 IMAGE_TOKEN = "<IMG_CONTEXT>"
 START_IMAGE = "<img>"
@@ -143,15 +143,21 @@ def normalisation(mean, std, rescale: float) -> tuple[np.ndarray, np.ndarray]:
 def tile_pixels(rgb: np.ndarray, grid: tuple[int, int], tile: int, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
     """RGB8 → float32 [1, tiles, 3, tile, tile] for a (cols, rows) grid, as GotOcr2ImageProcessor
     crops: the image resized to the grid and cut row by row, then the thumbnail (if more than one).
-    The resizes work on channel planes, the layout the encoder takes."""
+
+    One resize makes every tile of the grid; the tiles are normalised straight from its
+    (rows, channels, columns) layout into the encoder's array, (x - mean) / std in float32
+    as torchvision computes it, with no stacked uint8 or float32 copy in between."""
     cols, rows = grid
-    planes = rgb.transpose(2, 0, 1)
-    canvas = resize_planes(planes, rows * tile, cols * tile)
-    crops = [canvas[:, r * tile:(r + 1) * tile, c * tile:(c + 1) * tile] for r in range(rows) for c in range(cols)]
-    if len(crops) > 1:
-        crops.append(resize_planes(planes, tile, tile))
-    x = np.stack(crops).astype(np.float32)
-    return ((x - mean) / std)[None]
+    count = tile_count(cols * rows)
+    out = np.empty((1, count, 3, tile, tile), np.float32)
+    canvas = resize_rows_of_planes(rgb, rows * tile, cols * tile)  # (rows*tile, 3, cols*tile)
+    crops = [canvas[r * tile:(r + 1) * tile, :, c * tile:(c + 1) * tile] for r in range(rows) for c in range(cols)]
+    if count > 1:
+        crops.append(resize_rows_of_planes(rgb, tile, tile))
+    for into, crop in zip(out[0], crops):
+        np.subtract(crop.transpose(1, 0, 2), mean[0], out=into)  # uint8 - float32 computes in float32
+    np.divide(out, std, out=out)
+    return out
 
 
 def expand_image(tiles: int, seq_len: int) -> str:
