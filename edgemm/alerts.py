@@ -48,6 +48,7 @@ import socket
 import threading
 import time
 import urllib.parse
+import urllib.request
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
@@ -557,22 +558,18 @@ class DeadlineTransport(httpx.BaseTransport):
             self._pool.close()
 
 
-class WebhookClient(httpx.Client):
-    """httpx.Client on DeadlineTransports. httpx itself reads HTTP_PROXY, HTTPS_PROXY,
-    ALL_PROXY and NO_PROXY (trust_env), exactly as for the offload client, and makes one
-    transport per proxy and one for direct connections through these two hooks: here they
-    make DeadlineTransports, which httpx.HTTPTransport (no network backend of its own to
-    give) cannot be."""
-
-    def __init__(self, backend: DeadlineBackend, **kwargs: Any) -> None:
-        self._deadline_backend = backend
-        super().__init__(**kwargs)
-
-    def _init_transport(self, *args: Any, **kwargs: Any) -> httpx.BaseTransport:
-        return DeadlineTransport(self._deadline_backend)
-
-    def _init_proxy_transport(self, proxy: httpx.Proxy, *args: Any, **kwargs: Any) -> httpx.BaseTransport:
-        return DeadlineTransport(self._deadline_backend, proxy)
+def environment_proxy(url: str) -> httpx.Proxy | None:
+    """The proxy the environment names for `url`: HTTP_PROXY / HTTPS_PROXY / ALL_PROXY, none
+    for a host NO_PROXY lists (the standard library's reading of them, the one httpx's follows
+    for the offload client)."""
+    parts = urllib.parse.urlsplit(url)
+    proxies = urllib.request.getproxies_environment()
+    if not parts.hostname or urllib.request.proxy_bypass_environment(parts.netloc.rpartition("@")[2], proxies):
+        return None
+    named = proxies.get(parts.scheme) or proxies.get("all")
+    if not named:
+        return None
+    return httpx.Proxy(named if "://" in named else f"http://{named}")
 
 
 class ReplyStream(httpx.SyncByteStream):
@@ -634,9 +631,11 @@ class WebhookSender:
         self._drains = False  # counted in WebhookSender._draining
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._backend = DeadlineBackend()
-        client = httpx.Client if transport is not None else partial(WebhookClient, self._backend)
-        self._http = client(timeout=httpx.Timeout(cfg.timeout_s), headers=headers, transport=transport,
-                            follow_redirects=False)  # a redirect must not carry the token elsewhere
+        if transport is None:
+            transport = DeadlineTransport(self._backend, environment_proxy(cfg.url))
+        self._http = httpx.Client(timeout=httpx.Timeout(cfg.timeout_s), headers=headers, transport=transport,
+                                  trust_env=False,  # the proxy is the transport's already
+                                  follow_redirects=False)  # a redirect must not carry the token elsewhere
         self._failing = False  # logged once when it starts failing, once when it works again
         self.thread = threading.Thread(target=self._run, name="edgemm-webhook", daemon=True)
         self.thread.start()
