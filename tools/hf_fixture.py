@@ -139,15 +139,20 @@ def export_text_graphs(onnx_dir: Path, embed: EmbedTokens, decoder: MergedDecode
 
 # ---- tokenizer and pictures -------------------------------------------------------------------
 
-def train_bpe(special: Sequence[str], corpus: Sequence[str], vocab_size: int = 320):
-    """A byte-level BPE tokenizer (tokenizers.Tokenizer) trained on `corpus`, `special` first."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def train_bpe(special: Sequence[str], corpus: Sequence[str], vocab_size: int = 320, bos: str | None = None):
+    """A byte-level BPE tokenizer (tokenizers.Tokenizer) trained on `corpus`, `special` first.
+    With `bos` (one of `special`) it puts that token in front of what it encodes, as Llama's
+    and Gemma's tokenizers do."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(special), show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(corpus, trainer)
+    if bos is not None:
+        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A $B",
+                                                           special_tokens=[(bos, tok.token_to_id(bos))])
     return tok
 
 

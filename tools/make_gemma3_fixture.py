@@ -30,7 +30,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # other jobs share this machine
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from tokenizers import processors  # noqa: E402
 from transformers import (Gemma3Config, Gemma3ForConditionalGeneration, Gemma3ImageProcessorPil,  # noqa: E402
                           Gemma3Processor, PreTrainedTokenizerFast)
 from hf_fixture import (QUESTIONS, SHARED_SENTENCES, WIDE_AND_TALL, EmbedTokens, MergedDecoder,  # noqa: E402
@@ -105,10 +104,7 @@ MAX_NEW_TOKENS = 12
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
-    tok = train_bpe(SPECIAL, CORPUS)
-    bos = tok.token_to_id("<bos>")
-    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A $B",
-                                                       special_tokens=[("<bos>", bos)])
+    tok = train_bpe(SPECIAL, CORPUS, bos="<bos>")
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>",
         additional_special_tokens=SPECIAL[4:],

@@ -30,7 +30,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # other jobs share this machine
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from PIL import Image  # noqa: E402
-from tokenizers import processors  # noqa: E402
 from transformers import (CLIPImageProcessorPil, LlavaConfig, LlavaForConditionalGeneration,  # noqa: E402
                           LlavaImageProcessorPil, LlavaProcessor, PreTrainedTokenizerFast)
 from hf_fixture import (QUESTIONS, SHARED_SENTENCES, WIDE_AND_TALL, EmbedTokens, MergedDecoder,  # noqa: E402
@@ -71,10 +70,7 @@ MAX_NEW_TOKENS = 12
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
-    tok = train_bpe(SPECIAL, CORPUS)
-    bos = tok.token_to_id("<s>")
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A $B",
-                                                       special_tokens=[("<s>", bos)])
+    tok = train_bpe(SPECIAL, CORPUS, bos="<s>")
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
                                    unk_token="<unk>", additional_special_tokens=["<image>"],
                                    extra_special_tokens={"image_token": "<image>"})
