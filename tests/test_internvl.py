@@ -1,10 +1,11 @@
-"""The internvl family (InternVL3 -hf) against its reference implementation, transformers.
+"""The internvl family (InternVL3 -hf): what is its own, and the exporter that made its fixture.
 
 tests/fixtures/internvl-tiny is a tiny random InternVLForConditionalGeneration exported
 to the Hugging Face ONNX layout by tools/export_hf_vlm.py, with what transformers'
 InternVLProcessor (default torchvision image processor) and greedy `generate` gave for a
-few images, prompts and tile budgets (tools/make_internvl_fixture.py). Neither torch nor
-transformers is needed here, except by the slow tests at the end.
+few images, prompts and tile budgets (tools/make_internvl_fixture.py). The cases every
+family passes against that reference are tests/test_family_conformance.py's. Neither torch
+nor transformers is needed here, except by the slow tests of the exporter.
 """
 from __future__ import annotations
 
@@ -16,64 +17,26 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import onnx
 import pytest
 
-from edgemm.config import load_config
 from edgemm.errors import InputError, ModelError
 from edgemm.model.families.internvl import expand_image, tile_grid, tiers
 from edgemm.model.manifest import load_manifest
 from edgemm.model.resample_torch import resize_bicubic_torch
 from edgemm.runtime import Runtime
+from family_conformance import INTERNVL, TOOLS, answer, make_runtime, runtime_of
 
-ROOT = Path(__file__).resolve().parent.parent
-FIXTURE = Path(__file__).resolve().parent / "fixtures" / "internvl-tiny"
-REFERENCE = json.loads((FIXTURE / "reference.json").read_text())
-CASES = REFERENCE["cases"]
+FIXTURE = INTERNVL.path
+CASES = INTERNVL.cases
 TOKENS_PER_TILE = 16
 
 
-def make_runtime(path: Path = FIXTURE, **sections) -> Runtime:
-    cfg = {"model": {"path": str(path)}, "backend": {"intra_op_threads": 1, "warmup": False}}
-    for key, values in sections.items():
-        cfg[key] = {**cfg.get(key, {}), **values}
-    return Runtime(load_config(cfg))
-
-
-@pytest.fixture(scope="module")
+@pytest.fixture
 def runtime() -> Runtime:
-    return make_runtime(cache={"max_bytes": 0})
+    return runtime_of(INTERNVL)
 
 
-def tier_of(case: dict) -> str:
-    return f"tiles{case['max_patches']}"
-
-
-def case_id(case: dict) -> str:
-    return f"{case['image']}-{case['max_patches']}-{case['prompt'].split()[0]}"
-
-
-# ---- token-exact conformance ------------------------------------------------------------------
-
-@pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_processor_outputs_equal_the_reference(runtime, case):
-    i = CASES.index(case)
-    request = runtime.prepare(FIXTURE / case["image"], case["prompt"], tier=tier_of(case))
-    assert request.prompt.input_ids[0].tolist() == case["input_ids"]
-    expected = np.load(FIXTURE / "reference_pixels.npz")[f"case{i}"]
-    assert request.pixel_values.shape == expected.shape == (1, case["tiles"], 3, 32, 32)
-    np.testing.assert_allclose(request.pixel_values, expected, rtol=0, atol=1e-6)
-
-
-@pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_greedy_tokens_equal_transformers_generate(runtime, case):
-    result = runtime.infer(FIXTURE / case["image"], case["prompt"], tier=tier_of(case),
-                           max_new_tokens=REFERENCE["max_new_tokens"])
-    assert result.tokens == case["tokens"]
-    assert result.finish_reason == case["finish_reason"]
-    assert result.image_tokens == case["tiles"] * TOKENS_PER_TILE
-    assert result.prompt_tokens == len(case["input_ids"])
-
+# ---- the fixture --------------------------------------------------------------------------------
 
 def test_fixture_covers_two_aspects_every_tier_and_a_second_question():
     assert len(CASES) >= 4
@@ -82,31 +45,6 @@ def test_fixture_covers_two_aspects_every_tier_and_a_second_question():
     assert {c["max_patches"] for c in CASES} == {1, 4, 6}
     asked = [(c["image"], c["max_patches"]) for c in CASES]
     assert any(asked.count(a) > 1 for a in asked)  # one image asked twice at one tier
-
-
-def test_second_question_reuses_the_cached_image_prefix():
-    """InternVL's image prefix is causal: its KV cache is reused for a new question, and the
-    answer is still transformers' for that question."""
-    cached = make_runtime()
-    first, second = CASES[0], CASES[4]
-    assert (first["image"], first["max_patches"]) == (second["image"], second["max_patches"])
-    assert first["prompt"] != second["prompt"]
-    a = cached.infer(FIXTURE / first["image"], first["prompt"], tier=tier_of(first),
-                     max_new_tokens=REFERENCE["max_new_tokens"])
-    b = cached.infer(FIXTURE / second["image"], second["prompt"], tier=tier_of(second),
-                     max_new_tokens=REFERENCE["max_new_tokens"])
-    assert not a.prefix_reused and b.prefix_reused
-    assert a.tokens == first["tokens"] and b.tokens == second["tokens"]
-
-
-def test_a_batch_of_three_gives_each_row_its_own_tokens(runtime):
-    chosen = [CASES[0], CASES[1], CASES[3]]  # 7, 3 and 3 tiles: prompts of three lengths
-    assert len({len(c["input_ids"]) for c in chosen}) == 3
-    requests = [runtime.prepare(FIXTURE / c["image"], c["prompt"], tier=tier_of(c),
-                                max_new_tokens=REFERENCE["max_new_tokens"]) for c in chosen]
-    features = [runtime.encode(r.pixel_values) for r in requests]
-    results = runtime.decode_batch(requests, features)
-    assert [r.tokens for r in results] == [c["tokens"] for c in chosen]
 
 
 # ---- tiling, prompt expansion, resize -----------------------------------------------------------
@@ -186,15 +124,7 @@ def test_torch_bicubic_weights_are_made_once_per_size_cut_to_the_taps_used_and_r
     assert resample_torch._coefficients(640, 1792)[1].shape[1] == 4  # an enlargement: 4 of torch's 5 taps
 
 
-# ---- folder detection and errors --------------------------------------------------------------
-
-def test_folder_without_model_yaml_is_detected():
-    manifest = load_manifest(FIXTURE)
-    assert manifest.family == "internvl" and not (FIXTURE / "model.yaml").exists()
-    assert list(manifest.tiers) == ["tiles1", "tiles4", "tiles6"] and manifest.default_tier == "tiles6"
-    assert [t.image_tokens for t in manifest.tiers.values()] == [16, 5 * 16, 7 * 16]
-    assert manifest.precisions == ["fp32", "int8"]
-
+# ---- tiers, refusals ----------------------------------------------------------------------------
 
 def test_tiers_follow_max_patches():
     cfg = {"min_patches": 1, "max_patches": 12, "tile": 448, "image_seq_len": 256}
@@ -204,7 +134,8 @@ def test_tiers_follow_max_patches():
 
 
 def test_scheduler_picks_the_tile_budget():
-    rt = make_runtime(scheduler={"policy": "thresholds", "statistic": "edge_density", "thresholds": [0.0, 2.0]})
+    rt = make_runtime(FIXTURE, scheduler={"policy": "thresholds", "statistic": "edge_density",
+                                          "thresholds": [0.0, 2.0]})
     assert rt.scheduler.tiers == ["tiles1", "tiles4", "tiles6"]
     result = rt.infer(FIXTURE / "wide.png", "What is this?", max_new_tokens=2)
     assert result.tier == "tiles4" and result.image_tokens == 5 * TOKENS_PER_TILE
@@ -213,22 +144,6 @@ def test_scheduler_picks_the_tile_budget():
 @pytest.fixture
 def broken(tmp_path) -> Path:
     return Path(shutil.copytree(FIXTURE, tmp_path / "internvl"))
-
-
-@pytest.mark.parametrize("missing", ["preprocessor_config.json", "tokenizer.json", "onnx/vision_encoder.onnx"])
-def test_missing_file_is_named(broken, missing):
-    (broken / missing).unlink()
-    with pytest.raises(ModelError, match=f"without {missing}"):
-        load_manifest(broken)
-
-
-def test_unknown_model_type_lists_the_known_families(broken):
-    config = json.loads((broken / "config.json").read_text())
-    (broken / "config.json").write_text(json.dumps({**config, "model_type": "internvl_chat"}))
-    with pytest.raises(ModelError, match="model_type 'internvl_chat'") as refused:
-        load_manifest(broken)
-    known = str(refused.value).split("known: ", 1)[1]
-    assert {"idefics3", "internvl"} <= set(known.split(")")[0].split(", "))
 
 
 @pytest.mark.parametrize("change, message", [
@@ -252,24 +167,7 @@ def test_image_seq_length_that_does_not_fit_the_vision_config_is_refused(broken)
         load_manifest(broken)
 
 
-@pytest.mark.parametrize("case", CASES[:4], ids=case_id)
-def test_int8_variant_runs_through_the_same_family_path(runtime, case):
-    """The *_int8.onnx graphs (made by tools/quantize.py from this folder) load by suffix and
-    take exactly the inputs fp32 takes; their QDQ nodes are really in the graphs."""
-    int8 = make_runtime(model={"precision": "int8"}, cache={"max_bytes": 0})
-    for component in ("vision_encoder", "decoder_model_merged"):
-        ops = {n.op_type for n in onnx.load(FIXTURE / "onnx" / f"{component}_int8.onnx").graph.node}
-        assert {"QuantizeLinear", "DequantizeLinear"} <= ops
-    a = runtime.prepare(FIXTURE / case["image"], case["prompt"], tier=tier_of(case))
-    b = int8.prepare(FIXTURE / case["image"], case["prompt"], tier=tier_of(case))
-    assert b.prompt.input_ids.tolist() == a.prompt.input_ids.tolist()
-    np.testing.assert_array_equal(b.pixel_values, a.pixel_values)
-    result = int8.infer(FIXTURE / case["image"], case["prompt"], tier=tier_of(case), max_new_tokens=4)
-    assert result.precision == "int8" and 1 <= len(result.tokens) <= 4
-    assert result.image_tokens == case["tiles"] * TOKENS_PER_TILE
-
-
-# ---- the exporter and the reference themselves ------------------------------------------------
+# ---- the exporter ----------------------------------------------------------------------------
 
 NEEDS_TRANSFORMERS = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
                                         reason="needs the fixture extra")
@@ -281,23 +179,21 @@ def test_export_hf_vlm_on_a_checkpoint_folder_answers_as_the_fixture(tmp_path):
     """tools/export_hf_vlm.py, run as a user runs it on a downloaded checkpoint, makes a
     folder whose answers are transformers' (the fixture's reference) token for token."""
     checkpoint, out = tmp_path / "checkpoint", tmp_path / "exported"
-    subprocess.run([sys.executable, str(ROOT / "tools" / "make_internvl_fixture.py"), "--checkpoint-only",
+    subprocess.run([sys.executable, str(TOOLS / INTERNVL.tool), "--checkpoint-only",
                     "--checkpoint", str(checkpoint)], check=True, capture_output=True)
-    subprocess.run([sys.executable, str(ROOT / "tools" / "export_hf_vlm.py"), str(checkpoint), str(out)],
+    subprocess.run([sys.executable, str(TOOLS / "export_hf_vlm.py"), str(checkpoint), str(out)],
                    check=True, capture_output=True)
     assert sorted(p.name for p in (out / "onnx").iterdir()) == [
         "decoder_model_merged.onnx", "embed_tokens.onnx", "vision_encoder.onnx"]
     exported = make_runtime(out, cache={"max_bytes": 0})
     for case in CASES:
-        result = exported.infer(FIXTURE / case["image"], case["prompt"], tier=tier_of(case),
-                                max_new_tokens=REFERENCE["max_new_tokens"])
-        assert result.tokens == case["tokens"], case_id(case)
+        assert answer(exported, INTERNVL, case).tokens == case["tokens"], INTERNVL.case_label(case)
 
 
 @pytest.mark.slow
 @NEEDS_TRANSFORMERS
 def test_export_hf_vlm_refuses_what_it_cannot_export(tmp_path):
-    tool = [sys.executable, str(ROOT / "tools" / "export_hf_vlm.py")]
+    tool = [sys.executable, str(TOOLS / "export_hf_vlm.py")]
     done = subprocess.run([*tool, str(tmp_path), str(tmp_path / "out")], capture_output=True, text=True)
     assert done.returncode != 0 and "no config.json" in done.stderr
     (tmp_path / "full").mkdir()
@@ -305,16 +201,6 @@ def test_export_hf_vlm_refuses_what_it_cannot_export(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     done = subprocess.run([*tool, str(tmp_path), str(tmp_path / "full")], capture_output=True, text=True)
     assert done.returncode != 0 and "not empty" in done.stderr
-
-
-@pytest.mark.slow
-@NEEDS_TRANSFORMERS
-def test_regenerated_reference_is_the_committed_one(tmp_path):
-    pytest.importorskip("torchvision.transforms.v2.functional", reason="the reference processor needs torchvision")
-    tool = ROOT / "tools" / "make_internvl_fixture.py"
-    subprocess.run([sys.executable, str(tool), "--out", str(tmp_path)], check=True, capture_output=True)
-    fresh = json.loads((tmp_path / "reference.json").read_text())
-    assert [(c["input_ids"], c["tokens"]) for c in fresh["cases"]] == [(c["input_ids"], c["tokens"]) for c in CASES]
 
 
 # ---- TensorRT engine profiles (planned here; built against the fakes elsewhere) ---------------
@@ -339,7 +225,7 @@ def test_encoder_engine_builds_and_runs_through_the_fake_tensorrt(monkeypatch, t
     assert len(fakes.trt._built) == 1 and set(fakes.trt._built[0]["profiles"][0]) == {"pixel_values"}
     ours = h.runtime(tmp_path, model_dir=FIXTURE, vision_encoder=["gpu"], embed_tokens=["cpu"], decoder=["cpu"])
     assert ours.devices["vision_encoder"] == "gpu"
-    reference = make_runtime(model={"precision": "int8"})
+    reference = make_runtime(FIXTURE, model={"precision": "int8"})
     tiles = []
     for image in ("wide.png", "tall.png"):
         for tier in ours.manifest.tiers:

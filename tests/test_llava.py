@@ -1,90 +1,34 @@
-"""The llava family (LLaVA-1.5; FastVLM as llava_qwen2) against its reference implementation, transformers.
+"""The llava family (LLaVA-1.5; FastVLM as llava_qwen2): what is its own.
 
 tests/fixtures/llava-tiny is a tiny random LlavaForConditionalGeneration (CLIP vision tower,
 second-to-last layer without CLS, GELU projector, Llama text model) exported to the Hugging
 Face ONNX layout, with what transformers' processor and greedy `generate` gave for a few
-images and prompts (tools/make_llava_fixture.py). Neither torch nor transformers is needed
-here, except by the slow test that regenerates the fixture.
+images and prompts (tools/make_llava_fixture.py). The cases every family passes against that
+reference are tests/test_family_conformance.py's.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
-import onnx
 import pytest
 
-from edgemm.config import load_config
 from edgemm.errors import InputError, ModelError
 from edgemm.model.families.llava import LlavaAdapter, center_crop, resized_size
 from edgemm.model.manifest import load_manifest
 from edgemm.model.resample import resize_pil
 from edgemm.runtime import Runtime
+from family_conformance import LLAVA, make_runtime, runtime_of
 
-FIXTURE = Path(__file__).resolve().parent / "fixtures" / "llava-tiny"
-REFERENCE = json.loads((FIXTURE / "reference.json").read_text())
-CASES = REFERENCE["cases"]
-MAX_NEW = REFERENCE["max_new_tokens"]
-
-
-def make_runtime(path: Path = FIXTURE, **sections) -> Runtime:
-    cfg = {"model": {"path": str(path)}, "backend": {"intra_op_threads": 1, "warmup": False}}
-    for key, values in sections.items():
-        cfg[key] = {**cfg.get(key, {}), **values}
-    return Runtime(load_config(cfg))
+FIXTURE = LLAVA.path
+CASES = LLAVA.cases
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def runtime() -> Runtime:
-    return make_runtime(cache={"max_bytes": 0})
-
-
-def case_id(case: dict) -> str:
-    return f"{case['image']}-{case['prompt'].split()[0]}"
-
-
-# ---- token-exact conformance ------------------------------------------------------------------
-
-@pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_processor_outputs_equal_the_reference(runtime, case):
-    request = runtime.prepare(FIXTURE / case["image"], case["prompt"])
-    assert request.prompt.input_ids[0].tolist() == case["input_ids"]
-    expected = np.load(FIXTURE / "reference_pixels.npz")[f"case{CASES.index(case)}"]
-    assert request.pixel_values.shape == expected.shape == (1, 3, 32, 32)
-    np.testing.assert_allclose(request.pixel_values, expected, rtol=0, atol=1e-6)
-
-
-@pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_greedy_tokens_equal_transformers_generate(runtime, case):
-    result = runtime.infer(FIXTURE / case["image"], case["prompt"], max_new_tokens=MAX_NEW)
-    assert result.tokens == case["tokens"]
-    assert result.finish_reason == case["finish_reason"]
-    assert result.image_tokens == 16 and result.prompt_tokens == len(case["input_ids"])
-
-
-def test_a_second_question_reuses_the_image_prefix_and_stays_exact():
-    cached = make_runtime()
-    first, second = CASES[0], CASES[2]
-    assert first["image"] == second["image"] and first["prompt"] != second["prompt"]
-    a = cached.infer(FIXTURE / first["image"], first["prompt"], max_new_tokens=MAX_NEW)
-    b = cached.infer(FIXTURE / second["image"], second["prompt"], max_new_tokens=MAX_NEW)
-    assert not a.prefix_reused and b.prefix_reused
-    assert (a.tokens, b.tokens) == (first["tokens"], second["tokens"])
-
-
-def test_a_batch_of_three_gives_each_row_its_own_tokens(runtime):
-    chosen = CASES[1:4]
-    requests = [runtime.prepare(FIXTURE / c["image"], c["prompt"], max_new_tokens=MAX_NEW) for c in chosen]
-    results = runtime.decode_batch(requests, [runtime.encode(r.pixel_values) for r in requests])
-    alone = [runtime.infer(FIXTURE / c["image"], c["prompt"], max_new_tokens=MAX_NEW).tokens for c in chosen]
-    assert [r.tokens for r in results] == alone == [c["tokens"] for c in chosen]
-    assert [r.decode_batch for r in results] == [3, 3, 3]
-    assert len({len(c["input_ids"]) for c in chosen}) > 1  # rows of different lengths: left padding in play
+    return runtime_of(LLAVA)
 
 
 # ---- prompt, pixels -----------------------------------------------------------------------------
@@ -146,24 +90,10 @@ def test_stop_token_is_eos(runtime):
 
 # ---- folder detection and errors --------------------------------------------------------------
 
-def test_folder_without_model_yaml_is_detected():
-    manifest = load_manifest(FIXTURE)
-    assert manifest.family == "llava" and not (FIXTURE / "model.yaml").exists()
-    assert list(manifest.tiers) == ["32x32"] and manifest.tiers["32x32"].image_tokens == 16
-    assert manifest.precisions == ["fp32", "int8"]
-
 
 @pytest.fixture
 def broken(tmp_path) -> Path:
     return Path(shutil.copytree(FIXTURE, tmp_path / "llava"))
-
-
-@pytest.mark.parametrize("missing", ["preprocessor_config.json", "tokenizer.json", "onnx/decoder_model_merged.onnx",
-                                     "onnx/vision_encoder.onnx"])
-def test_missing_file_is_named(broken, missing):
-    (broken / missing).unlink()
-    with pytest.raises(ModelError, match=f"without {missing}"):
-        load_manifest(broken)
 
 
 @pytest.mark.parametrize("name", ["wide.png", "tall.png"])
@@ -201,7 +131,7 @@ def test_a_llava_qwen2_folder_is_the_llava_family(broken):
     assert manifest.family == "llava" and manifest.tiers["32x32"].image_tokens == 4 * 4
     case = CASES[1]
     result = make_runtime(broken, cache={"max_bytes": 0}).infer(broken / case["image"], case["prompt"],
-                                                                max_new_tokens=MAX_NEW)
+                                                                max_new_tokens=LLAVA.max_new_tokens)
     assert result.tokens == case["tokens"]
 
 
@@ -210,46 +140,3 @@ def test_missing_patch_size_is_named(broken):
     (broken / "processor_config.json").write_text(json.dumps({"image_token": "<image>"}))
     with pytest.raises(ModelError, match="needs patch_size"):
         load_manifest(broken)
-
-
-@pytest.mark.parametrize("case", CASES[:2], ids=case_id)
-def test_int8_variant_runs_through_the_same_family_path(runtime, case):
-    """The *_int8.onnx graphs (tools/quantize.py on this folder) load by suffix and take
-    exactly the inputs fp32 takes; their QDQ nodes are really in the graphs."""
-    int8 = make_runtime(model={"precision": "int8"}, cache={"max_bytes": 0})
-    for component in ("vision_encoder", "decoder_model_merged"):
-        ops = {n.op_type for n in onnx.load(FIXTURE / "onnx" / f"{component}_int8.onnx").graph.node}
-        assert {"QuantizeLinear", "DequantizeLinear"} <= ops
-    a = runtime.prepare(FIXTURE / case["image"], case["prompt"])
-    b = int8.prepare(FIXTURE / case["image"], case["prompt"])
-    assert b.prompt.input_ids.tolist() == a.prompt.input_ids.tolist()
-    np.testing.assert_array_equal(b.pixel_values, a.pixel_values)
-    result = int8.infer(FIXTURE / case["image"], case["prompt"], max_new_tokens=4)
-    assert result.precision == "int8" and 1 <= len(result.tokens) <= 4
-
-
-def test_int8_engines_build_and_answer_as_onnxruntime_through_the_fake_tensorrt(monkeypatch, tmp_path):
-    """TensorRT cannot run here: tests/fake_tensorrt.py builds the three LLaVA int8 graphs from the
-    profiles edgemm derives from their named dimensions, and its plans compute what ONNX Runtime
-    computes. Every component placed on the GPU answers like the CPU, case by case."""
-    import trt_harness as h
-    h.install(monkeypatch, "10.3.0")
-    h.build(tmp_path, "gpu", model_dir=FIXTURE)
-    on_gpu = h.runtime(tmp_path, model_dir=FIXTURE)
-    assert on_gpu.devices == {"vision_encoder": "gpu", "embed_tokens": "gpu", "decoder": "gpu"}
-    on_cpu = make_runtime(model={"precision": "int8"}, cache={"max_bytes": 0})
-    for case in CASES:
-        a = on_gpu.infer(FIXTURE / case["image"], case["prompt"], max_new_tokens=8)
-        b = on_cpu.infer(FIXTURE / case["image"], case["prompt"], max_new_tokens=8)
-        assert a.devices == {"encode": "gpu", "decode": "gpu"} and a.tokens == b.tokens
-
-
-# ---- the reference itself ---------------------------------------------------------------------
-
-@pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs the fixture extra")
-def test_regenerated_reference_is_the_committed_one(tmp_path):
-    tool = Path(__file__).resolve().parent.parent / "tools" / "make_llava_fixture.py"
-    subprocess.run([sys.executable, str(tool), "--out", str(tmp_path)], check=True, capture_output=True)
-    fresh = json.loads((tmp_path / "reference.json").read_text())
-    assert [(c["input_ids"], c["tokens"]) for c in fresh["cases"]] == [(c["input_ids"], c["tokens"]) for c in CASES]

@@ -20,12 +20,12 @@ The graphs are fp32; `python tools/quantize.py OUT_DIR` adds the _int8 variants.
 
 Families, by config.json's model_type (one `VisionExport` each; a new family adds one):
 idefics3 / smolvlm (SmolVLM) and internvl (InternVL3 -hf). The text model and lm_head
-are exported the same way for all: a transformers decoder with its cache as flat tensors.
+are exported the same way for all (tools/hf_fixture.py): a transformers decoder with its
+cache as flat tensors.
 """
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import os
 import shutil
@@ -36,19 +36,8 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from transformers.cache_utils import DynamicCache
 
-OPSET = 17
-
-
-def save_folder(model, processor, out: Path) -> None:
-    """config.json, generation_config.json, the processor's files and tokenizer.json."""
-    processor.save_pretrained(out)
-    # transformers 5 nests the image processor's settings in processor_config.json; published
-    # folders (and edgemm) have them in preprocessor_config.json
-    processor.image_processor.save_pretrained(out)
-    model.config.save_pretrained(out)
-    model.generation_config.save_pretrained(out)
+from hf_fixture import OPSET, EmbedTokens, MergedDecoder, export_text_graphs  # (tools/, beside this file)
 
 
 # ---- the vision encoders, one per family ------------------------------------------------------
@@ -144,39 +133,6 @@ def family_of(model) -> VisionExport:
     return FAMILIES[kind]
 
 
-# ---- the text side, the same for every family -------------------------------------------------
-
-class EmbedTokens(torch.nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.embed = model.get_input_embeddings()
-
-    def forward(self, input_ids):
-        return self.embed(input_ids)
-
-
-class MergedDecoder(torch.nn.Module):
-    """The text model + lm_head with the cache as flat past/present tensors."""
-
-    def __init__(self, model, text_model):
-        super().__init__()
-        self.text, self.head = text_model, model.lm_head
-        self.layers = model.config.text_config.num_hidden_layers
-        # transformers 5 renames past_key_values to cache; take whichever the model has
-        self.cache_arg = "cache" if "cache" in inspect.signature(text_model.forward).parameters else "past_key_values"
-
-    def forward(self, inputs_embeds, attention_mask, position_ids, *past):
-        cache = DynamicCache(config=self.text.config)
-        for i in range(self.layers):
-            cache.update(past[2 * i], past[2 * i + 1], i)
-        out = self.text(inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
-                        use_cache=True, **{self.cache_arg: cache})
-        presents = []
-        for i in range(self.layers):
-            presents += [cache.layers[i].keys, cache.layers[i].values]
-        return (self.head(out.last_hidden_state), *presents)
-
-
 def export_graphs(model, out: Path) -> None:
     """The three graphs under out/onnx/, traced at the model's own tile size."""
     family = family_of(model)
@@ -197,30 +153,9 @@ def export_graphs(model, out: Path) -> None:
             axes["pixel_attention_mask"] = {0: "batch_size", 1: "num_images"}
         torch.onnx.export(family.encoder(model), inputs, onnx_dir / "vision_encoder.onnx", input_names=names,
                           output_names=["image_features"], dynamic_axes=axes, opset_version=OPSET, dynamo=False)
-        torch.onnx.export(
-            EmbedTokens(model), (torch.zeros(1, 5, dtype=torch.long),), onnx_dir / "embed_tokens.onnx",
-            input_names=["input_ids"], output_names=["inputs_embeds"],
-            dynamic_axes={"input_ids": {0: "batch_size", 1: "sequence_length"},
-                          "inputs_embeds": {0: "batch_size", 1: "sequence_length"}},
-            opset_version=OPSET, dynamo=False)
-        # trace with a non-empty past so nothing specialises on past length 0
-        b, s, p = 2, 3, 4
-        past = [torch.randn(b, heads, p, head_dim) for _ in range(2 * text.num_hidden_layers)]
-        names_in = [f"past_key_values.{i}.{k}" for i in range(text.num_hidden_layers) for k in ("key", "value")]
-        names_out = [f"present.{i}.{k}" for i in range(text.num_hidden_layers) for k in ("key", "value")]
-        axes = {"inputs_embeds": {0: "batch_size", 1: "sequence_length"},
-                "attention_mask": {0: "batch_size", 1: "total_sequence_length"},
-                "position_ids": {0: "batch_size", 1: "sequence_length"},
-                "logits": {0: "batch_size", 1: "sequence_length"},
-                **{n: {0: "batch_size", 2: "past_sequence_length"} for n in names_in},
-                **{n: {0: "batch_size", 2: "total_sequence_length"} for n in names_out}}
-        torch.onnx.export(
-            MergedDecoder(model, family.text_model(model)),
-            (torch.randn(b, s, text.hidden_size), torch.ones(b, p + s, dtype=torch.long),
-             torch.arange(p, p + s).repeat(b, 1), *past),
-            onnx_dir / "decoder_model_merged.onnx",
-            input_names=["inputs_embeds", "attention_mask", "position_ids", *names_in],
-            output_names=["logits", *names_out], dynamic_axes=axes, opset_version=OPSET, dynamo=False)
+    export_text_graphs(onnx_dir, EmbedTokens(model.get_input_embeddings()),
+                       MergedDecoder(family.text_model(model), model.lm_head, text.num_hidden_layers),
+                       text.hidden_size, heads, head_dim)
 
 
 def copy_checkpoint_files(checkpoint: Path, out: Path) -> None:

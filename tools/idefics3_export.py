@@ -10,7 +10,8 @@ present.N.key/value. What stays here is SmolVLM's own chat template.
 """
 from __future__ import annotations
 
-from export_hf_vlm import OPSET, export_graphs, save_folder  # (tools/, beside this file)
+from export_hf_vlm import export_graphs  # (tools/, beside this file)
+from hf_fixture import OPSET, save_folder
 
 __all__ = ["CHAT_TEMPLATE", "OPSET", "export_graphs", "save_folder"]
 

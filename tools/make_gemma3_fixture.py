@@ -17,13 +17,11 @@ Needs the `fixture` extra (torch, transformers, pillow); nothing is downloaded.
    input_ids and pixel_values and the greedy tokens of transformers' own `generate`,
    run WITHOUT token_type_ids: with them transformers lets the image tokens attend to
    each other bidirectionally, which a decoder graph with a 2-D attention mask cannot
-   express (transformers.js runs Gemma 3 the same way). tests/test_gemma3.py checks
+   express (transformers.js runs Gemma 3 the same way). tests/test_family_conformance.py checks
    edgemm against these, token for token.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -32,11 +30,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # other jobs share this machine
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from PIL import Image  # noqa: E402
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
 from transformers import (Gemma3Config, Gemma3ForConditionalGeneration, Gemma3ImageProcessorPil,  # noqa: E402
                           Gemma3Processor, PreTrainedTokenizerFast)
-from onnx_layout import EmbedTokens, MergedDecoder, VisionEncoder, export_graphs, make_images  # noqa: E402
+from hf_fixture import (QUESTIONS, SHARED_SENTENCES, WIDE_AND_TALL, EmbedTokens, MergedDecoder,  # noqa: E402
+                        chat_inputs, greedy_reference, output_folder, summary, train_bpe, without_stop, write_fixture)
+from onnx_layout import VisionEncoder, export_graphs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "tests" / "fixtures" / "gemma3-tiny"
@@ -52,9 +50,7 @@ SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>
            "<end_of_image>", "<image_soft_token>"]
 CORPUS = [
     "user What is in the image? model A red square next to a blue circle.",
-    "Describe the picture in one sentence. There are shapes, lines and colours.",
-    "How many objects are there? Three objects: two circles and a triangle.",
-    "Read the text in the image. The sign says hello world.",
+    *SHARED_SENTENCES,
 ] * 4
 
 # Gemma 3's chat template (google/gemma-3-*-it), as the published folders have it
@@ -100,28 +96,15 @@ CHAT_TEMPLATE = (
     "    {{'<start_of_turn>model\n'}}\n"
     "{%- endif -%}\n")
 
-IMAGES = {"wide.png": (120, 160), "tall.png": (150, 64)}
+IMAGES = WIDE_AND_TALL
 # (image file, prompt): two aspects (Gemma 3 stretches both to one square), and a second
 # question about the first image (the cached-prefix case)
-CASES = [
-    ("wide.png", "What is in the image?"),
-    ("tall.png", "Describe the picture."),
-    ("wide.png", "How many objects are there?"),
-    ("tall.png", "Read the text."),
-]
+CASES = QUESTIONS
 MAX_NEW_TOKENS = 12
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIAL, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(CORPUS, trainer)
-    bos = tok.token_to_id("<bos>")
-    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A $B",
-                                                       special_tokens=[("<bos>", bos)])
+    tok = train_bpe(SPECIAL, CORPUS, bos="<bos>")
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>",
         additional_special_tokens=SPECIAL[4:],
@@ -166,14 +149,6 @@ def build_processor(tokenizer) -> Gemma3Processor:
                            image_seq_length=IMAGE_TOKENS)
 
 
-def save_folder(model, processor, out: Path) -> None:
-    processor.save_pretrained(out)
-    # published folders have the image processor's settings in preprocessor_config.json
-    processor.image_processor.save_pretrained(out)
-    model.config.save_pretrained(out)
-    model.generation_config.save_pretrained(out)
-
-
 def export(model, out: Path) -> None:
     text = model.config.text_config
     cap = text.final_logit_softcapping
@@ -187,58 +162,31 @@ def export(model, out: Path) -> None:
                   text.hidden_size, text.num_key_value_heads, text.head_dim)
 
 
-def without_stop(tokens: list[int], model) -> list[int]:
-    return tokens[:-1] if tokens and tokens[-1] in model.generation_config.eos_token_id else tokens
-
-
 def reference_cases(model, processor, out: Path) -> tuple[list[dict], dict[str, np.ndarray]]:
     cases, pixels = [], {}
     for i, (image_name, prompt) in enumerate(CASES):
-        image = Image.open(out / image_name).convert("RGB")
-        messages = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": prompt}]}]
-        inputs = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                               return_dict=True, return_tensors="pt")
+        text, inputs = chat_inputs(processor, out / image_name, prompt)
         token_type_ids = inputs.pop("token_type_ids")  # the causal reference (see the module docstring)
+        reference = greedy_reference(model, inputs, processor.tokenizer, MAX_NEW_TOKENS)
+        # what the approximation costs: transformers' own answer with the bidirectional image block
         with torch.no_grad():
-            generated = model.generate(**inputs, max_new_tokens=MAX_NEW_TOKENS, do_sample=False,
-                                       output_scores=True, return_dict_in_generate=True)
-            # what the approximation costs: transformers' own answer with the bidirectional image block
             bidirectional = model.generate(**inputs, token_type_ids=token_type_ids, max_new_tokens=MAX_NEW_TOKENS,
                                            do_sample=False)
-        prompt_len = inputs["input_ids"].shape[1]
-        tokens = generated.sequences[0, prompt_len:].tolist()
-        stopped = without_stop(tokens, model) != tokens
-        margins = [float(torch.topk(s[0], 2).values.diff().abs()) for s in generated.scores]
         pixels[f"case{i}"] = inputs["pixel_values"].numpy()
-        cases.append({"image": image_name, "prompt": prompt,
-                      "text": processor.apply_chat_template(messages, add_generation_prompt=True),
-                      "input_ids": inputs["input_ids"][0].tolist(),
-                      "tokens": without_stop(tokens, model), "finish_reason": "stop" if stopped else "length",
-                      "answer": processor.tokenizer.decode(tokens, skip_special_tokens=True),
-                      "min_top2_margin": round(min(margins), 4),
-                      "tokens_with_token_type_ids": without_stop(bidirectional[0, prompt_len:].tolist(), model)})
+        cases.append({"image": image_name, "prompt": prompt, "text": text,
+                      "input_ids": inputs["input_ids"][0].tolist(), **reference,
+                      "tokens_with_token_type_ids": without_stop(
+                          bidirectional[0, inputs["input_ids"].shape[1]:].tolist(), model)})
     return cases, pixels
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=OUT)
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    out = args.out
-    out.mkdir(parents=True, exist_ok=True)
+    out = output_folder(__doc__, OUT)
     processor = build_processor(build_tokenizer())
     model = build_model(processor.tokenizer)
-    save_folder(model, processor, out)
-    make_images(out, SEED, IMAGES)
-    export(model, out)
-    cases, pixels = reference_cases(model, processor, out)
-    np.savez_compressed(out / "reference_pixels.npz", **pixels)
-    (out / "reference.json").write_text(json.dumps(
-        {"max_new_tokens": MAX_NEW_TOKENS, "token_type_ids": False, "cases": cases}, indent=1) + "\n")
-    for case in cases:
-        print(f"{case['image']} prompt={len(case['input_ids'])} tokens={case['tokens']} "
-              f"({case['finish_reason']}, min margin {case['min_top2_margin']})")
+    for case in write_fixture(out, model, processor, seed=SEED, images=IMAGES, export=export,
+                              reference_cases=reference_cases, max_new_tokens=MAX_NEW_TOKENS, token_type_ids=False):
+        print(summary(case))
 
 
 if __name__ == "__main__":

@@ -16,26 +16,24 @@ Needs the `fixture` extra (torch, transformers, pillow); nothing is downloaded.
    decoder_model_merged with past_key_values.N.key/value → present.N.key/value.
 5. reference.json + reference_pixels.npz: for a few images, prompts and tiers, the
    processor's input_ids and pixel_values and the greedy tokens of transformers' own
-   `generate`. tests/test_idefics3.py checks edgemm against these, token for token.
+   `generate`. tests/test_family_conformance.py checks edgemm against these, token for token.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # a training job shares this machine
 
-import cv2  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from PIL import Image  # noqa: E402
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 from transformers import (Idefics3Config, Idefics3ForConditionalGeneration,  # noqa: E402
                           Idefics3ImageProcessorPil, Idefics3Processor, PreTrainedTokenizerFast)
-from idefics3_export import CHAT_TEMPLATE, export_graphs, save_folder  # noqa: E402  (tools/, beside this file)
+from hf_fixture import (SHARED_SENTENCES, WIDE_AND_TALL, greedy_reference, output_folder, summary,  # noqa: E402
+                        train_bpe, write_fixture)
+from idefics3_export import CHAT_TEMPLATE, export_graphs  # noqa: E402  (tools/, beside this file)
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "tests" / "fixtures" / "idefics3-tiny"
@@ -51,11 +49,10 @@ SPECIAL = ["<|endoftext|>", "<|im_start|>", "<end_of_utterance>", "<fake_token_a
            "<image>", "<global-img>", *[f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)]]
 CORPUS = [
     "User: What is in the image? Assistant: A red square next to a blue circle.",
-    "Describe the picture in one sentence. There are shapes, lines and colours.",
-    "How many objects are there? Three objects: two circles and a triangle.",
-    "Read the text in the image. The sign says hello world.",
+    *SHARED_SENTENCES,
 ] * 4
 
+IMAGES = WIDE_AND_TALL
 # (image file, prompt, tier longest edge): one case per tier, and aspect ratios that
 # give square, wide and tall tile grids
 CASES = [
@@ -68,15 +65,9 @@ MAX_NEW_TOKENS = 12
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIAL, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(CORPUS, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<end_of_utterance>",
-                                   pad_token="<|endoftext|>", unk_token="<|endoftext|>",
-                                   additional_special_tokens=SPECIAL[2:])
+    return PreTrainedTokenizerFast(tokenizer_object=train_bpe(SPECIAL, CORPUS), bos_token="<|im_start|>",
+                                   eos_token="<end_of_utterance>", pad_token="<|endoftext|>",
+                                   unk_token="<|endoftext|>", additional_special_tokens=SPECIAL[2:])
 
 
 def build_model(tokenizer) -> Idefics3ForConditionalGeneration:
@@ -107,18 +98,6 @@ def build_processor(tokenizer) -> Idefics3Processor:
                              chat_template=CHAT_TEMPLATE)
 
 
-def make_images(out: Path) -> None:
-    """Two small procedural pictures (seeded): wide 4:3 and tall 2:5, with edges and colour."""
-    rng = np.random.default_rng(SEED)
-    for name, (h, w) in {"wide.png": (120, 160), "tall.png": (150, 64)}.items():
-        yy, xx = np.mgrid[0:h, 0:w]
-        img = np.stack([xx * 255 // w, yy * 255 // h, (xx + yy) * 127 // (h + w)], -1).astype(np.uint8)
-        for _ in range(5):
-            cy, cx, r = rng.integers(0, h), rng.integers(0, w), rng.integers(6, 24)
-            img[(yy - cy) ** 2 + (xx - cx) ** 2 < r * r] = rng.integers(0, 256, 3)
-        cv2.imwrite(str(out / name), img[:, :, ::-1])
-
-
 # ---- reference ------------------------------------------------------------------------------
 
 def reference_cases(model, processor, out: Path) -> tuple[list[dict], dict[str, np.ndarray]]:
@@ -129,43 +108,20 @@ def reference_cases(model, processor, out: Path) -> tuple[list[dict], dict[str, 
         image = Image.open(out / image_name).convert("RGB")
         inputs = processor(text=[text], images=[[image]], return_tensors="pt",
                            size={"longest_edge": longest_edge})
-        with torch.no_grad():
-            generated = model.generate(**inputs, max_new_tokens=MAX_NEW_TOKENS, do_sample=False,
-                                       output_scores=True, return_dict_in_generate=True)
-        prompt_len = inputs["input_ids"].shape[1]
-        tokens = generated.sequences[0, prompt_len:].tolist()
-        stopped = bool(tokens) and tokens[-1] == processor.tokenizer.eos_token_id
-        # how decisive each greedy step was: a tiny top-2 gap could flip under float noise
-        margins = [float(torch.topk(s[0], 2).values.diff().abs()) for s in generated.scores]
         pixels[f"case{i}"] = inputs["pixel_values"].numpy()
         cases.append({"image": image_name, "prompt": prompt, "longest_edge": longest_edge, "text": text,
                       "input_ids": inputs["input_ids"][0].tolist(), "tiles": int(inputs["pixel_values"].shape[1]),
-                      "tokens": tokens[:-1] if stopped else tokens, "finish_reason": "stop" if stopped else "length",
-                      "answer": processor.tokenizer.decode(tokens, skip_special_tokens=True),
-                      "min_top2_margin": round(min(margins), 4)})
+                      **greedy_reference(model, inputs, processor.tokenizer, MAX_NEW_TOKENS)})
     return cases, pixels
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=OUT)
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    out = args.out
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer()
-    processor = build_processor(tokenizer)
+    out = output_folder(__doc__, OUT)
+    processor = build_processor(build_tokenizer())
     model = build_model(processor.tokenizer)
-    save_folder(model, processor, out)
-    make_images(out)
-    export_graphs(model, out)
-    cases, pixels = reference_cases(model, processor, out)
-    np.savez_compressed(out / "reference_pixels.npz", **pixels)
-    (out / "reference.json").write_text(json.dumps(
-        {"max_new_tokens": MAX_NEW_TOKENS, "cases": cases}, indent=1) + "\n")
-    for case in cases:
-        print(f"{case['image']} L={case['longest_edge']} tiles={case['tiles']} prompt={len(case['input_ids'])} "
-              f"tokens={case['tokens']} ({case['finish_reason']}, min margin {case['min_top2_margin']})")
+    for case in write_fixture(out, model, processor, seed=SEED, images=IMAGES, export=export_graphs,
+                              reference_cases=reference_cases, max_new_tokens=MAX_NEW_TOKENS):
+        print(f"L={case['longest_edge']} tiles={case['tiles']} {summary(case)}")
 
 
 if __name__ == "__main__":

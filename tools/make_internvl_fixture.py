@@ -17,7 +17,7 @@ default image processor for InternVL is its torchvision backend); nothing is dow
    exported from there by tools/export_hf_vlm.py, exactly as a user exports a real one.
 4. reference.json + reference_pixels.npz: for a few images, prompts and tile budgets
    (max_patches), the processor's input_ids and pixel_values and the greedy tokens of
-   transformers' own `generate`. tests/test_internvl.py checks edgemm against these.
+   transformers' own `generate`. tests/test_family_conformance.py checks edgemm against these.
 """
 from __future__ import annotations
 
@@ -31,15 +31,15 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # other work shares this machine
 
-import cv2  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from PIL import Image  # noqa: E402
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 from transformers import (GotOcr2ImageProcessor, GotOcr2ImageProcessorPil, InternVLConfig,  # noqa: E402
                           InternVLForConditionalGeneration, InternVLProcessor, InternVLVideoProcessor,
                           PreTrainedTokenizerFast)
 from export_hf_vlm import export_checkpoint  # noqa: E402  (tools/, beside this file)
+from hf_fixture import (SHARED_SENTENCES, WIDE_AND_TALL, greedy_reference, make_images, train_bpe,  # noqa: E402
+                        write_reference)
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "tests" / "fixtures" / "internvl-tiny"
@@ -65,11 +65,10 @@ NAMED_TOKENS = {"start_image_token": "<img>", "end_image_token": "</img>",
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *NAMED_TOKENS.values()]
 CORPUS = [
     "user\nWhat is in the image? assistant\nA red square next to a blue circle.",
-    "Describe the picture in one sentence. There are shapes, lines and colours.",
-    "How many objects are there? Three objects: two circles and a triangle.",
-    "Read the text in the image. The sign says hello world.",
+    *SHARED_SENTENCES,
 ] * 4
 
+IMAGES = WIDE_AND_TALL
 # (image file, prompt, max_patches): two aspect ratios that give different grids, every
 # tier, and a second question on an image already asked about (the cached prefix)
 CASES = [
@@ -84,15 +83,9 @@ MAX_NEW_TOKENS = 12
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIAL, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(CORPUS, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   unk_token="<|endoftext|>", extra_special_tokens=NAMED_TOKENS,
-                                   chat_template=CHAT_TEMPLATE)
+    return PreTrainedTokenizerFast(tokenizer_object=train_bpe(SPECIAL, CORPUS), eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>", unk_token="<|endoftext|>",
+                                   extra_special_tokens=NAMED_TOKENS, chat_template=CHAT_TEMPLATE)
 
 
 def have_torchvision() -> bool:
@@ -141,18 +134,6 @@ def save_checkpoint(tokenizer, checkpoint: Path) -> None:
         {"image_seq_length": IMAGE_SEQ_LEN, "processor_class": "InternVLProcessor"}, indent=2) + "\n")
 
 
-def make_images(out: Path) -> None:
-    """Two small procedural pictures (seeded): wide 4:3 and tall 2:5, with edges and colour."""
-    rng = np.random.default_rng(SEED)
-    for name, (h, w) in {"wide.png": (120, 160), "tall.png": (150, 64)}.items():
-        yy, xx = np.mgrid[0:h, 0:w]
-        img = np.stack([xx * 255 // w, yy * 255 // h, (xx + yy) * 127 // (h + w)], -1).astype(np.uint8)
-        for _ in range(5):
-            cy, cx, r = rng.integers(0, h), rng.integers(0, w), rng.integers(6, 24)
-            img[(yy - cy) ** 2 + (xx - cx) ** 2 < r * r] = rng.integers(0, 256, 3)
-        cv2.imwrite(str(out / name), img[:, :, ::-1])
-
-
 # ---- reference ------------------------------------------------------------------------------
 
 def reference_cases(model, processor, out: Path) -> tuple[list[dict], dict[str, np.ndarray]]:
@@ -163,22 +144,13 @@ def reference_cases(model, processor, out: Path) -> tuple[list[dict], dict[str, 
         text = processor.apply_chat_template(messages, add_generation_prompt=True)
         image = Image.open(out / image_name).convert("RGB")
         inputs = processor(text=[text], images=[image], return_tensors="pt", max_patches=max_patches)
-        with torch.no_grad():
-            generated = model.generate(**inputs, max_new_tokens=MAX_NEW_TOKENS, do_sample=False,
-                                       output_scores=True, return_dict_in_generate=True)
-        prompt_len = inputs["input_ids"].shape[1]
-        tokens = generated.sequences[0, prompt_len:].tolist()
-        stopped = bool(tokens) and tokens[-1] == processor.tokenizer.eos_token_id
-        # how decisive each greedy step was: a tiny top-2 gap could flip under float noise
-        margins = [float(torch.topk(s[0], 2).values.diff().abs()) for s in generated.scores]
+        reference = greedy_reference(model, inputs, processor.tokenizer, MAX_NEW_TOKENS)
         pil_pixels = pil(images=[image], crop_to_patches=True, max_patches=max_patches,
                          return_tensors="pt")["pixel_values"]
         pixels[f"case{i}"] = inputs["pixel_values"].numpy()[None]  # [1, tiles, 3, H, W] as edgemm feeds it
         cases.append({"image": image_name, "prompt": prompt, "max_patches": max_patches, "text": text,
                       "input_ids": inputs["input_ids"][0].tolist(), "tiles": int(inputs["pixel_values"].shape[0]),
-                      "tokens": tokens[:-1] if stopped else tokens, "finish_reason": "stop" if stopped else "length",
-                      "answer": processor.tokenizer.decode(tokens, skip_special_tokens=True),
-                      "min_top2_margin": round(min(margins), 4),
+                      **reference,
                       "pil_backend_max_abs_diff": round(float((pil_pixels - inputs["pixel_values"]).abs().max()), 4)})
     return cases, pixels
 
@@ -209,11 +181,9 @@ def main() -> None:
         model.save_pretrained(checkpoint)
         processor.save_pretrained(checkpoint)
         export_checkpoint(checkpoint, out)
-    make_images(out)
+    make_images(out, SEED, IMAGES)
     cases, pixels = reference_cases(model, processor, out)
-    np.savez_compressed(out / "reference_pixels.npz", **pixels)
-    (out / "reference.json").write_text(json.dumps(
-        {"max_new_tokens": MAX_NEW_TOKENS, "cases": cases}, indent=1) + "\n")
+    write_reference(out, {"max_new_tokens": MAX_NEW_TOKENS, "cases": cases}, pixels)
     for case in cases:
         print(f"{case['image']} max_patches={case['max_patches']} tiles={case['tiles']} "
               f"prompt={len(case['input_ids'])} tokens={case['tokens']} ({case['finish_reason']}, "

@@ -16,12 +16,11 @@ Needs the `fixture` extra (torch, transformers, pillow); nothing is downloaded.
 5. reference.json + reference_pixels.npz: for a few images and prompts, the processor's
    input_ids and pixel_values and the greedy tokens of transformers' own `generate`;
    plus the pixels of LlavaImageProcessor with do_pad (pad to a square in the mean
-   colour first) for each image. tests/test_llava.py checks edgemm against these.
+   colour first) for each image. tests/test_family_conformance.py and tests/test_llava.py
+   check edgemm against these.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -31,10 +30,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # other jobs share this machine
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from PIL import Image  # noqa: E402
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
 from transformers import (CLIPImageProcessorPil, LlavaConfig, LlavaForConditionalGeneration,  # noqa: E402
                           LlavaImageProcessorPil, LlavaProcessor, PreTrainedTokenizerFast)
-from onnx_layout import EmbedTokens, MergedDecoder, VisionEncoder, export_graphs, make_images  # noqa: E402
+from hf_fixture import (QUESTIONS, SHARED_SENTENCES, WIDE_AND_TALL, EmbedTokens, MergedDecoder,  # noqa: E402
+                        chat_inputs, greedy_reference, output_folder, summary, train_bpe, write_fixture)
+from onnx_layout import VisionEncoder, export_graphs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "tests" / "fixtures" / "llava-tiny"
@@ -49,9 +49,7 @@ STOP_LIKE = "gl"  # a token the random model often says: the stop token takes it
 SPECIAL = ["<unk>", "<s>", "</s>", "<pad>", "<image>"]
 CORPUS = [
     "USER: What is in the image? ASSISTANT: A red square next to a blue circle.",
-    "Describe the picture in one sentence. There are shapes, lines and colours.",
-    "How many objects are there? Three objects: two circles and a triangle.",
-    "Read the text in the image. The sign says hello world.",
+    *SHARED_SENTENCES,
 ] * 4
 
 # LLaVA-1.5's chat template (llava-hf/llava-1.5-*-hf), with transformers' generation tags
@@ -64,28 +62,15 @@ CHAT_TEMPLATE = (
     "'equalto', 'text') %}{% generation %}{{ content['text'] + ' '}}{% endgeneration %}{% endfor %}{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}")
 
-IMAGES = {"wide.png": (120, 160), "tall.png": (150, 64)}
+IMAGES = WIDE_AND_TALL
 # (image file, prompt): two aspects (centre crops of different sides), and a second
 # question about the first image (the cached-prefix case)
-CASES = [
-    ("wide.png", "What is in the image?"),
-    ("tall.png", "Describe the picture."),
-    ("wide.png", "How many objects are there?"),
-    ("tall.png", "Read the text."),
-]
+CASES = QUESTIONS
 MAX_NEW_TOKENS = 12
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIAL, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(CORPUS, trainer)
-    bos = tok.token_to_id("<s>")
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A $B",
-                                                       special_tokens=[("<s>", bos)])
+    tok = train_bpe(SPECIAL, CORPUS, bos="<s>")
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
                                    unk_token="<unk>", additional_special_tokens=["<image>"],
                                    extra_special_tokens={"image_token": "<image>"})
@@ -128,14 +113,6 @@ def build_processor(tokenizer) -> LlavaProcessor:
                           chat_template=CHAT_TEMPLATE)
 
 
-def save_folder(model, processor, out: Path) -> None:
-    processor.save_pretrained(out)
-    # published folders have the image processor's settings in preprocessor_config.json
-    processor.image_processor.save_pretrained(out)
-    model.config.save_pretrained(out)
-    model.generation_config.save_pretrained(out)
-
-
 def llava_features(model, pixel_values):
     """LlavaModel.get_image_features as one tensor [B, N, D]: the chosen layer, CLS dropped, projected."""
     config = model.config
@@ -156,24 +133,11 @@ def export(model, out: Path) -> None:
 def reference_cases(model, processor, out: Path) -> tuple[list[dict], dict[str, np.ndarray]]:
     cases, pixels = [], {}
     for i, (image_name, prompt) in enumerate(CASES):
-        image = Image.open(out / image_name).convert("RGB")
-        messages = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": prompt}]}]
-        inputs = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                               return_dict=True, return_tensors="pt")
-        with torch.no_grad():
-            generated = model.generate(**inputs, max_new_tokens=MAX_NEW_TOKENS, do_sample=False,
-                                       output_scores=True, return_dict_in_generate=True)
-        prompt_len = inputs["input_ids"].shape[1]
-        tokens = generated.sequences[0, prompt_len:].tolist()
-        stopped = bool(tokens) and tokens[-1] == processor.tokenizer.eos_token_id
-        margins = [float(torch.topk(s[0], 2).values.diff().abs()) for s in generated.scores]
+        text, inputs = chat_inputs(processor, out / image_name, prompt)
         pixels[f"case{i}"] = inputs["pixel_values"].numpy()
-        cases.append({"image": image_name, "prompt": prompt,
-                      "text": processor.apply_chat_template(messages, add_generation_prompt=True),
+        cases.append({"image": image_name, "prompt": prompt, "text": text,
                       "input_ids": inputs["input_ids"][0].tolist(),
-                      "tokens": tokens[:-1] if stopped else tokens, "finish_reason": "stop" if stopped else "length",
-                      "answer": processor.tokenizer.decode(tokens, skip_special_tokens=True),
-                      "min_top2_margin": round(min(margins), 4)})
+                      **greedy_reference(model, inputs, processor.tokenizer, MAX_NEW_TOKENS)})
     padded = LlavaImageProcessorPil(**image_processor_kwargs(), do_pad=True)
     for name in IMAGES:
         image = Image.open(out / name).convert("RGB")
@@ -182,23 +146,12 @@ def reference_cases(model, processor, out: Path) -> tuple[list[dict], dict[str, 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=OUT)
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    out = args.out
-    out.mkdir(parents=True, exist_ok=True)
+    out = output_folder(__doc__, OUT)
     processor = build_processor(build_tokenizer())
     model = build_model(processor.tokenizer)
-    save_folder(model, processor, out)
-    make_images(out, SEED, IMAGES)
-    export(model, out)
-    cases, pixels = reference_cases(model, processor, out)
-    np.savez_compressed(out / "reference_pixels.npz", **pixels)
-    (out / "reference.json").write_text(json.dumps({"max_new_tokens": MAX_NEW_TOKENS, "cases": cases}, indent=1) + "\n")
-    for case in cases:
-        print(f"{case['image']} prompt={len(case['input_ids'])} tokens={case['tokens']} "
-              f"({case['finish_reason']}, min margin {case['min_top2_margin']})")
+    for case in write_fixture(out, model, processor, seed=SEED, images=IMAGES, export=export,
+                              reference_cases=reference_cases, max_new_tokens=MAX_NEW_TOKENS):
+        print(summary(case))
 
 
 if __name__ == "__main__":

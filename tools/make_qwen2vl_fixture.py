@@ -36,7 +36,6 @@ reference features prove other grids right (tests/test_qwen2_vl.py).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import warnings
@@ -44,19 +43,17 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # other jobs share this machine
 
-import cv2  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from PIL import Image  # noqa: E402
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 from transformers import PreTrainedTokenizerFast, Qwen2VLImageProcessorPil  # noqa: E402
-from transformers.cache_utils import DynamicCache  # noqa: E402
+from hf_fixture import (OPSET, EmbedTokens, MergedDecoder, export_text_graphs, greedy_reference,  # noqa: E402
+                        make_images, save_folder, train_bpe, write_reference)
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "tests" / "fixtures"
 OUTS = {"qwen2_vl": FIXTURES / "qwen2-vl-tiny", "qwen2_5_vl": FIXTURES / "qwen2.5-vl-tiny"}
 SEED = 0
-OPSET = 17
 PATCH, MERGE, TEMPORAL = 14, 2, 2
 UNIT = PATCH * MERGE  # 28: one image token is a 28x28 square
 MIN_PIXELS = 4 * UNIT * UNIT
@@ -101,15 +98,9 @@ CASES = [
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=360, special_tokens=SPECIAL, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(CORPUS, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   unk_token=None, additional_special_tokens=SPECIAL[1:],
-                                   chat_template=CHAT_TEMPLATE)
+    return PreTrainedTokenizerFast(tokenizer_object=train_bpe(SPECIAL, CORPUS, vocab_size=360),
+                                   eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token=None,
+                                   additional_special_tokens=SPECIAL[1:], chat_template=CHAT_TEMPLATE)
 
 
 def build_model(family: str, tokenizer):
@@ -166,18 +157,6 @@ def build_processor(family: str, tokenizer):
 
     return ImageProcessorOnly(image_processor=images, tokenizer=tokenizer, video_processor=None,
                               chat_template=CHAT_TEMPLATE)
-
-
-def make_images(out: Path) -> None:
-    """Procedural pictures (seeded) with edges and colour, at odd sizes."""
-    rng = np.random.default_rng(SEED)
-    for name, (h, w) in IMAGES.items():
-        yy, xx = np.mgrid[0:h, 0:w]
-        img = np.stack([xx * 255 // w, yy * 255 // h, (xx + yy) * 127 // (h + w)], -1).astype(np.uint8)
-        for _ in range(6):
-            cy, cx, r = rng.integers(0, h), rng.integers(0, w), rng.integers(10, 50)
-            img[(yy - cy) ** 2 + (xx - cx) ** 2 < r * r] = rng.integers(0, 256, 3)
-        cv2.imwrite(str(out / name), img[:, :, ::-1])
 
 
 # ---- the graphs ------------------------------------------------------------------------------
@@ -241,35 +220,6 @@ def _rotary(x, cos, sin, half: int):
     return x * cos.unsqueeze(-2) + rotated * sin.unsqueeze(-2)
 
 
-class EmbedTokens(torch.nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.embed = model.get_input_embeddings()
-
-    def forward(self, input_ids):
-        return self.embed(input_ids)
-
-
-class MergedDecoder(torch.nn.Module):
-    """The Qwen2 text model + lm_head: position_ids [3, B, S], the cache as flat past/present tensors."""
-
-    def __init__(self, model):
-        super().__init__()
-        self.text, self.head = model.model.language_model, model.lm_head
-        self.layers = model.config.text_config.num_hidden_layers
-
-    def forward(self, inputs_embeds, attention_mask, position_ids, *past):
-        cache = DynamicCache(config=self.text.config)
-        for i in range(self.layers):
-            cache.update(past[2 * i], past[2 * i + 1], i)
-        out = self.text(inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
-                        cache=cache, use_cache=True)
-        presents = []
-        for i in range(self.layers):
-            presents += [cache.layers[i].keys, cache.layers[i].values]
-        return (self.head(out.last_hidden_state), *presents)
-
-
 def export_graphs(model, family: str, out: Path) -> None:
     onnx_dir = out / "onnx"
     onnx_dir.mkdir(parents=True, exist_ok=True)
@@ -287,30 +237,9 @@ def export_graphs(model, family: str, out: Path) -> None:
             dynamic_axes={"pixel_values": {0: "num_patches"}, grid_name: {0: "num_images"},
                           "image_features": {0: "num_image_tokens"}},
             opset_version=OPSET, dynamo=False)
-        torch.onnx.export(
-            EmbedTokens(model), (torch.zeros(1, 5, dtype=torch.long),), onnx_dir / "embed_tokens.onnx",
-            input_names=["input_ids"], output_names=["inputs_embeds"],
-            dynamic_axes={"input_ids": {0: "batch_size", 1: "sequence_length"},
-                          "inputs_embeds": {0: "batch_size", 1: "sequence_length"}},
-            opset_version=OPSET, dynamo=False)
-        b, s, p = 2, 3, 4  # a non-empty past, so nothing specialises on past length 0
-        past = [torch.randn(b, heads, p, head_dim) for _ in range(2 * text.num_hidden_layers)]
-        names_in = [f"past_key_values.{i}.{k}" for i in range(text.num_hidden_layers) for k in ("key", "value")]
-        names_out = [f"present.{i}.{k}" for i in range(text.num_hidden_layers) for k in ("key", "value")]
-        axes = {"inputs_embeds": {0: "batch_size", 1: "sequence_length"},
-                "attention_mask": {0: "batch_size", 1: "total_sequence_length"},
-                "position_ids": {1: "batch_size", 2: "sequence_length"},
-                "logits": {0: "batch_size", 1: "sequence_length"},
-                **{n: {0: "batch_size", 2: "past_sequence_length"} for n in names_in},
-                **{n: {0: "batch_size", 2: "total_sequence_length"} for n in names_out}}
-        positions = torch.stack([torch.arange(p, p + s), torch.arange(p + 1, p + s + 1), torch.arange(p + 2, p + s + 2)])
-        torch.onnx.export(
-            MergedDecoder(model),
-            (torch.randn(b, s, text.hidden_size), torch.ones(b, p + s, dtype=torch.long),
-             positions[:, None].expand(3, b, s).contiguous(), *past),
-            onnx_dir / "decoder_model_merged.onnx",
-            input_names=["inputs_embeds", "attention_mask", "position_ids", *names_in],
-            output_names=["logits", *names_out], dynamic_axes=axes, opset_version=OPSET, dynamo=False)
+    export_text_graphs(onnx_dir, EmbedTokens(model.get_input_embeddings()),
+                       MergedDecoder(model.model.language_model, model.lm_head, text.num_hidden_layers),
+                       text.hidden_size, heads, head_dim, position_axes=3)
 
 
 def check_vision_export(model, family: str) -> None:
@@ -338,29 +267,13 @@ def reference_cases(model, processor, out: Path) -> tuple[list[dict], dict[str, 
                            size={"shortest_edge": MIN_PIXELS, "longest_edge": budget * UNIT * UNIT})
         with torch.no_grad():
             features = model.model.visual(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"]).pooler_output
-            generated = model.generate(**inputs, max_new_tokens=MAX_NEW_TOKENS, do_sample=False,
-                                       output_scores=True, return_dict_in_generate=True)
-        prompt_len = inputs["input_ids"].shape[1]
-        tokens = generated.sequences[0, prompt_len:].tolist()
-        stops = set(model.generation_config.eos_token_id)
-        stopped = bool(tokens) and tokens[-1] in stops
-        margins = [float(torch.topk(s[0], 2).values.diff().abs()) for s in generated.scores]
         arrays[f"case{i}_pixels"] = inputs["pixel_values"].numpy()
         arrays[f"case{i}_features"] = features.numpy()
         cases.append({"image": image_name, "prompt": prompt, "budget_tokens": budget, "text": text,
                       "input_ids": inputs["input_ids"][0].tolist(),
                       "image_grid_thw": inputs["image_grid_thw"][0].tolist(),
-                      "tokens": tokens[:-1] if stopped else tokens, "finish_reason": "stop" if stopped else "length",
-                      "answer": processor.tokenizer.decode(tokens, skip_special_tokens=True),
-                      "min_top2_margin": round(min(margins), 4)})
+                      **greedy_reference(model, inputs, processor.tokenizer, MAX_NEW_TOKENS)})
     return cases, arrays
-
-
-def save_folder(model, processor, out: Path) -> None:
-    processor.tokenizer.save_pretrained(out)
-    processor.image_processor.save_pretrained(out)  # preprocessor_config.json, as published folders have it
-    model.config.save_pretrained(out)
-    model.generation_config.save_pretrained(out)
 
 
 def make(family: str, out: Path) -> None:
@@ -369,13 +282,12 @@ def make(family: str, out: Path) -> None:
     processor = build_processor(family, tokenizer)
     model = build_model(family, processor.tokenizer)
     check_vision_export(model, family)
-    save_folder(model, processor, out)
-    make_images(out)
+    save_folder(model, processor, out, processor_files=False)  # the processor has no video processor to save
+    make_images(out, SEED, IMAGES, discs=6, radii=(10, 50))
     export_graphs(model, family, out)
     cases, arrays = reference_cases(model, processor, out)
-    np.savez_compressed(out / "reference_arrays.npz", **arrays)
-    (out / "reference.json").write_text(json.dumps(
-        {"max_new_tokens": MAX_NEW_TOKENS, "trace_grid": list(TRACE_GRID), "cases": cases}, indent=1) + "\n")
+    write_reference(out, {"max_new_tokens": MAX_NEW_TOKENS, "trace_grid": list(TRACE_GRID), "cases": cases}, arrays,
+                    "reference_arrays.npz")
     for case in cases:
         print(f"{family} {case['image']} budget={case['budget_tokens']} grid={case['image_grid_thw']} "
               f"prompt={len(case['input_ids'])} tokens={case['tokens']} ({case['finish_reason']}, "
