@@ -208,75 +208,83 @@ class DecodingBatch:
 
     # ---- the step ------------------------------------------------------------------------
 
-    def step(self) -> None:
+    def step(self, until_end: bool = False) -> None:
         """Every answer's next token(s) from its rows' logits; answers that end or fail
-        leave; one decoder call gives the rows that go on their next logits."""
-        # the greedy token of every row in one pass; a row's logits are finite if its top
-        # one is (argmax lands on a NaN or +inf; all -inf stays -inf). Few numpy calls and
-        # few objects per step: each one right after a decoder call runs on cold caches.
-        best = self.logits.argmax(1).tolist()
-        top, stop_ids = self.logits.item, self.stop_ids
-        outcomes: list = []  # each answer's: the token its one row is fed, or what _regroup handles
-        regroup = False
-        start = 0  # the answer's first row
-        for a in self.answers:
-            width = a.width
-            try:
-                if a.cancelled is not None and a.cancelled.is_set():
-                    raise Cancelled("cancelled: the client went away or the request timed out")
-                if not (isfinite(top(start, best[start])) if width == 1 else
-                        all(isfinite(top(j, best[j])) for j in range(start, start + width))):
-                    raise DecodeFailure("the decoder gave non-finite logits (NaN or inf) for this request")
-                # a beam search steps by its own rules (edgemm/beams.py): its survivors, its end,
-                # or the offset of the row it collapses to, which then goes on greedily
-                offset = 0 if a.beams is None else self._next_beams(a, start)
-                if offset.__class__ is not int:
-                    outcome = offset
-                else:  # the answer's next token: greedy, or sampled from its own generator
-                    row = start + offset
-                    token = best[row] if a.rng is None else sample_token(self.logits[row], a.item.options, a.rng)
-                    if token in stop_ids:
-                        outcome = self._ended(a, "stop")
-                    else:
-                        a.tokens.append(token)
-                        if a.on_token is not None:
-                            a.on_token(token)
-                        if len(a.tokens) >= a.budget:
-                            outcome = self._ended(a, "length")
-                        else:  # it goes on: its one row fed this token, or (row offset, token)
-                            outcome = token if width == 1 else [(offset, token)]
-            except Exception as e:  # this answer fails alone; the others go on
-                outcome = e
-            if outcome.__class__ is int:  # the common case: its one row goes on
-                a.rows_stepped += 1
-            else:
-                regroup = True
-            outcomes.append(outcome)
-            start += width
-        # in the common case every row goes on, fed its answer's token
-        tokens = self._regroup(outcomes) if regroup else outcomes
-        if not self.answers:
-            return
-        try:
-            embeds = self.gen.embed_next(tokens)
-        except Exception as e:
-            embeds = self._embed_apart(tokens, e)
-            if embeds is None:
+        leave; one decoder call gives the rows that go on their next logits. With
+        `until_end`, the step repeats until no answer is left (run_to_end): one call
+        for the whole answer, not one per token, since each call made right after a
+        decoder call runs on cold caches."""
+        gen, stop_ids = self.gen, self.stop_ids
+        while True:
+            # the greedy token of every row in one pass; a row's logits are finite if its top
+            # one is (argmax lands on a NaN or +inf; all -inf stays -inf). Few numpy calls and
+            # few objects per step, for the same reason.
+            logits = self.logits
+            best = logits.argmax(1).tolist()
+            top = logits.item
+            outcomes: list = []  # each answer's: the token its one row is fed, or what _regroup handles
+            regroup = False
+            start = 0  # the answer's first row
+            for a in self.answers:
+                width = a.width
+                try:
+                    if a.cancelled is not None and a.cancelled.is_set():
+                        raise Cancelled("cancelled: the client went away or the request timed out")
+                    if not (isfinite(top(start, best[start])) if width == 1 else
+                            all(isfinite(top(j, best[j])) for j in range(start, start + width))):
+                        raise DecodeFailure("the decoder gave non-finite logits (NaN or inf) for this request")
+                    # a beam search steps by its own rules (edgemm/beams.py): its survivors, its end,
+                    # or the offset of the row it collapses to, which then goes on greedily
+                    offset = 0 if a.beams is None else self._next_beams(a, start)
+                    if offset.__class__ is not int:
+                        outcome = offset
+                    else:  # the answer's next token: greedy, or sampled from its own generator
+                        row = start + offset
+                        token = best[row] if a.rng is None else sample_token(logits[row], a.item.options, a.rng)
+                        if token in stop_ids:
+                            outcome = self._ended(a, "stop")
+                        else:
+                            a.tokens.append(token)
+                            if a.on_token is not None:
+                                a.on_token(token)
+                            if len(a.tokens) >= a.budget:
+                                outcome = self._ended(a, "length")
+                            else:  # it goes on: its one row fed this token, or (row offset, token)
+                                outcome = token if width == 1 else [(offset, token)]
+                except Exception as e:  # this answer fails alone; the others go on
+                    outcome = e
+                if outcome.__class__ is int:  # the common case: its one row goes on
+                    a.rows_stepped += 1
+                else:
+                    regroup = True
+                outcomes.append(outcome)
+                start += width
+            # in the common case every row goes on, fed its answer's token
+            tokens = self._regroup(outcomes) if regroup else outcomes
+            if not self.answers:
                 return
-        # one decoder call for every row; if it fails, so does every answer in it
-        column = self.width  # the new tokens' column
-        if column == self._mask.shape[1]:  # no spare column left
-            self._lay_out(self._padding, column, spare=max(SPARE_COLUMNS, column))
-        self.width = column + 1
-        mask = self._mask[:, :column + 1]
-        if self.rows > 1:  # a view of several rows is strided: the graph wants it packed
-            mask = np.ascontiguousarray(mask)
-        try:
-            self.logits = self.gen.step_in_place(self.feeds, embeds, mask, self._positions[column])
-        except Exception as e:
-            self._fail_all(e)
-            return
-        self._calls += 1
+            try:
+                embeds = gen.embed_next(tokens)
+            except Exception as e:
+                embeds = self._embed_apart(tokens, e)
+                if embeds is None:
+                    return
+            # one decoder call for every row; if it fails, so does every answer in it
+            column = self.width  # the new tokens' column
+            if column == self._mask.shape[1]:  # no spare column left
+                self._lay_out(self._padding, column, spare=max(SPARE_COLUMNS, column))
+            self.width = column + 1
+            mask = self._mask[:, :column + 1]
+            if self.rows > 1:  # a view of several rows is strided: the graph wants it packed
+                mask = np.ascontiguousarray(mask)
+            try:
+                self.logits = gen.step_in_place(self.feeds, embeds, mask, self._positions[column])
+            except Exception as e:
+                self._fail_all(e)
+                return
+            self._calls += 1
+            if not until_end:
+                return
 
     def _regroup(self, outcomes: list) -> list[int]:
         """The step changed some answers' rows: those that ended or failed are handed over
@@ -306,8 +314,8 @@ class DecodingBatch:
 
     def run_to_end(self) -> None:
         """Step until every answer has ended (nobody joins meanwhile)."""
-        while self.answers:
-            self.step()
+        if self.answers:
+            self.step(until_end=True)
 
     def _next_beams(self, a: Answer, start: int) -> list[tuple[int, int]] | Generation | int:
         """A beam search's step (edgemm/beams.py): its survivors, its end, or the offset of

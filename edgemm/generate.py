@@ -137,7 +137,7 @@ class Generator:
         self.pixel_dtype = encoder.inputs["pixel_values"].dtype  # e.g. float16 in _fp16 exports
         spec = encoder.inputs.get("pixel_attention_mask")
         self.pixel_mask_dtype = spec.dtype if spec is not None else None
-        self._token_embeds: dict[int, np.ndarray] = {}  # token id → its embedding [1, D] (see embed_next)
+        self._token_embeds: dict[int, np.ndarray] = {}  # token id → its embedding [1, 1, D] (see embed_next)
         # optional decoder inputs (optimum's merged exports), made once rather than every step
         self._cache_branch = "use_cache_branch" in decoder.inputs
         self._true, self._false = np.array([True]), np.array([False])
@@ -181,16 +181,16 @@ class Generator:
         two. Bounded: the table starts afresh past TOKEN_EMBED_BYTES."""
         table = self._token_embeds  # one table throughout, even if another thread starts a new one
         if len(tokens) == 1 and (known := table.get(tokens[0])) is not None:
-            return known[None]  # the common case: one row, a token seen before
+            return known  # the common case: one row, a token seen before (kept as [1, 1, D]: no view to make)
         missing = [t for t in dict.fromkeys(tokens) if t not in table]
         if missing:
             out = self.embed.run({"input_ids": np.array(missing, np.int64)[:, None]})["inputs_embeds"]
-            out = out.astype(self.embed_dtype, copy=False)
+            out = out.astype(self.embed_dtype, copy=False)  # [n, 1, D]
             if (len(table) + len(missing)) * out[0].nbytes > TOKEN_EMBED_BYTES:
                 table = self._token_embeds = {}
-            for token, embedding in zip(missing, out):
-                table[token] = embedding
-        return np.stack([table[t] for t in tokens])
+            for i, token in enumerate(missing):
+                table[token] = out[i:i + 1]
+        return np.concatenate([table[t] for t in tokens])
 
     def step(self, embeds: np.ndarray, mask: np.ndarray, past: dict[str, np.ndarray],
              positions: np.ndarray | None = None) -> tuple[np.ndarray, dict]:

@@ -25,6 +25,7 @@ from edgemm.power import Route
 from edgemm.scheduler import POLICY_FILE, Decision, Scheduler, TierPolicy
 
 PROMPT_CACHE_SIZE = 256  # distinct (prompt, tier, image size) whose ids are kept
+OPTIONS_CACHE_SIZE = 64  # distinct generation options kept, checked (GenerationOptions)
 
 
 @dataclass
@@ -81,6 +82,10 @@ class Preparation:
         self.keyed = bool(config.cache.max_bytes)  # feature-cache keys are made here, off the encoder's thread
         # (prompt, tier, image size) → ids; lru_cache is thread-safe
         self._cached_prompt = functools.lru_cache(maxsize=PROMPT_CACHE_SIZE)(self._read_only_prompt)
+        # the same few option values again and again (the config's, a client's): each set is
+        # checked once, and the requests that ask for it share its GenerationOptions (nothing
+        # changes a request's options). typed: 1 and True, 1 and 1.0 are checked apart
+        self._checked_options = functools.lru_cache(maxsize=OPTIONS_CACHE_SIZE, typed=True)(GenerationOptions)
 
     def check_size(self, image) -> None:
         """Refuse oversized encoded images before reading or decoding them."""
@@ -124,13 +129,16 @@ class Preparation:
         if len(prompt) > self.config.limits.max_prompt_chars:
             raise InputError(f"prompt is {len(prompt)} characters, above the "
                              f"{self.config.limits.max_prompt_chars} limit (limits.max_prompt_chars)")
-        options = GenerationOptions(
-            max_new_tokens=max_new_tokens if max_new_tokens is not None else gen.max_new_tokens,
-            temperature=temperature if temperature is not None else gen.temperature,
-            top_p=top_p if top_p is not None else gen.top_p,
-            seed=seed if seed is not None else gen.seed,
-            num_beams=num_beams if num_beams is not None else gen.num_beams,
-            beam_gate=beam_gate if beam_gate is not None else gen.beam_gate)
+        values = (max_new_tokens if max_new_tokens is not None else gen.max_new_tokens,
+                  temperature if temperature is not None else gen.temperature,
+                  top_p if top_p is not None else gen.top_p,
+                  seed if seed is not None else gen.seed,
+                  num_beams if num_beams is not None else gen.num_beams,
+                  beam_gate if beam_gate is not None else gen.beam_gate)  # GenerationOptions' order
+        try:
+            options = self._checked_options(*values)
+        except TypeError:  # a value that does not hash (a list …): GenerationOptions says what is wrong
+            options = GenerationOptions(*values)
         rgb = self.load(image)
         pinned = tier or gen.tier
         decision = self.scheduler.decide(rgb, prompt, self.manifest.tier(pinned).name if pinned else None)

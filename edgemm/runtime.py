@@ -199,9 +199,9 @@ class Runtime:
         end of the answer held back text, once more with token id -1. The pieces
         concatenate to `result.text`."""
         t0 = time.perf_counter()
-        request = self.prepare(image, prompt, tier=tier, max_new_tokens=max_new_tokens,
-                               temperature=temperature, top_p=top_p, seed=seed,
-                               num_beams=num_beams, beam_gate=beam_gate, route=route)
+        request = self.preparation.prepare(image, prompt, tier=tier, max_new_tokens=max_new_tokens,
+                                           temperature=temperature, top_p=top_p, seed=seed,
+                                           num_beams=num_beams, beam_gate=beam_gate, route=route)
         return self.answer(request, on_token, started=t0)
 
     def answer(self, request: PreparedRequest, on_token: TextCallback | None = None,

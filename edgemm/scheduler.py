@@ -327,13 +327,17 @@ class Scheduler:
         self.why = why
         if policy is not None:
             policy.check_tiers(self.tiers)
+        # the decisions that need no statistics are the same for every frame: made once (a
+        # frozen dataclass costs microseconds to build, on every request's path)
+        self._pinned = {tier: Decision(tier, "pinned", policy=self.name, policy_reason=why) for tier in self.tiers}
+        self._top = Decision(default_tier, "policy top: the model's default tier", policy=self.name, policy_reason=why)
 
     def decide(self, rgb: np.ndarray, prompt: str, pinned: str | None = None) -> Decision:
         if pinned is not None:
-            return Decision(pinned, "pinned", policy=self.name, policy_reason=self.why)
+            made = self._pinned.get(pinned)
+            return made if made is not None else Decision(pinned, "pinned", policy=self.name, policy_reason=self.why)
         if self.policy is None:
-            return Decision(self.default_tier, "policy top: the model's default tier",
-                            policy=self.name, policy_reason=self.why)
+            return self._top
         stats = saliency_stats(rgb) if self.policy.needs_statistics(prompt) else None
         tier, reason = self.policy.choose(stats, prompt, self.tiers)
         return Decision(tier, reason, stats, self.name, self.why)

@@ -106,6 +106,20 @@ def test_bad_generation_option_is_an_input_error(runtime, sample):
         runtime.infer(sample, PROMPT, top_p=0)
 
 
+def test_generation_options_are_checked_once_per_set_of_values(runtime, sample):
+    """Preparation keeps each checked set of options: equal values share one, but a value that
+    only compares equal to an accepted one (True == 1, 2.0 == 2) is still checked, and one that
+    does not hash gets the validator's message, not a TypeError."""
+    first, again = runtime.prepare(sample, PROMPT, seed=1), runtime.prepare(sample, PROMPT, seed=1)
+    assert first.options is again.options and first.options.seed == 1
+    assert runtime.prepare(sample, PROMPT, seed=2).options.seed == 2
+    runtime.prepare(sample, PROMPT, max_new_tokens=2)
+    for bad, field in (({"seed": True}, "seed"), ({"max_new_tokens": 2.0}, "max_new_tokens"),
+                       ({"max_new_tokens": [2]}, "max_new_tokens"), ({"top_p": {}}, "top_p")):
+        with pytest.raises(InputError, match=f"'{field}' must be a"):
+            runtime.prepare(sample, PROMPT, **bad)
+
+
 # ---- accuracy (needs the trained model) ----------------------------------------------------
 
 @pytest.mark.parametrize("name", SAMPLE_NAMES)
