@@ -78,7 +78,7 @@ REDUCTION = "edgemm_calibration"  # the prefix of the reduction nodes' names and
 SAMPLE_INPUT = f"{REDUCTION}/uniform"  # --method percentile: the draws that pick each input's samples
 SMALL_MODEL_BYTES = 64 << 20  # fp32 graphs under this: the default --scenes is SMALL_MODEL_SCENES
 SMALL_MODEL_SCENES = 480  # the built-in model's shipped _int8 was calibrated on these
-LARGE_MODEL_SCENES = 12  # a real-size model: every tier four times (docs/BENCHMARKS.md has the cost)
+LARGE_MODEL_SCENES = 6  # a real-size model: every tier twice (docs/BENCHMARKS.md has the cost)
 PERCENTILE = 99.99  # --method percentile: each range is ±(this percentile of |x|)
 PROGRESS_EVERY_S = 1.0  # the progress line is rewritten at most this often within a scene
 SAMPLES_PER_FEED = 4096  # |x| values kept per tensor per calibration input for the percentile
@@ -130,8 +130,9 @@ class Recorder:
 class SceneFeeds:
     """The feeds one component runs while the fp32 graphs answer generated scenes, scene by
     scene as they are asked for: only one scene's feeds are held at a time, never all of them.
-    Scenes go round the tiers and a question each; the decoder keeps every third step.
-    A tiled encoder's feed is one tile per input (Recorder)."""
+    Scenes go round the tiers and a question each; the decoder keeps every third step of
+    their answers (the encoder's pass only encodes, never answers). A tiled encoder's feed is
+    one tile per input (Recorder)."""
 
     def __init__(self, rt: Runtime, component: str, scenes: int):
         self.rt, self.component, self.scenes = rt, component, scenes
@@ -153,7 +154,12 @@ class SceneFeeds:
             for i in range(self.scenes):
                 scene = make_scene(CALIBRATION_SEED_BASE + i)
                 question = sample_question(scene, rng)
-                self.rt.infer(scene.image, question.prompt, tier=tiers[i % len(tiers)])
+                tier = tiers[i % len(tiers)]
+                if self.component == "vision_encoder":  # its inputs are all it needs: no answer
+                    request = self.rt.prepare(scene.image, question.prompt, tier=tier)
+                    self.rt.encode(request.pixel_values, [request.cache_key], request.route)
+                else:
+                    self.rt.infer(scene.image, question.prompt, tier=tier)
                 in_scene = len(self.pending)
                 for done in range(1, in_scene + 1):
                     self.count += 1
