@@ -230,3 +230,41 @@ def test_a_real_size_model_gets_the_few_scenes_default(tmp_path):
 
     assert default_scenes(Manifest(SMALL_MODEL_BYTES // 2)) == SMALL_MODEL_SCENES
     assert default_scenes(Manifest(SMALL_MODEL_BYTES * 16)) == LARGE_MODEL_SCENES
+
+
+@pytest.mark.parametrize("method", ["minmax", "percentile"])
+def test_each_reduction_runs_right_after_its_tensor_is_made(tmp_path, model_dir, method):
+    """What keeps the memory at an ordinary run's: in onnxruntime's execution order (from its
+    profile), no Conv / MatMul / Gemm of the graph itself runs between a tensor's producer and
+    the reductions of that tensor, so the tensor is freed as soon as the graph is done with it
+    (shape nodes may: this order runs them first). In onnxruntime's default order this fails:
+    the reductions ran late, after layers that made tensors of their own."""
+    import json
+    from quantize import REDUCTION, SAMPLE_INPUT, SAMPLES_PER_FEED, SceneFeeds, calibration_options, fp32_runtime
+    from quantize import reduction_graph
+    model, tensors = reduction_graph(model_dir / "vision_encoder.onnx", method)
+    path = tmp_path / "reduced.onnx"
+    onnx.save(model, str(path))
+    producer = {t: n.name for n in model.graph.node if not n.name.startswith(REDUCTION) for t in n.output}
+    heavy = {n.name for n in model.graph.node if n.op_type in ("Conv", "MatMul", "Gemm")}
+    options = calibration_options()
+    options.enable_profiling, options.profile_file_prefix = True, str(tmp_path / "profile")
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    feed = next(iter(SceneFeeds(fp32_runtime(model_dir), "vision_encoder", 1)))
+    if method == "percentile":
+        feed[SAMPLE_INPUT] = np.random.default_rng(0).random(SAMPLES_PER_FEED)
+    session.run(None, feed)
+    events = json.loads(Path(session.end_profiling()).read_text())
+    order = [e["name"][:-len("_kernel_time")] for e in sorted(events, key=lambda e: e["ts"])
+             if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
+    last_own = None  # the graph's own Conv / MatMul / Gemm run last
+    checked = 0
+    for name in order:
+        if not name.startswith(REDUCTION + "/"):
+            last_own = name if name in heavy else last_own
+            continue
+        tensor = tensors[int(name.split("/")[1])]
+        if producer.get(tensor) in heavy:  # (a graph input is the caller's, alive throughout anyway)
+            assert last_own == producer[tensor], (name, tensor, last_own)
+            checked += 1
+    assert checked > len(tensors)
