@@ -48,13 +48,14 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import yaml
+from onnx import helper, numpy_helper
 from onnxruntime.quantization import (CalibrationDataReader, CalibrationMethod, QuantFormat,
                                       QuantType, quantize_dynamic, quantize_static)
 from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
 logging.getLogger().setLevel(logging.WARNING)  # the quantizers log every node at INFO
 logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
-from onnxruntime.quantization.qdq_loss_debug import _TENSOR_SAVE_POSTFIX, modify_model_output_intermediate_tensors
+from onnxruntime.quantization.calibrate import CalibraterBase
 from onnxruntime.quantization.shape_inference import quant_pre_process
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -73,75 +74,112 @@ VARIANTS = ("int8", "q4", "q4f16", "quantized", "fp16")  # --variant: the file s
 Q4_BLOCK = 32  # weights per 4-bit block (one scale each): onnxruntime's and transformers.js' q4 choice
 Q4_ACCURACY_LEVEL = 4  # MatMulNBits computes with int8 activations: the fast CPU kernel
 MOVING_AVERAGE = 0.01  # --moving-average: onnxruntime's calibrator's averaging constant
-SAVED = _TENSOR_SAVE_POSTFIX  # the suffix modify_model_output_intermediate_tensors gives a tensor's copy
+REDUCTION = "edgemm_calibration"  # the prefix of the reduction nodes' names and outputs
+SAMPLE_INPUT = f"{REDUCTION}/uniform"  # --method percentile: the draws that pick each input's samples
 SMALL_MODEL_BYTES = 64 << 20  # fp32 graphs under this: the default --scenes is SMALL_MODEL_SCENES
 SMALL_MODEL_SCENES = 480  # the built-in model's shipped _int8 was calibrated on these
-LARGE_MODEL_SCENES = 12  # a real-size model: every tier four times (docs/BENCHMARKS.md has the cost)
+LARGE_MODEL_SCENES = 6  # a real-size model: every tier twice (docs/BENCHMARKS.md has the cost)
 PERCENTILE = 99.99  # --method percentile: each range is ±(this percentile of |x|)
+PROGRESS_EVERY_S = 1.0  # the progress line is rewritten at most this often within a scene
 SAMPLES_PER_FEED = 4096  # |x| values kept per tensor per calibration input for the percentile
 
 
-class Recorder:
-    """Wraps a component and hands a copy of every `keep_every`-th feed it runs to `keep`."""
+def one_tile_each(feeds: dict) -> list[dict]:
+    """A tiled encoder's feed [B,T,3,H,W] as B·T feeds of one tile, in order (else [feeds]):
+    the tiles are independent images, and at real size one call's activations for 17 tiles
+    are gigabytes (a single SigLIP tile's attention alone is [12, 1024, 1024])."""
+    pixels = feeds.get("pixel_values")
+    if pixels is None or pixels.ndim != 5 or pixels.shape[0] * pixels.shape[1] == 1:
+        return [feeds]
+    mask = feeds.get("pixel_attention_mask")
+    tiles = []
+    for b in range(pixels.shape[0]):
+        for t in range(pixels.shape[1]):
+            tile = {"pixel_values": pixels[b:b + 1, t:t + 1]}
+            if mask is not None:
+                tile["pixel_attention_mask"] = mask[b:b + 1, t:t + 1]
+            tiles.append(tile)
+    return tiles
 
-    def __init__(self, component, keep, keep_every: int = 1):
+
+class Recorder:
+    """Wraps a component: hands a copy of every `keep_every`-th input it runs to `keep` (if
+    any), and runs a tiled encoder feed one tile at a time (one_tile_each), its outputs
+    joined on the batch axis as the tiled call returns them ([B·T, n, D], or a shape the
+    generator reshapes from that order), so the fp32 graphs making the feeds never hold
+    more than one tile's activations either."""
+
+    def __init__(self, component, keep=None, keep_every: int = 1):
         self.component, self.keep, self.keep_every, self.calls = component, keep, keep_every, 0
 
     def __getattr__(self, name):
         return getattr(self.component, name)
 
     def run(self, feeds):
-        if self.calls % self.keep_every == 0:
-            self.keep({k: np.array(v) for k, v in feeds.items()})
+        parts = one_tile_each(feeds)
+        if self.keep is not None and self.calls % self.keep_every == 0:
+            for part in parts:
+                self.keep({k: np.array(v) for k, v in part.items()})
         self.calls += 1
-        return self.component.run(feeds)
+        if len(parts) == 1:
+            return self.component.run(feeds)
+        outputs = [self.component.run(part) for part in parts]
+        return {name: np.concatenate([o[name] for o in outputs]) for name in outputs[0]}
 
 
 class SceneFeeds:
     """The feeds one component runs while the fp32 graphs answer generated scenes, scene by
     scene as they are asked for: only one scene's feeds are held at a time, never all of them.
-    Scenes go round the tiers and a question each; the decoder keeps every third step.
-    A tiled encoder's feed is split into one tile per feed: the tiles are independent images,
-    and a 17-tile feed's activations alone would be gigabytes."""
+    Scenes go round the tiers and a question each; the decoder keeps every third step of
+    their answers (the encoder's pass only encodes, never answers). A tiled encoder's feed is
+    one tile per input (Recorder)."""
 
     def __init__(self, rt: Runtime, component: str, scenes: int):
         self.rt, self.component, self.scenes = rt, component, scenes
         self.pending: collections.deque[dict] = collections.deque()
         self.count = 0
+        self.shown = 0.0  # when the progress line was last written
 
     def __iter__(self):
         rng = np.random.default_rng(CALIBRATION_SEED_BASE)
         tiers = list(self.rt.manifest.tiers)
-        attribute = {"vision_encoder": "encoder", "decoder": "decoder"}[self.component]
-        original = getattr(self.rt.generator, attribute)
-        setattr(self.rt.generator, attribute, Recorder(original, self._keep, 3 if self.component == "decoder" else 1))
+        generator = self.rt.generator
+        encoder, decoder = generator.encoder, generator.decoder
+        if self.component == "vision_encoder":
+            generator.encoder = Recorder(encoder, self.pending.append)
+        else:  # the encoder still one tile at a time
+            generator.encoder, generator.decoder = Recorder(encoder), Recorder(decoder, self.pending.append, 3)
         started = time.perf_counter()
         try:
             for i in range(self.scenes):
                 scene = make_scene(CALIBRATION_SEED_BASE + i)
                 question = sample_question(scene, rng)
-                self.rt.infer(scene.image, question.prompt, tier=tiers[i % len(tiers)])
-                while self.pending:
+                tier = tiers[i % len(tiers)]
+                if self.component == "vision_encoder":  # its inputs are all it needs: no answer
+                    request = self.rt.prepare(scene.image, question.prompt, tier=tier)
+                    self.rt.encode(request.pixel_values, [request.cache_key], request.route)
+                else:
+                    self.rt.infer(scene.image, question.prompt, tier=tier)
+                in_scene = len(self.pending)
+                for done in range(1, in_scene + 1):
                     self.count += 1
                     yield self.pending.popleft()
-                progress(f"calibrating {self.component}: scene {i + 1}/{self.scenes}, {self.count} inputs, "
-                         f"{time.perf_counter() - started:.0f} s")
+                    if done == in_scene or time.perf_counter() - self.shown >= PROGRESS_EVERY_S:
+                        self._progress(i, done / in_scene, started)
+                if not in_scene:
+                    self._progress(i, 1.0, started)
         finally:
-            setattr(self.rt.generator, attribute, original)
+            generator.encoder, generator.decoder = encoder, decoder
             progress(None)
 
-    def _keep(self, feeds: dict) -> None:
-        pixels = feeds.get("pixel_values")
-        if pixels is not None and pixels.ndim == 5 and pixels.shape[0] * pixels.shape[1] > 1:
-            mask = feeds.get("pixel_attention_mask")
-            for b in range(pixels.shape[0]):
-                for t in range(pixels.shape[1]):
-                    tile = {"pixel_values": pixels[b:b + 1, t:t + 1]}
-                    if mask is not None:
-                        tile["pixel_attention_mask"] = mask[b:b + 1, t:t + 1]
-                    self.pending.append(tile)
-        else:
-            self.pending.append(feeds)
+    def _progress(self, scene: int, fraction: float, started: float) -> None:
+        """Where it is: scene k/N, inputs so far, seconds, and an ETA from the scenes done
+        (`fraction` of scene `scene` included; over a round of tiers it averages their costs)."""
+        self.shown = time.perf_counter()
+        elapsed = self.shown - started
+        eta = elapsed / (scene + fraction) * (self.scenes - scene - fraction)
+        progress(f"calibrating {self.component}: scene {scene + 1}/{self.scenes}, {self.count} inputs, "
+                 f"{elapsed:.0f} s, ETA {eta:.0f} s")
 
 
 def progress(line: str | None) -> None:
@@ -193,46 +231,125 @@ def matching_nodes(path: Path, patterns: list[str]) -> list[str]:
     return [name for name in names if any(fnmatch.fnmatchcase(name, p) for p in patterns)]
 
 
+def reduction_graph(prepared: Path, method: str) -> tuple[onnx.ModelProto, list[str]]:
+    """The prepared graph with, for every float tensor a Conv/MatMul/Gemm reads or writes
+    (onnxruntime's own calibrator's choice), a few small outputs of its own: its size and, for
+    minmax, its ReduceMax and ReduceMin (max |x| = max(|max|, |min|): no |x| tensor is made);
+    for percentile, SAMPLES_PER_FEED of its |x| values picked in the graph (every value of a
+    smaller tensor). Only those are outputs, so onnxruntime frees each activation after its
+    last use as in any inference, and one input's peak is one ordinary run's (making every
+    activation an output kept them all alive to the end: 6.5 GB at SmolVLM-256M's size).
+    Each reduction is placed right after the node that makes its tensor. Percentile sampling
+    reads the graph input SAMPLE_INPUT: SAMPLES_PER_FEED uniforms in [0, 1) drawn per input;
+    value i of a larger tensor of n is |x|[floor(u[i] * n)]. Returns the graph and the tensors."""
+    calibrater = CalibraterBase(prepared, op_types_to_calibrate=QUANTIZED_OPS)
+    model = calibrater.model
+    tensors = sorted(calibrater.select_tensors_to_calibrate(model)[0])
+    graph = model.graph
+    c = {key: f"{REDUCTION}/{key}" for key in ("flat", "zero", "one", "samples")}
+    if method == "percentile":
+        graph.input.append(helper.make_tensor_value_info(SAMPLE_INPUT, onnx.TensorProto.DOUBLE, [SAMPLES_PER_FEED]))
+        graph.initializer.extend(numpy_helper.from_array(np.array(value, np.int64), c[key]) for key, value in
+                                 (("flat", [-1]), ("zero", 0), ("one", 1), ("samples", SAMPLES_PER_FEED)))
+
+    types = {v.name: v.type.tensor_type.elem_type for v in (*graph.value_info, *graph.input, *graph.output)}
+
+    def reductions(tensor: str, i: int) -> list[onnx.NodeProto]:
+        out = f"{REDUCTION}/{i}"  # tensor names can hold any character; the index is safe
+        nodes = [helper.make_node("Size", [tensor], [f"{out}/size"])]
+        outputs = [(f"{out}/size", onnx.TensorProto.INT64)]
+        if method == "minmax":
+            nodes += [helper.make_node("ReduceMax", [tensor], [f"{out}/max"], keepdims=1),
+                      helper.make_node("ReduceMin", [tensor], [f"{out}/min"], keepdims=1)]
+            outputs += [(f"{out}/max", None), (f"{out}/min", None)]
+        else:
+            n, o = f"{out}/size", out
+            nodes += [
+                helper.make_node("Min", [n, c["samples"]], [f"{o}/m"]),
+                helper.make_node("Range", [c["zero"], f"{o}/m", c["one"]], [f"{o}/j"]),  # 0 … m-1
+                helper.make_node("Gather", [SAMPLE_INPUT, f"{o}/j"], [f"{o}/u"]),
+                helper.make_node("Cast", [n], [f"{o}/nf"], to=onnx.TensorProto.DOUBLE),
+                helper.make_node("Mul", [f"{o}/u", f"{o}/nf"], [f"{o}/un"]),
+                helper.make_node("Floor", [f"{o}/un"], [f"{o}/floor"]),
+                helper.make_node("Cast", [f"{o}/floor"], [f"{o}/drawn"], to=onnx.TensorProto.INT64),
+                helper.make_node("Sub", [n, c["one"]], [f"{o}/n1"]),
+                helper.make_node("Min", [f"{o}/drawn", f"{o}/n1"], [f"{o}/clipped"]),  # u·n rounded up to n
+                helper.make_node("Greater", [n, c["samples"]], [f"{o}/large"]),
+                helper.make_node("Where", [f"{o}/large", f"{o}/clipped", f"{o}/j"], [f"{o}/index"]),
+                helper.make_node("Reshape", [tensor, c["flat"]], [f"{o}/flat"]),
+                helper.make_node("Gather", [f"{o}/flat", f"{o}/index"], [f"{o}/picked"]),
+                helper.make_node("Abs", [f"{o}/picked"], [f"{o}/samples"])]
+            outputs.append((f"{o}/samples", None))
+        for name, elem in outputs:
+            graph.output.append(helper.make_tensor_value_info(name, elem or types[tensor], None))
+        for node in nodes:
+            node.name = node.output[0]  # a profile (and the ordering test) says which tensor it reduces
+        return nodes
+
+    index = {name: i for i, name in enumerate(tensors)}
+    produced = {t for node in graph.node for t in node.output}
+    ordered = [n for t in tensors if t not in produced for n in reductions(t, index[t])]  # graph inputs
+    for node in graph.node:
+        ordered.append(node)
+        ordered += [n for t in node.output if t in index for n in reductions(t, index[t])]
+    del graph.node[:]
+    graph.node.extend(ordered)
+    return model, tensors
+
+
+def calibration_options() -> ort.SessionOptions:
+    """How the reduction graph is run: unoptimised (its tensors are the prepared graph's, by
+    name), and its nodes in the graph's order where it can, each reduction just after its
+    tensor is made. onnxruntime's default order ran the reductions late, so every activation
+    stayed alive until then: one SigLIP tile took 3.9 GB more than an ordinary run, against
+    0.13 GB (as an ordinary run) in this order."""
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
+    return options
+
+
 def activation_ranges(prepared: Path, feeds, method: str, percentile: float, moving_average: bool,
                       first: list) -> dict:
     """onnxruntime TensorQuantOverrides: for every float tensor a Conv/MatMul/Gemm reads or
     writes, the symmetric range ±r. minmax: r is the largest |x| seen (with `moving_average`,
     each input's largest |x| averaged as onnxruntime's calibrator does); percentile: r is that
-    percentile of |x|, from SAMPLES_PER_FEED values a tensor keeps per input. Streamed: one
-    input's activations are in memory at a time (onnxruntime's own calibrators keep every
-    input's, gigabytes at real size). `first` gets the smallest feed seen, for OneFeed."""
+    percentile of |x|, from SAMPLES_PER_FEED values a tensor keeps per input. Streamed and
+    reduced in the graph (reduction_graph): one input, and of its activations only what an
+    ordinary run holds, is in memory at a time. `first` gets the smallest feed seen, for OneFeed."""
     rng = np.random.default_rng(0)
     largest: dict[str, float] = {}
     samples: dict[str, list[np.ndarray]] = {}
+    model, tensors = reduction_graph(prepared, method)
     with tempfile.TemporaryDirectory() as tmp:
-        augmented = Path(tmp) / "augmented.onnx"  # every Conv/MatMul/Gemm float tensor is an output too
-        modify_model_output_intermediate_tensors(str(prepared), str(augmented), QUANTIZED_OPS)
-        options = ort.SessionOptions()
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # the tensors by name
-        session = ort.InferenceSession(str(augmented), options, providers=["CPUExecutionProvider"])
-        names = [o.name for o in session.get_outputs()]
-        wanted = [i for i, n in enumerate(names) if n.endswith(SAVED)]
-        for feeds_ in feeds:
-            size = sum(v.nbytes for v in feeds_.values())
-            if not first or size < first[1]:
-                first[:] = [feeds_, size]
-            for i, value in zip(wanted, session.run([names[i] for i in wanted], feeds_)):
-                name = names[i][:-len(SAVED)]
-                if not np.issubdtype(value.dtype, np.floating) or value.size == 0:
-                    continue
-                magnitude = np.abs(value.reshape(-1))
-                if method == "percentile":
-                    if magnitude.size > SAMPLES_PER_FEED:
-                        magnitude = magnitude[rng.integers(0, magnitude.size, SAMPLES_PER_FEED)]
-                    samples.setdefault(name, []).append(magnitude.astype(np.float32))
-                    continue
-                r = float(magnitude.max())
-                if name not in largest:
-                    largest[name] = r
-                elif moving_average:  # onnxruntime's averaging constant
-                    largest[name] += MOVING_AVERAGE * (r - largest[name])
-                else:
-                    largest[name] = max(largest[name], r)
+        augmented = Path(tmp) / "augmented.onnx"
+        onnx.save(model, str(augmented))
+        del model  # the session holds its own copy of the weights
+        session = ort.InferenceSession(str(augmented), calibration_options(), providers=["CPUExecutionProvider"])
+    per_tensor = 3 if method == "minmax" else 2
+    names = [f"{REDUCTION}/{i}/{part}" for i in range(len(tensors))
+             for part in (("size", "max", "min") if method == "minmax" else ("size", "samples"))]
+    for feeds_ in feeds:
+        size = sum(v.nbytes for v in feeds_.values())
+        if not first or size < first[1]:
+            first[:] = [feeds_, size]
+        if method == "percentile":
+            feeds_ = {**feeds_, SAMPLE_INPUT: rng.random(SAMPLES_PER_FEED)}
+        values = session.run(names, feeds_)
+        for i, name in enumerate(tensors):
+            got = values[i * per_tensor:(i + 1) * per_tensor]
+            if int(got[0]) == 0:  # an empty tensor has no range
+                continue
+            if method == "percentile":
+                samples.setdefault(name, []).append(got[1].astype(np.float32))
+                continue
+            r = float(max(abs(got[1].item()), abs(got[2].item())))
+            if name not in largest:
+                largest[name] = r
+            elif moving_average:  # onnxruntime's averaging constant
+                largest[name] += MOVING_AVERAGE * (r - largest[name])
+            else:
+                largest[name] = max(largest[name], r)
     if method == "percentile":
         largest = {name: float(np.percentile(np.concatenate(parts), percentile)) for name, parts in samples.items()}
     return {name: [{"rmin": np.float32(-r), "rmax": np.float32(r)}] for name, r in largest.items() if r > 0}
