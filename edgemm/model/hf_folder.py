@@ -16,36 +16,122 @@ family reads its own part (tiers, preprocessing, image and stop tokens) through 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from edgemm.errors import ModelError
 from edgemm.files import read_model_file
 from edgemm.model.family import family_entry
-from edgemm.model.manifest_types import ModelManifest, precisions_present as present_in_folder
+from edgemm.model.manifest_types import ModelManifest, ResolutionTier, precisions_present as present_in_folder
 
 ONNX_FILES = {"vision_encoder": "onnx/vision_encoder.onnx", "embed_tokens": "onnx/embed_tokens.onnx",
               "decoder": "onnx/decoder_model_merged.onnx"}
 CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json", "processor_config.json",
                        "tokenizer_config.json")
+# the README's promise: the model never sees more than 4096 px a side, so no folder may ask
+# for a resize beyond it (a 100000x100000 target would need 28 GiB before any check ran)
+MAX_IMAGE_SIDE = 4096
+MAX_IMAGE_PIXELS = MAX_IMAGE_SIDE * MAX_IMAGE_SIDE
 
 
-def read_json(path: Path, required: bool = True) -> dict:
+class JsonObject(dict):
+    """A JSON object of a model folder's file that knows where it is (the file, and the keys
+    above it). Its typed accessors are how the families read values: a value of the wrong
+    type or out of range is a one-line ModelError naming the file and the key
+    ("DIR/config.json: text_config must be an object"), the exit code of a broken folder.
+    An absent key or a JSON null takes the default."""
+
+    def __init__(self, data: dict, file: Path, prefix: str = ""):
+        super().__init__(data)
+        self.file = file
+        self.prefix = prefix
+
+    def refuse(self, key: str, needs: str, value: object = None) -> ModelError:
+        got = f" (got {json.dumps(value)[:60]})" if value is not None else ""
+        return ModelError(f"{self.file}: {self.prefix}{key} must be {needs}{got}")
+
+    def _value(self, key: str, default: object, needs: str) -> object:
+        value = self.get(key)
+        if value is None:
+            if default is None:
+                raise ModelError(f"{self.file}: needs {self.prefix}{key}, {needs}")
+            return default
+        return value
+
+    def object(self, key: str) -> JsonObject:
+        """The object under `key` ({} where absent)."""
+        value = self.get(key)
+        if value is not None and not isinstance(value, dict):
+            raise self.refuse(key, "an object", value)
+        return JsonObject(value or {}, self.file, f"{self.prefix}{key}.")
+
+    def integer(self, key: str, default: int | None = None, least: int = 1, most: int | None = None) -> int:
+        """An integer from `least` to `most`; without a default the key is required."""
+        bounds = f"an integer from {least} to {most}" if most is not None else f"an integer of at least {least}"
+        value = self._value(key, default, bounds)
+        if not isinstance(value, int) or isinstance(value, bool) or value < least or (most is not None and value > most):
+            raise self.refuse(key, bounds, value)
+        return value
+
+    def side(self, key: str, default: int | None = None) -> int:
+        """An image side in pixels that the folder resizes to: 1 … MAX_IMAGE_SIDE."""
+        return self.integer(key, default, most=MAX_IMAGE_SIDE)
+
+    def number(self, key: str, default: float | None = None, positive: bool = False) -> float:
+        """A finite number (above 0 if `positive`)."""
+        needs = "a finite number above 0" if positive else "a finite number"
+        value = self._value(key, default, needs)
+        if not _finite(value) or (positive and value <= 0):
+            raise self.refuse(key, needs, value)
+        return float(value)
+
+    def numbers(self, key: str, default: list[float], count: int, positive: bool = False) -> list[float]:
+        """`count` finite numbers (above 0 if `positive`); one number stands for all of them, as
+        transformers' image processors read an image_mean of one value."""
+        needs = f"{count} finite numbers{' above 0' if positive else ''}"
+        value = self._value(key, default, needs)
+        values = [value] * count if _finite(value) else value
+        if not (isinstance(values, list) and len(values) == count
+                and all(_finite(v) and (v > 0 or not positive) for v in values)):
+            raise self.refuse(key, needs, value)
+        return [float(v) for v in values]
+
+    def flag(self, key: str, default: bool) -> bool:
+        """true or false."""
+        value = self._value(key, default, "true or false")
+        if not isinstance(value, bool):
+            raise self.refuse(key, "true or false", value)
+        return value
+
+
+def _finite(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def read_json(path: Path, required: bool = True) -> JsonObject:
     if not path.is_file():
         if required:
             raise ModelError(f"{path.parent} is a Hugging Face model folder without {path.name}")
-        return {}
+        return JsonObject({}, path)
     try:
         data = json.loads(read_model_file(path))
     except json.JSONDecodeError as e:
         raise ModelError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(data, dict):
         raise ModelError(f"{path}: top level must be an object")
-    return data
+    return JsonObject(data, path)
 
 
-def optional_json(path: Path, *names: str) -> list[dict]:
+def optional_json(path: Path, *names: str) -> list[JsonObject]:
     """The folder's JSON files `names`, in order: {} for one the folder does not have."""
     return [read_json(path / name, required=False) for name in names]
+
+
+def mean_std(preprocessor: JsonObject, mean: list[float], std: list[float]) -> dict[str, list[float]]:
+    """preprocessor_config.json's image_mean and image_std (`mean`, `std` where absent), as a
+    family_config's keys: three finite numbers each, the std above 0 (pixels are divided by it)."""
+    return {"image_mean": preprocessor.numbers("image_mean", mean, 3),
+            "image_std": preprocessor.numbers("image_std", std, 3, positive=True)}
 
 
 def special_token(tokenizer_config: dict, key: str, default: str) -> str:
@@ -58,11 +144,18 @@ def special_token(tokenizer_config: dict, key: str, default: str) -> str:
     return value if isinstance(value, str) and value else default
 
 
-def eos_token_ids(*configs: dict) -> list[int]:
+def eos_token_ids(*configs: JsonObject) -> list[int]:
     """The `eos_token_id` (one id or a list) of the first of `configs` that has one (a family
-    passes generation_config.json first, then config.json or its parts), integers only."""
-    eos = next((c["eos_token_id"] for c in configs if "eos_token_id" in c), [])
-    return [int(e) for e in (eos if isinstance(eos, list) else [eos]) if isinstance(e, int)]
+    passes generation_config.json first, then config.json or its parts); anything but token
+    ids is a ModelError naming the file."""
+    config = next((c for c in configs if c.get("eos_token_id") is not None), None)
+    if config is None:
+        return []
+    eos = config["eos_token_id"]
+    ids = eos if isinstance(eos, list) else [eos]
+    if not all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in ids):
+        raise config.refuse("eos_token_id", "a token id or a list of them", eos)
+    return ids
 
 
 def chat_template(path: Path) -> str:
@@ -93,11 +186,23 @@ def load_hf_manifest(path: Path) -> ModelManifest:
             raise ModelError(f"{path} is a Hugging Face model folder without {name}")
     assert entry.hf_folder is not None  # family_entry(hf_folder=True) only returns such families
     own = entry.hf_folder(path, config)
-    text = config.get("text_config") or config  # a flat config.json (Qwen2-VL as published) has it at the top
+    # a flat config.json (Qwen2-VL as published) has the text model's keys at the top
+    text = config.object("text_config") if config.get("text_config") is not None else config
+    max_context = text.integer("max_position_embeddings", 8192)
+    check_context(path, own.tiers, max_context)
     return ModelManifest(
         path=path, name=path.name, family=entry.name, files={**ONNX_FILES, "tokenizer": "tokenizer.json"},
         tiers=own.tiers, default_tier=own.default_tier or list(own.tiers)[-1], preprocessing=own.preprocessing,
         special_tokens={}, image_token=own.image_token, prompt_format="", stop_tokens=own.stop_tokens,
-        max_context=int(text.get("max_position_embeddings", 8192)),
+        max_context=max_context,
         precisions=precisions_present(path) or ["fp32"], chat_template=chat_template(path),
         family_config=own.family_config)
+
+
+def check_context(path: Path, tiers: dict[str, ResolutionTier], max_context: int) -> None:
+    """Refuse, at load, a folder whose richest tier's image tokens leave no room in the context:
+    every request at that tier would only fail after its image was prepared and encoded."""
+    richest = max(tiers.values(), key=lambda t: t.image_tokens)
+    if richest.image_tokens >= max_context:
+        raise ModelError(f"{path}: tier {richest.name} gives {richest.image_tokens} image tokens, more than "
+                         f"the model's context of {max_context} (config.json max_position_embeddings) holds")
