@@ -143,3 +143,8 @@ def test_truncated_onnx_file(tmp_model):
     path = tmp_model / "decoder_model_merged.onnx"
     path.write_bytes(path.read_bytes()[:50_000])
     assert "decoder_model_merged.onnx" in refused(ModelError, load_runtime, tmp_model)
+
+
+def test_a_tier_beyond_4096_px_a_side_is_refused(tmp_model):
+    edit_yaml(tmp_model, lambda d: d["tiers"][next(iter(d["tiers"]))].update(height=100000))
+    assert "more than 4096 px a side" in refused(ModelError, load_manifest, tmp_model)

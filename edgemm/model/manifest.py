@@ -13,7 +13,7 @@ import yaml
 
 from edgemm.errors import ModelError
 from edgemm.files import load_yaml, read_model_file
-from edgemm.model.hf_folder import load_hf_manifest
+from edgemm.model.hf_folder import MAX_IMAGE_SIDE, load_hf_manifest
 # The dataclasses live in manifest_types (hf_folder and the families use them too); they
 # are named here as well because this is where callers have always imported them from.
 from edgemm.model.manifest_types import (COMPONENTS, PRECISIONS, ModelManifest, Preprocessing, ResolutionTier,
@@ -39,6 +39,8 @@ def _tiers(raw: dict, where: str) -> dict[str, ResolutionTier]:
         dims = [_require(spec, k, int, f"{where}: tiers.{name}") for k in ("height", "width", "image_tokens")]
         if min(dims) <= 0:
             raise ModelError(f"{where}: tiers.{name} values must be positive")
+        if max(dims[:2]) > MAX_IMAGE_SIDE:  # the README's promise, as for a Hugging Face folder
+            raise ModelError(f"{where}: tiers.{name} is {dims[0]}x{dims[1]}, more than {MAX_IMAGE_SIDE} px a side")
         tiers[str(name)] = ResolutionTier(str(name), *dims)
     if not tiers:
         raise ModelError(f"{where}: 'tiers' is empty")
