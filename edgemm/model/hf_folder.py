@@ -20,7 +20,7 @@ import math
 from pathlib import Path
 
 from edgemm.errors import ModelError
-from edgemm.files import read_model_file
+from edgemm.files import read_model_file, regular_file_present
 from edgemm.model.family import family_entry
 from edgemm.model.manifest_types import ModelManifest, ResolutionTier, precisions_present as present_in_folder
 
@@ -108,8 +108,14 @@ def _finite(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+def present(file: Path) -> bool:
+    """Whether the folder has `file` (a regular file); a ModelError saying what is there instead
+    for anything else (a link to /dev/zero, a FIFO, a folder)."""
+    return regular_file_present(file, lambda detail: ModelError(f"{file}: {detail}"))
+
+
 def read_json(path: Path, required: bool = True) -> JsonObject:
-    if not path.is_file():
+    if not present(path):
         if required:
             raise ModelError(f"{path.parent} is a Hugging Face model folder without {path.name}")
         return JsonObject({}, path)
@@ -162,7 +168,7 @@ def chat_template(path: Path) -> str:
     """The folder's chat template: chat_template.jinja, else the 'chat_template' key of the JSON files."""
     for name in CHAT_TEMPLATE_FILES:
         file = path / name
-        if not file.is_file():
+        if not present(file):
             continue
         if name.endswith(".jinja"):
             return read_model_file(file)
@@ -182,7 +188,7 @@ def load_hf_manifest(path: Path) -> ModelManifest:
     entry = family_entry(config.get("model_type"), f"{path / 'config.json'}: unknown model_type",
                          hf_folder=True)
     for name in (*ONNX_FILES.values(), "tokenizer.json"):
-        if not (path / name).is_file():
+        if not present(path / name):
             raise ModelError(f"{path} is a Hugging Face model folder without {name}")
     assert entry.hf_folder is not None  # family_entry(hf_folder=True) only returns such families
     own = entry.hf_folder(path, config)

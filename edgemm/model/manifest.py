@@ -7,6 +7,7 @@ model folder by hand knows where to look.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import yaml
@@ -53,9 +54,11 @@ def load_manifest(model_dir: str | Path) -> ModelManifest:
     yaml_path = path / "model.yaml"
     if not path.is_dir():
         raise ModelError(f"model folder not found: {path}")
-    if not yaml_path.is_file() and (path / "config.json").is_file():
+    # lexists, not is_file: a model.yaml or config.json that is a link to /dev/zero is read, and
+    # refused as what it is, instead of being taken for absent
+    if not os.path.lexists(yaml_path) and os.path.lexists(path / "config.json"):
         return load_hf_manifest(path)
-    if not yaml_path.is_file():
+    if not os.path.lexists(yaml_path):
         raise ModelError(f"{path} is not a model folder: model.yaml not found")
     where = str(yaml_path)
     try:
