@@ -5,6 +5,7 @@ and never a resize target or normalisation that only fails once an image is bein
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -28,6 +29,9 @@ WRONG_TYPES = [
     ("preprocessor_config.json", "image_mean", [float("nan")] * 3, "image_mean must be 3 finite numbers"),
     ("preprocessor_config.json", "image_std", [0, 0, 0], "image_std must be 3 finite numbers above 0"),
     ("preprocessor_config.json", "image_std", "wide", "image_std must be 3 finite numbers above 0"),
+    ("preprocessor_config.json", "rescale_factor", 1e308, "rescale_factor must be a finite number above 0 and at most 1"),
+    ("preprocessor_config.json", "image_std", 1e300, r"image_mean and image_std make a pixel .* up to 1e\+300\), beyond"),
+    ("preprocessor_config.json", "image_std", [1e-30] * 3, r"image_mean and image_std make a pixel \S+e\+\d+ .*, beyond float16"),
     ("generation_config.json", "eos_token_id", {"a": 1}, "eos_token_id must be a token id or a list of them"),
     ("generation_config.json", "eos_token_id", [2, "x"], "eos_token_id must be a token id or a list of them"),
 ]
@@ -42,6 +46,20 @@ HUGE_SIZES = [
     ("qwen2-vl-tiny", "size", {"longest_edge": 10 ** 12, "shortest_edge": 3136},
      "size.longest_edge must be an integer from 1 to 16777216"),
     ("qwen2-vl-tiny", "max_pixels", 10 ** 12, "max_pixels must be an integer from 1 to 16777216"),
+]
+
+
+# what one family or two read, of the wrong type
+FAMILY_KEYS = [
+    ("gemma3-tiny", "preprocessor_config.json", "resample", [1], "resample must be an integer of at least 0"),
+    ("llava-tiny", "preprocessor_config.json", "resample", {"a": 1}, "resample must be an integer of at least 0"),
+    ("llava-tiny", "processor_config.json", "image_token", [1], "image_token must be a string that is not empty"),
+    ("fastvlm-tiny", "processor_config.json", "image_token", 5, "image_token must be a string that is not empty"),
+    ("llava-tiny", "preprocessor_config.json", "do_pad", "yes", "do_pad must be true or false"),
+    ("internvl-tiny", "preprocessor_config.json", "max_patches", True, "max_patches must be an integer of at least 1"),
+    ("internvl-tiny", "config.json", "downsample_ratio", 1e308, "downsample_ratio must be a finite number above 0 and"),
+    ("qwen2-vl-tiny", "preprocessor_config.json", "temporal_patch_size", 10 ** 6, "temporal_patch_size must be"),
+    ("idefics3-tiny", "processor_config.json", "image_seq_len", "64", "image_seq_len must be an integer"),
 ]
 
 
@@ -65,6 +83,12 @@ def refusal(folder: Path) -> str:
 @pytest.mark.parametrize("fixture", FAMILIES)
 @pytest.mark.parametrize("file, key, value, says", WRONG_TYPES, ids=lambda v: str(v)[:20])
 def test_a_wrong_typed_value_is_named_with_its_file(tmp_path, fixture, file, key, value, says):
+    folder = edited(tmp_path, fixture, file, {key: value})
+    assert re.match(re.escape(f"{folder / file}: ") + says, refusal(folder))
+
+
+@pytest.mark.parametrize("fixture, file, key, value, says", FAMILY_KEYS, ids=lambda v: str(v)[:20])
+def test_a_wrong_typed_value_of_one_family_is_named_with_its_file(tmp_path, fixture, file, key, value, says):
     folder = edited(tmp_path, fixture, file, {key: value})
     assert refusal(folder).startswith(f"{folder / file}: {says}")
 

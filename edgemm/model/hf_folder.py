@@ -32,6 +32,7 @@ CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json", "processor_c
 # for a resize beyond it (a 100000x100000 target would need 28 GiB before any check ran)
 MAX_IMAGE_SIDE = 4096
 MAX_IMAGE_PIXELS = MAX_IMAGE_SIDE * MAX_IMAGE_SIDE
+FLOAT16_MAX = 65504.0  # the largest normalised pixel value an fp16 graph can take
 
 
 class JsonObject(dict):
@@ -77,13 +78,21 @@ class JsonObject(dict):
         """An image side in pixels that the folder resizes to: 1 … MAX_IMAGE_SIDE."""
         return self.integer(key, default, most=MAX_IMAGE_SIDE)
 
-    def number(self, key: str, default: float | None = None, positive: bool = False) -> float:
-        """A finite number (above 0 if `positive`)."""
-        needs = "a finite number above 0" if positive else "a finite number"
+    def number(self, key: str, default: float | None = None, positive: bool = False,
+               most: float | None = None) -> float:
+        """A finite number (above 0 if `positive`, at most `most`)."""
+        needs = "a finite number" + (" above 0" if positive else "") + (f" and at most {most:g}" if most else "")
         value = self._value(key, default, needs)
-        if not _finite(value) or (positive and value <= 0):
+        if not _finite(value) or (positive and value <= 0) or (most is not None and value > most):
             raise self.refuse(key, needs, value)
         return float(value)
+
+    def string(self, key: str, default: str) -> str:
+        """A string that is not empty."""
+        value = self._value(key, default, "a string")
+        if not isinstance(value, str) or not value:
+            raise self.refuse(key, "a string that is not empty", value)
+        return value
 
     def numbers(self, key: str, default: list[float], count: int, positive: bool = False) -> list[float]:
         """`count` finite numbers (above 0 if `positive`); one number stands for all of them, as
@@ -133,11 +142,23 @@ def optional_json(path: Path, *names: str) -> list[JsonObject]:
     return [read_json(path / name, required=False) for name in names]
 
 
-def mean_std(preprocessor: JsonObject, mean: list[float], std: list[float]) -> dict[str, list[float]]:
-    """preprocessor_config.json's image_mean and image_std (`mean`, `std` where absent), as a
-    family_config's keys: three finite numbers each, the std above 0 (pixels are divided by it)."""
-    return {"image_mean": preprocessor.numbers("image_mean", mean, 3),
-            "image_std": preprocessor.numbers("image_std", std, 3, positive=True)}
+def pixel_normalisation(preprocessor: JsonObject, mean: list[float], std: list[float],
+                        rescaled: bool = True) -> dict[str, float | list[float]]:
+    """preprocessor_config.json's rescale_factor, image_mean and image_std (`mean`, `std` where
+    absent) as a family_config's keys, checked: a factor in (0, 1], three finite numbers each,
+    the std above 0, and together within float16's range for every pixel value (what an fp16
+    graph takes; beyond it a pixel is inf and the answer non-finite logits). `rescaled`: False
+    where the family leaves the 0…255 values unscaled (do_rescale false)."""
+    values = {"rescale_factor": preprocessor.number("rescale_factor", 1 / 255, positive=True, most=1),
+              "image_mean": preprocessor.numbers("image_mean", mean, 3),
+              "image_std": preprocessor.numbers("image_std", std, 3, positive=True)}
+    brightest = 255 * (values["rescale_factor"] if rescaled else 1)
+    widest = max(max(abs(m), abs(brightest - m)) / s for m, s in zip(values["image_mean"], values["image_std"]))
+    largest = max(abs(v) for v in (*values["image_mean"], *values["image_std"]))
+    if widest > FLOAT16_MAX or largest > FLOAT16_MAX:
+        raise ModelError(f"{preprocessor.file}: image_mean and image_std make a pixel {widest:.3g} (and are up to "
+                         f"{largest:.3g}), beyond float16's ±{FLOAT16_MAX:g}")
+    return values
 
 
 def special_token(tokenizer_config: dict, key: str, default: str) -> str:

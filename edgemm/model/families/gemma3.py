@@ -36,7 +36,8 @@ import numpy as np
 from edgemm.errors import ModelError
 from edgemm.model.chat_template import ChatTemplate
 from edgemm.model.family import FamilyFields, Prompt, TokenizedFamily, one_tier, register
-from edgemm.model.hf_folder import JsonObject, eos_token_ids, mean_std, optional_json, read_json, special_token
+from edgemm.model.hf_folder import (JsonObject, eos_token_ids, optional_json, pixel_normalisation, read_json,
+                                    special_token)
 from edgemm.model.manifest_types import ModelManifest, ResolutionTier
 from edgemm.model.preprocess import rescale_normalize
 from edgemm.model.resample import FILTER_NAMES, resize_pil
@@ -59,7 +60,7 @@ def family_config(path: Path, config: JsonObject, preprocessor: JsonObject, proc
     for key in ("do_resize", "do_rescale", "do_normalize"):
         if not preprocessor.flag(key, True):
             raise ModelError(f"{where}: {key} false is not supported")
-    resample = preprocessor.get("resample", PIL_BILINEAR)
+    resample = preprocessor.integer("resample", PIL_BILINEAR, least=0)
     if resample not in FILTER_NAMES:
         raise ModelError(f"{where}: resample {resample} is not supported "
                          f"({', '.join(f'{k} {v}' for k, v in FILTER_NAMES.items())})")
@@ -68,8 +69,7 @@ def family_config(path: Path, config: JsonObject, preprocessor: JsonObject, proc
         else config.integer("mm_tokens_per_image", 256)
     return {
         "height": height, "width": width, "resample": resample, "image_seq_len": seq_len,
-        "rescale_factor": preprocessor.number("rescale_factor", 1 / 255, positive=True),
-        **mean_std(preprocessor, [0.5] * 3, [0.5] * 3),
+        **pixel_normalisation(preprocessor, [0.5] * 3, [0.5] * 3),
         **{key: special_token(tokenizer_config, key, value) for key, value in TOKEN_DEFAULTS.items()},
         "eos_token_ids": eos_token_ids(generation, config, config.object("text_config")),
     }

@@ -27,7 +27,7 @@ import numpy as np
 from edgemm.errors import ModelError
 from edgemm.model.chat_template import ChatTemplate
 from edgemm.model.family import FamilyFields, Prompt, TokenizedFamily, register
-from edgemm.model.hf_folder import JsonObject, eos_token_ids, mean_std, optional_json, read_json
+from edgemm.model.hf_folder import JsonObject, eos_token_ids, optional_json, pixel_normalisation, read_json
 from edgemm.model.manifest_types import ModelManifest, ResolutionTier
 from edgemm.model.tiling import tile_layout, tile_pixels
 
@@ -55,8 +55,7 @@ def family_config(path: Path, config: JsonObject, preprocessor: JsonObject, proc
     return {
         "tile": preprocessor.object("max_image_size").side("longest_edge"),
         "longest_edge": preprocessor.object("size").side("longest_edge"), "image_seq_len": seq_len,
-        "rescale_factor": preprocessor.number("rescale_factor", 1 / 255, positive=True),
-        **mean_std(preprocessor, [0.5] * 3, [0.5] * 3),
+        **pixel_normalisation(preprocessor, [0.5] * 3, [0.5] * 3),
         "eos_token_ids": eos_token_ids(generation),
     }
 

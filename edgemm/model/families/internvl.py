@@ -44,8 +44,8 @@ import numpy as np
 from edgemm.errors import ModelError
 from edgemm.model.chat_template import ChatTemplate
 from edgemm.model.family import FamilyFields, Prompt, TokenizedFamily, register
-from edgemm.model.hf_folder import (MAX_IMAGE_PIXELS, MAX_IMAGE_SIDE, JsonObject, eos_token_ids, mean_std,
-                                    optional_json, read_json)
+from edgemm.model.hf_folder import (MAX_IMAGE_PIXELS, MAX_IMAGE_SIDE, JsonObject, eos_token_ids, optional_json,
+                                    pixel_normalisation, read_json)
 from edgemm.model.manifest_types import ModelManifest, ResolutionTier
 from edgemm.model.resample_torch import resize_planes
 
@@ -70,8 +70,8 @@ def family_config(path: Path, config: JsonObject, preprocessor: JsonObject, proc
         raise ModelError(f"{where}: resample {preprocessor['resample']} is not supported (only 3, bicubic)")
     if not all(preprocessor.flag(key, True) for key in ("do_resize", "do_rescale", "do_normalize")):
         raise ModelError(f"{where}: do_resize, do_rescale and do_normalize must be on (as InternVL3 has them)")
-    low, high = preprocessor.get("min_patches", 1), preprocessor.get("max_patches", 12)
-    if not (isinstance(low, int) and isinstance(high, int) and 1 <= low <= high <= MOST_PATCHES):
+    low, high = preprocessor.integer("min_patches", 1), preprocessor.integer("max_patches", 12)
+    if not low <= high <= MOST_PATCHES:
         raise ModelError(f"{where}: min_patches and max_patches must be integers, "
                          f"1 <= min <= max <= {MOST_PATCHES}")
     if high * tile * tile > MAX_IMAGE_PIXELS:  # the canvas a grid of max_patches tiles is resized to
@@ -79,15 +79,14 @@ def family_config(path: Path, config: JsonObject, preprocessor: JsonObject, proc
                          f"{MAX_IMAGE_SIDE}x{MAX_IMAGE_SIDE} image")
     vision = config.object("vision_config")
     side, patch = (first_of_pair(vision, key, default) for key, default in (("image_size", 448), ("patch_size", 14)))
-    expected = int((side // patch) ** 2 * config.number("downsample_ratio", 0.5, positive=True) ** 2)
+    expected = int((side // patch) ** 2 * config.number("downsample_ratio", 0.5, positive=True, most=1) ** 2)
     seq_len = processor.get("image_seq_length", config.get("image_seq_length", expected))
     if seq_len != expected:
         raise ModelError(f"{path}: image_seq_length {seq_len} does not match the vision config "
                          f"({side}/{patch} patches, downsample_ratio: {expected} tokens per tile)")
     return {
         "tile": tile, "min_patches": low, "max_patches": high, "image_seq_len": int(seq_len),
-        "rescale_factor": preprocessor.number("rescale_factor", 1 / 255, positive=True),
-        **mean_std(preprocessor, [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]),
+        **pixel_normalisation(preprocessor, [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]),
         "eos_token_ids": eos_token_ids(generation, config.object("text_config")),
     }
 

@@ -36,7 +36,8 @@ import numpy as np
 from edgemm.errors import InputError, ModelError
 from edgemm.model.chat_template import ChatTemplate
 from edgemm.model.family import FamilyFields, Prompt, TokenizedFamily, one_tier, register
-from edgemm.model.hf_folder import JsonObject, eos_token_ids, mean_std, optional_json, read_json, special_token
+from edgemm.model.hf_folder import (JsonObject, eos_token_ids, optional_json, pixel_normalisation, read_json,
+                                    special_token)
 from edgemm.model.image import DEFAULT_MAX_PIXELS
 from edgemm.model.manifest_types import ModelManifest, ResolutionTier
 from edgemm.model.preprocess import rescale_normalize
@@ -71,7 +72,7 @@ def family_config(path: Path, config: JsonObject, preprocessor: JsonObject, proc
                          "varying size, which this family does not feed")
     if not preprocessor.flag("do_resize", True):
         raise ModelError(f"{where}: do_resize false is not supported")
-    resample = preprocessor.get("resample", PIL_BICUBIC)
+    resample = preprocessor.integer("resample", PIL_BICUBIC, least=0)
     if resample not in FILTER_NAMES:
         raise ModelError(f"{where}: resample {resample} is not supported "
                          f"({', '.join(f'{k} {v}' for k, v in FILTER_NAMES.items())})")
@@ -89,15 +90,16 @@ def family_config(path: Path, config: JsonObject, preprocessor: JsonObject, proc
     tokens -= 1 if strategy == "default" else 0
     if tokens <= 0:
         raise ModelError(f"{path}: the image gives {tokens} image tokens (crop {out_h}x{out_w}, patch {patch})")
-    image_token = processor.get("image_token") or special_token(tokenizer_config, "image_token", IMAGE_TOKEN)
+    do_rescale = preprocessor.flag("do_rescale", True)
+    image_token = processor.string("image_token", special_token(tokenizer_config, "image_token", IMAGE_TOKEN))
     return {
         "resize": resize, "do_center_crop": do_center_crop,
         "height": out_h, "width": out_w, "resample": resample, "image_tokens": tokens,
         "do_pad": preprocessor.flag("do_pad", False),
-        "do_rescale": preprocessor.flag("do_rescale", True),
+        "do_rescale": do_rescale,
         "do_normalize": preprocessor.flag("do_normalize", True),
-        "rescale_factor": preprocessor.number("rescale_factor", 1 / 255, positive=True),
-        **mean_std(preprocessor, [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]),
+        **pixel_normalisation(preprocessor, [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711],
+                              rescaled=do_rescale),
         "image_token": image_token, "bos_token": special_token(tokenizer_config, "bos_token", ""),
         "eos_token": special_token(tokenizer_config, "eos_token", ""),
         "eos_token_ids": eos_token_ids(generation, config, config.object("text_config")),

@@ -43,8 +43,8 @@ import numpy as np
 from edgemm.errors import InputError, ModelError
 from edgemm.model.chat_template import ChatTemplate
 from edgemm.model.family import EncoderPatches, FamilyFields, GraphInputs, Prompt, TokenizedFamily, register
-from edgemm.model.hf_folder import (MAX_IMAGE_PIXELS, MAX_IMAGE_SIDE, JsonObject, eos_token_ids, mean_std,
-                                    optional_json, read_json)
+from edgemm.model.hf_folder import (MAX_IMAGE_PIXELS, MAX_IMAGE_SIDE, JsonObject, eos_token_ids, optional_json,
+                                    pixel_normalisation, read_json)
 from edgemm.model.manifest_types import ModelManifest, ResolutionTier
 from edgemm.model.resample import resize_bicubic
 
@@ -133,8 +133,7 @@ def family_config(path: Path, config: JsonObject, preprocessor: JsonObject, gene
         "model_type": config["model_type"], "grid_input": GRID_INPUT[config["model_type"]],
         "patch_size": patch, "merge_size": merge, "temporal_patch_size": temporal,
         "min_pixels": min_pixels, "max_pixels": max_pixels,
-        "rescale_factor": preprocessor.number("rescale_factor", 1 / 255, positive=True),
-        **mean_std(preprocessor, list(OPENAI_CLIP_MEAN), list(OPENAI_CLIP_STD)),
+        **pixel_normalisation(preprocessor, list(OPENAI_CLIP_MEAN), list(OPENAI_CLIP_STD)),
         "eos_token_ids": eos_token_ids(generation, config),
     }
 
