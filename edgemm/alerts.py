@@ -609,9 +609,15 @@ def httpx_errors() -> Iterator[None]:
         raise
 
 
+# how httpcore's RemoteProtocolError begins when the server closed the connection before any
+# reply (it restarted, or dropped an idle keep-alive connection): retried, unlike a bad reply
+DISCONNECTED = "Server disconnected"
+
+
 class WebhookSender:
     """POSTs each event given to `send` as JSON to the webhook, in order, from a thread of its
-    own; retried on timeouts, connection errors, 429 and 5xx with backoff. `send` never waits.
+    own; retried on timeouts, connection errors, 429 and 5xx with backoff (not on another 4xx, nor
+    on a reply that is not HTTP). `send` never waits.
     Each attempt ends within timeout_s (a `transport` given for tests has no such deadline)."""
 
     _draining = 0  # closed senders still delivering, all of them (MAX_DRAINING)
@@ -720,6 +726,16 @@ class WebhookSender:
             except httpx.TimeoutException:
                 error = f"no reply from {self.host} within {cfg.timeout_s:g} s (timeout_s)"
                 continue
+            except httpx.ProtocolError as e:
+                if str(e).startswith(DISCONNECTED):  # no reply at all: as a connection error
+                    error = f"{self.host} closed the connection without a reply"
+                    continue
+                # connected, and the reply was not HTTP that h11 takes (a header over its bound,
+                # another protocol): the host was reached, and would answer the same again, so
+                # it is final, as a 4xx is, not retried
+                detail = " ".join(str(e).split())[:100]
+                error = f"bad reply from {self.host}: {type(e).__name__}" + (f" ({detail})" if detail else "")
+                break
             except httpx.HTTPError as e:
                 error = f"cannot reach {self.host}: {type(e).__name__}"
                 continue

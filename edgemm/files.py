@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import stat
+import sys
 from typing import Callable
 
 import yaml
@@ -51,6 +52,16 @@ def _check_regular(info: os.stat_result, max_bytes: int, error: MakeError, limit
         raise error(f"path is {kind}, not a regular file")
     if info.st_size > max_bytes:
         raise error(f"is {info.st_size} bytes, above the {max_bytes} byte limit ({limit})")
+
+
+def regular_file_present(path: str | os.PathLike, error: MakeError) -> bool:
+    """Whether a file is at `path`: False where nothing is (a folder's optional file), True
+    for a regular file, `error(detail)` for anything else there (a link to /dev/zero, a FIFO,
+    a folder, a dangling link), which is_file() would have passed off as absent."""
+    if not os.path.lexists(path):
+        return False
+    check_regular_file(path, sys.maxsize, error, "")  # no size cap here: ONNX graphs are GBs
+    return True
 
 
 def read_regular_file(path: str | os.PathLike, max_bytes: int, error: MakeError, limit: str) -> bytes:

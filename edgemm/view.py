@@ -14,6 +14,7 @@ source's frame rate. The daemon keeps only each stream's latest answered frame
 from __future__ import annotations
 
 import os
+import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -135,7 +136,12 @@ class ViewTarget:
 
 
 def parse_view(out: str) -> ViewTarget:
-    """--view OUT → what it names, or InputError (exit 2) with one line: checked before the model loads."""
+    """--view OUT → what it names, or InputError (exit 2) with one line: checked before the model loads.
+    A folder is created here, and a file's folder is written to once, so that what the OS
+    refuses (a missing parent, permission, a read-only file system, a name too long) is said
+    now, in the OS's own words, not when the first frame is written."""
+    if not out:
+        raise InputError("--view needs an OUT: a .mp4 or .avi file, a folder/, display://0 or rtp://host:port")
     if out.startswith("display://"):
         return _check_display(out)
     if out.startswith("rtp://"):
@@ -144,22 +150,35 @@ def parse_view(out: str) -> ViewTarget:
         raise InputError(f"--view {out}: unknown scheme (a .mp4 or .avi file, a folder, display://0 "
                          "or rtp://host:port)")
     path = Path(out)
-    if out.endswith("/") or path.is_dir():
-        if path.exists() and not path.is_dir():
-            raise InputError(f"--view {out}: exists and is not a folder")
-        parent = path if path.exists() else path.parent
-        if not os.access(parent if str(parent) else ".", os.W_OK):
-            raise InputError(f"--view {out}: cannot write there (permission denied)")
-        return ViewTarget("folder", out)
-    if path.suffix.lower() not in VIDEO_CODECS:
-        raise InputError(f"--view {out}: a video file must end in {' or '.join(VIDEO_CODECS)} "
-                         "(or name a folder, ending in /, for JPEGs)")
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():
-        raise InputError(f"--view {out}: no folder {parent}")
-    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise InputError(f"--view {out}: cannot write there (permission denied)")
+    try:
+        if out.endswith("/") or path.is_dir():
+            if path.exists() and not path.is_dir():
+                raise InputError(f"--view {out}: exists and is not a folder")
+            path.mkdir(parents=True, exist_ok=True)
+            _try_writing_in(path)
+            return ViewTarget("folder", out)
+        if path.suffix.lower() not in VIDEO_CODECS:
+            raise InputError(f"--view {out}: a video file must end in {' or '.join(VIDEO_CODECS)} "
+                             "(or name a folder, ending in /, for JPEGs)")
+        parent = path.parent
+        if not parent.is_dir():
+            raise InputError(f"--view {out}: no folder {parent}")
+        if path.exists():
+            if not path.is_file():
+                raise InputError(f"--view {out}: exists and is not a regular file")
+            os.close(os.open(path, os.O_WRONLY))  # opened, not truncated: the writer truncates it later
+        else:
+            _try_writing_in(parent)
+    except OSError as e:
+        raise InputError(f"--view {out}: cannot write there ({e.strerror or e})") from None
     return ViewTarget("video", out)
+
+
+def _try_writing_in(folder: Path) -> None:
+    """Create (and at once remove) a file in `folder`: an OSError says why nothing can be
+    written there. os.access would not: it says yes to root on a read-only /sys."""
+    with tempfile.TemporaryFile(dir=folder):
+        pass
 
 
 def _check_display(out: str) -> ViewTarget:

@@ -747,6 +747,42 @@ def test_a_webhook_reads_a_few_kb_of_a_huge_reply_then_closes_the_connection():
         server.close()
 
 
+@pytest.mark.parametrize("reply", [
+    b"HTTP/1.1 200 OK\r\nX-Big: " + b"x" * 200_000 + b"\r\nContent-Length: 0\r\n\r\n",  # over h11's header bound
+    b"SMTP ready\r\n\r\n",  # not HTTP at all
+])
+def test_a_bad_reply_after_connecting_is_a_failed_delivery_said_as_such_and_not_retried(reply, caplog):
+    """The host was reached and answered, wrongly: not "cannot reach", and, like a 4xx, not
+    retried (it would answer the same again), so a stream of events does not hammer it."""
+    server = Replying(lambda: iter([reply]))
+    try:
+        sender = WebhookSender(WebhookConfig(url=server.url, timeout_s=5, retries=3, backoff_s=0.01), "w")
+        with caplog.at_level(logging.WARNING, "edgemm"):
+            for _ in range(3):
+                sender.send(EVENT)
+            wait_until(lambda: sender.figures.failed == 3, what="the events to fail")
+        sender.close()
+        assert (sender.figures.delivered, sender.figures.retries, server.requests) == (0, 0, 3)
+        assert sender.figures.last_error.startswith("bad reply from 127.0.0.1: RemoteProtocolError")
+        assert "\n" not in sender.figures.last_error and len(sender.figures.last_error) < 200
+        assert caplog.text.count("bad reply from 127.0.0.1") == 1  # once while it keeps failing
+    finally:
+        server.close()
+
+
+def test_a_server_that_hangs_up_without_a_reply_is_retried_as_a_connection_error():
+    server = Replying(lambda: iter([]))
+    try:
+        sender = WebhookSender(WebhookConfig(url=server.url, timeout_s=5, retries=2, backoff_s=0.01), "w")
+        sender.send(EVENT)
+        wait_until(lambda: sender.figures.failed == 1, what="the event to fail")
+        sender.close()
+        assert (sender.figures.retries, server.requests) == (2, 3)
+        assert sender.figures.last_error == "127.0.0.1 closed the connection without a reply"
+    finally:
+        server.close()
+
+
 def dripping(total: int, pause_s: float):
     """A reply that is `total` bytes of status line and headers, one byte every pause_s."""
     def reply():

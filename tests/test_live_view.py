@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from test_server import assert_error, raw_client, running, sock_path, wait_until
 
+import edgemm.runtime
 import edgemm.view
 from edgemm.cli import main
 from edgemm.opencv import cv2
@@ -432,6 +433,41 @@ def test_a_view_that_cannot_work_is_one_line_and_exit_2(out, message, tmp_path, 
     result = run_cli(["stream", "synthetic://?count=1", "--view", out])
     assert result.exit_code == 2
     assert message in result.output and "Traceback" not in result.output
+
+
+class ModelLoaded(Exception):
+    """Raised by a Runtime stand-in: the command got as far as loading the model."""
+
+
+@pytest.mark.parametrize("out, message", [
+    ("", "--view needs an OUT"),
+    ("{tmp}/" + "a" * 300 + "/", "cannot write there (File name too long)"),
+    ("{tmp}/" + "a" * 300 + ".mp4", "cannot write there (File name too long)"),
+    ("/sys/edgemm-view/", "cannot write there ("),  # root too: sysfs takes no new folder
+    ("/proc/edgemm-view.mp4", "cannot write there ("),
+    ("/dev/null/frames/", "cannot write there (Not a directory)"),
+    ("/dev/null", "a video file must end in .mp4 or .avi"),
+])
+def test_a_view_the_os_refuses_is_one_line_and_exit_2_before_the_model_loads(out, message, tmp_path, monkeypatch):
+    def runtime(*args, **kwargs):
+        raise ModelLoaded
+    monkeypatch.setattr(edgemm.runtime, "Runtime", runtime)
+    result = run_cli(["stream", "synthetic://?count=1", "--view", out.format(tmp=tmp_path)])
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and lines[0].startswith("edgemm: error: --view")
+
+
+def test_a_view_folder_is_created_with_its_parents_before_the_model_loads(tmp_path, monkeypatch):
+    out = tmp_path / "a" / "b" / "c"
+    loaded = []
+    def runtime(*args, **kwargs):
+        loaded.append(out.is_dir())
+        raise ModelLoaded
+    monkeypatch.setattr(edgemm.runtime, "Runtime", runtime)
+    run_cli(["stream", "synthetic://?count=1", "--view", f"{out}/"])
+    assert loaded == [True]  # it got past the --view check, to the model, with the folder there
+    assert list(out.iterdir()) == []  # the file written to try the folder was removed
 
 
 def test_rtp_without_an_h264_encoder_is_refused(monkeypatch):

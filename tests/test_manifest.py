@@ -1,6 +1,9 @@
 """A broken model folder is refused with one clear line that says what and where."""
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import onnx
 import pytest
 import yaml
@@ -143,3 +146,29 @@ def test_truncated_onnx_file(tmp_model):
     path = tmp_model / "decoder_model_merged.onnx"
     path.write_bytes(path.read_bytes()[:50_000])
     assert "decoder_model_merged.onnx" in refused(ModelError, load_runtime, tmp_model)
+
+
+def test_a_tier_beyond_4096_px_a_side_is_refused(tmp_model):
+    edit_yaml(tmp_model, lambda d: d["tiers"][next(iter(d["tiers"]))].update(height=100000))
+    assert "more than 4096 px a side" in refused(ModelError, load_manifest, tmp_model)
+
+
+@pytest.mark.parametrize("fixture, name", [
+    ("gemma3-tiny", "onnx/vision_encoder.onnx"), ("gemma3-tiny", "config.json"),
+    ("gemma3-tiny", "generation_config.json"),  # optional: still not to be taken for absent
+    ("qwen2-vl-tiny", "chat_template.jinja"), ("qwen2-vl-tiny", "tokenizer.json"), (None, "model.yaml"),
+])
+def test_a_model_file_linked_to_dev_zero_is_named_as_what_it_is(tmp_path, model_dir, fixture, name):
+    source = model_dir if fixture is None else Path(__file__).parent / "fixtures" / fixture
+    folder = Path(shutil.copytree(source, tmp_path / "model"))
+    (folder / name).unlink()
+    (folder / name).symlink_to("/dev/zero")
+    message = refused(ModelError, lambda: adapter_for(load_manifest(folder)))
+    assert message == f"{folder / name}: path is a character device, not a regular file"
+
+
+def test_a_graph_linked_to_dev_zero_is_named_when_its_precision_is_asked_for(tmp_model):
+    (tmp_model / "vision_encoder.onnx").unlink()
+    (tmp_model / "vision_encoder.onnx").symlink_to("/dev/zero")
+    message = refused(ModelError, load_manifest(tmp_model).graph_path, "vision_encoder", "fp32")
+    assert message == f"{tmp_model / 'vision_encoder.onnx'}: path is a character device, not a regular file"

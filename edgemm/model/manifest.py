@@ -7,13 +7,14 @@ model folder by hand knows where to look.
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import yaml
 
 from edgemm.errors import ModelError
 from edgemm.files import load_yaml, read_model_file
-from edgemm.model.hf_folder import load_hf_manifest
+from edgemm.model.hf_folder import MAX_IMAGE_SIDE, load_hf_manifest
 # The dataclasses live in manifest_types (hf_folder and the families use them too); they
 # are named here as well because this is where callers have always imported them from.
 from edgemm.model.manifest_types import (COMPONENTS, PRECISIONS, ModelManifest, Preprocessing, ResolutionTier,
@@ -39,6 +40,8 @@ def _tiers(raw: dict, where: str) -> dict[str, ResolutionTier]:
         dims = [_require(spec, k, int, f"{where}: tiers.{name}") for k in ("height", "width", "image_tokens")]
         if min(dims) <= 0:
             raise ModelError(f"{where}: tiers.{name} values must be positive")
+        if max(dims[:2]) > MAX_IMAGE_SIDE:  # the README's promise, as for a Hugging Face folder
+            raise ModelError(f"{where}: tiers.{name} is {dims[0]}x{dims[1]}, more than {MAX_IMAGE_SIDE} px a side")
         tiers[str(name)] = ResolutionTier(str(name), *dims)
     if not tiers:
         raise ModelError(f"{where}: 'tiers' is empty")
@@ -51,9 +54,11 @@ def load_manifest(model_dir: str | Path) -> ModelManifest:
     yaml_path = path / "model.yaml"
     if not path.is_dir():
         raise ModelError(f"model folder not found: {path}")
-    if not yaml_path.is_file() and (path / "config.json").is_file():
+    # lexists, not is_file: a model.yaml or config.json that is a link to /dev/zero is read, and
+    # refused as what it is, instead of being taken for absent
+    if not os.path.lexists(yaml_path) and os.path.lexists(path / "config.json"):
         return load_hf_manifest(path)
-    if not yaml_path.is_file():
+    if not os.path.lexists(yaml_path):
         raise ModelError(f"{path} is not a model folder: model.yaml not found")
     where = str(yaml_path)
     try:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from edgemm.errors import InputError, ModelError
+from edgemm.files import regular_file_present
 
 COMPONENTS = ("vision_encoder", "embed_tokens", "decoder")
 # Precision variants, named by the file suffix of the Hugging Face ONNX layout (Optimum,
@@ -94,7 +95,7 @@ class ModelManifest:
     def graph_path(self, component: str, precision: str) -> Path:
         """The ONNX file of `component` in `precision`, by the Optimum suffix convention."""
         path = variant_file(self.path / self.files[component], precision)
-        if not path.is_file():
+        if not regular_file_present(path, lambda detail: ModelError(f"{path}: {detail}")):
             present = ", ".join(self.precisions) or "none"
             hint = ""
             if precision in QUANTIZE_VARIANTS:

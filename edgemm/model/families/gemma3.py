@@ -36,7 +36,8 @@ import numpy as np
 from edgemm.errors import ModelError
 from edgemm.model.chat_template import ChatTemplate
 from edgemm.model.family import FamilyFields, Prompt, TokenizedFamily, one_tier, register
-from edgemm.model.hf_folder import eos_token_ids, optional_json, read_json, special_token
+from edgemm.model.hf_folder import (JsonObject, eos_token_ids, optional_json, pixel_normalisation, read_json,
+                                    special_token)
 from edgemm.model.manifest_types import ModelManifest, ResolutionTier
 from edgemm.model.preprocess import rescale_normalize
 from edgemm.model.resample import FILTER_NAMES, resize_pil
@@ -48,33 +49,29 @@ END_OF_TURN = "<end_of_turn>"
 PIL_BILINEAR = 2  # Gemma3ImageProcessor's default filter
 
 
-def family_config(path: Path, config: dict, preprocessor: dict, processor: dict, tokenizer_config: dict,
-                  generation: dict) -> dict:
+def family_config(path: Path, config: JsonObject, preprocessor: JsonObject, processor: JsonObject,
+                  tokenizer_config: JsonObject, generation: JsonObject) -> dict:
     """What the adapter needs from the folder's JSON files, checked, in one flat dict."""
     where = path / "preprocessor_config.json"
-    size = preprocessor.get("size") or {}
-    height, width = size.get("height"), size.get("width")
-    if not all(isinstance(v, int) and v > 0 for v in (height, width)):
-        raise ModelError(f"{where}: needs size.height and size.width, positive integers")
-    if preprocessor.get("do_pan_and_scan"):
+    size = preprocessor.object("size")
+    height, width = size.side("height"), size.side("width")
+    if preprocessor.flag("do_pan_and_scan", False):
         raise ModelError(f"{where}: do_pan_and_scan true is not supported (edgemm feeds the one square image)")
     for key in ("do_resize", "do_rescale", "do_normalize"):
-        if preprocessor.get(key, True) is not True:
+        if not preprocessor.flag(key, True):
             raise ModelError(f"{where}: {key} false is not supported")
-    resample = preprocessor.get("resample", PIL_BILINEAR)
+    resample = preprocessor.integer("resample", PIL_BILINEAR, least=0)
     if resample not in FILTER_NAMES:
         raise ModelError(f"{where}: resample {resample} is not supported "
                          f"({', '.join(f'{k} {v}' for k, v in FILTER_NAMES.items())})")
-    seq_len = processor.get("image_seq_length", config.get("mm_tokens_per_image", 256))
-    if not isinstance(seq_len, int) or seq_len <= 0:
-        raise ModelError(f"{path / 'processor_config.json'}: image_seq_length must be a positive integer")
+    # processor_config.json's image_seq_length, else config.json's mm_tokens_per_image
+    seq_len = processor.integer("image_seq_length") if "image_seq_length" in processor \
+        else config.integer("mm_tokens_per_image", 256)
     return {
         "height": height, "width": width, "resample": resample, "image_seq_len": seq_len,
-        "rescale_factor": float(preprocessor.get("rescale_factor", 1 / 255)),
-        "image_mean": list(preprocessor.get("image_mean", [0.5] * 3)),
-        "image_std": list(preprocessor.get("image_std", [0.5] * 3)),
+        **pixel_normalisation(preprocessor, [0.5] * 3, [0.5] * 3),
         **{key: special_token(tokenizer_config, key, value) for key, value in TOKEN_DEFAULTS.items()},
-        "eos_token_ids": eos_token_ids(generation, config, config.get("text_config") or {}),
+        "eos_token_ids": eos_token_ids(generation, config, config.object("text_config")),
     }
 
 

@@ -27,7 +27,7 @@ import numpy as np
 from edgemm.errors import ModelError
 from edgemm.model.chat_template import ChatTemplate
 from edgemm.model.family import FamilyFields, Prompt, TokenizedFamily, register
-from edgemm.model.hf_folder import eos_token_ids, optional_json, read_json
+from edgemm.model.hf_folder import JsonObject, eos_token_ids, optional_json, pixel_normalisation, read_json
 from edgemm.model.manifest_types import ModelManifest, ResolutionTier
 from edgemm.model.tiling import tile_layout, tile_pixels
 
@@ -38,30 +38,24 @@ END_OF_UTTERANCE = "<end_of_utterance>"
 PIL_LANCZOS = 1  # preprocessor_config.json "resample": the only filter implemented (as SmolVLM uses)
 
 
-def family_config(path: Path, config: dict, preprocessor: dict, processor: dict, generation: dict) -> dict:
+def family_config(path: Path, config: JsonObject, preprocessor: JsonObject, processor: JsonObject,
+                  generation: JsonObject) -> dict:
     """What the adapter needs from the folder's JSON files, checked, in one flat dict."""
     where = path / "preprocessor_config.json"
-
-    def edge(key: str) -> int:
-        value = (preprocessor.get(key) or {}).get("longest_edge")
-        if not isinstance(value, int) or value <= 0:
-            raise ModelError(f"{where}: needs {key}.longest_edge, a positive integer")
-        return value
-
-    if not preprocessor.get("do_image_splitting", True):
+    if not preprocessor.flag("do_image_splitting", True):
         raise ModelError(f"{where}: do_image_splitting false is not supported (edgemm tiles as SmolVLM does)")
     if preprocessor.get("resample", PIL_LANCZOS) != PIL_LANCZOS:
         raise ModelError(f"{where}: resample {preprocessor['resample']} is not supported (only 1, Lanczos)")
-    vision = config.get("vision_config", {})
-    seq_len = processor.get("image_seq_len")
-    if seq_len is None:  # as the processor computes it: patches per tile over the pixel shuffle
-        seq_len = (vision.get("image_size", 512) // vision.get("patch_size", 16)) ** 2 // config.get(
-            "scale_factor", 2) ** 2
+    if "image_seq_len" in processor:
+        seq_len = processor.integer("image_seq_len")
+    else:  # as the processor computes it: patches per tile over the pixel shuffle
+        vision = config.object("vision_config")
+        patches = vision.side("image_size", 512) // vision.side("patch_size", 16)
+        seq_len = patches ** 2 // config.integer("scale_factor", 2) ** 2
     return {
-        "tile": edge("max_image_size"), "longest_edge": edge("size"), "image_seq_len": int(seq_len),
-        "rescale_factor": float(preprocessor.get("rescale_factor", 1 / 255)),
-        "image_mean": list(preprocessor.get("image_mean", [0.5] * 3)),
-        "image_std": list(preprocessor.get("image_std", [0.5] * 3)),
+        "tile": preprocessor.object("max_image_size").side("longest_edge"),
+        "longest_edge": preprocessor.object("size").side("longest_edge"), "image_seq_len": seq_len,
+        **pixel_normalisation(preprocessor, [0.5] * 3, [0.5] * 3),
         "eos_token_ids": eos_token_ids(generation),
     }
 

@@ -44,7 +44,8 @@ import numpy as np
 from edgemm.errors import ModelError
 from edgemm.model.chat_template import ChatTemplate
 from edgemm.model.family import FamilyFields, Prompt, TokenizedFamily, register
-from edgemm.model.hf_folder import eos_token_ids, optional_json, read_json
+from edgemm.model.hf_folder import (MAX_IMAGE_PIXELS, MAX_IMAGE_SIDE, JsonObject, eos_token_ids, optional_json,
+                                    pixel_normalisation, read_json)
 from edgemm.model.manifest_types import ModelManifest, ResolutionTier
 from edgemm.model.resample_torch import resize_rows_of_planes
 
@@ -57,37 +58,45 @@ TIER_BUDGETS = (1, 4, 6)  # tile budgets offered below the folder's max_patches 
 MOST_PATCHES = 64  # InternVL3 uses 12; the grid search is quadratic in max_patches, so a bound
 
 
-def family_config(path: Path, config: dict, preprocessor: dict, processor: dict, generation: dict) -> dict:
+def family_config(path: Path, config: JsonObject, preprocessor: JsonObject, processor: JsonObject,
+                  generation: JsonObject) -> dict:
     """What the adapter needs from the folder's JSON files, checked, in one flat dict."""
     where = path / "preprocessor_config.json"
-    size = preprocessor.get("size") or {}
-    tile = size.get("height")
-    if not isinstance(tile, int) or tile <= 0 or size.get("width") != tile:
+    size = preprocessor.object("size")
+    tile = size.side("height")
+    if size.get("width") != tile:
         raise ModelError(f"{where}: needs size.height and size.width, one positive integer (square tiles)")
     if preprocessor.get("resample", PIL_BICUBIC) != PIL_BICUBIC:
         raise ModelError(f"{where}: resample {preprocessor['resample']} is not supported (only 3, bicubic)")
-    if not preprocessor.get("do_resize", True) or not preprocessor.get("do_rescale", True) \
-            or not preprocessor.get("do_normalize", True):
+    if not all(preprocessor.flag(key, True) for key in ("do_resize", "do_rescale", "do_normalize")):
         raise ModelError(f"{where}: do_resize, do_rescale and do_normalize must be on (as InternVL3 has them)")
-    low, high = preprocessor.get("min_patches", 1), preprocessor.get("max_patches", 12)
-    if not (isinstance(low, int) and isinstance(high, int) and 1 <= low <= high <= MOST_PATCHES):
+    low, high = preprocessor.integer("min_patches", 1), preprocessor.integer("max_patches", 12)
+    if not low <= high <= MOST_PATCHES:
         raise ModelError(f"{where}: min_patches and max_patches must be integers, "
                          f"1 <= min <= max <= {MOST_PATCHES}")
-    vision = config.get("vision_config", {})
-    side, patch = vision.get("image_size", 448), vision.get("patch_size", 14)
-    side, patch = (side[0] if isinstance(side, list) else side), (patch[0] if isinstance(patch, list) else patch)
-    expected = int((side // patch) ** 2 * config.get("downsample_ratio", 0.5) ** 2)
+    if high * tile * tile > MAX_IMAGE_PIXELS:  # the canvas a grid of max_patches tiles is resized to
+        raise ModelError(f"{where}: max_patches {high} tiles of {tile}x{tile} are more pixels than a "
+                         f"{MAX_IMAGE_SIDE}x{MAX_IMAGE_SIDE} image")
+    vision = config.object("vision_config")
+    side, patch = (first_of_pair(vision, key, default) for key, default in (("image_size", 448), ("patch_size", 14)))
+    expected = int((side // patch) ** 2 * config.number("downsample_ratio", 0.5, positive=True, most=1) ** 2)
     seq_len = processor.get("image_seq_length", config.get("image_seq_length", expected))
     if seq_len != expected:
         raise ModelError(f"{path}: image_seq_length {seq_len} does not match the vision config "
                          f"({side}/{patch} patches, downsample_ratio: {expected} tokens per tile)")
     return {
         "tile": tile, "min_patches": low, "max_patches": high, "image_seq_len": int(seq_len),
-        "rescale_factor": float(preprocessor.get("rescale_factor", 1 / 255)),
-        "image_mean": list(preprocessor.get("image_mean", [0.485, 0.456, 0.406])),
-        "image_std": list(preprocessor.get("image_std", [0.229, 0.224, 0.225])),
-        "eos_token_ids": eos_token_ids(generation, config.get("text_config") or {}),
+        **pixel_normalisation(preprocessor, [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]),
+        "eos_token_ids": eos_token_ids(generation, config.object("text_config")),
     }
+
+
+def first_of_pair(vision: JsonObject, key: str, default: int) -> int:
+    """vision_config's `key`: one integer, or a [height, width] pair of which InternVL uses the first."""
+    value = vision.get(key)
+    if isinstance(value, list) and value:
+        return JsonObject({key: value[0]}, vision.file, vision.prefix).integer(key)
+    return vision.integer(key, default)
 
 
 def tile_count(budget: int) -> int:

@@ -36,7 +36,8 @@ import numpy as np
 from edgemm.errors import InputError, ModelError
 from edgemm.model.chat_template import ChatTemplate
 from edgemm.model.family import FamilyFields, Prompt, TokenizedFamily, one_tier, register
-from edgemm.model.hf_folder import eos_token_ids, optional_json, read_json, special_token
+from edgemm.model.hf_folder import (JsonObject, eos_token_ids, optional_json, pixel_normalisation, read_json,
+                                    special_token)
 from edgemm.model.image import DEFAULT_MAX_PIXELS
 from edgemm.model.manifest_types import ModelManifest, ResolutionTier
 from edgemm.model.preprocess import rescale_normalize
@@ -49,64 +50,59 @@ PIL_BICUBIC = 3  # the CLIP image processor's default filter
 GENERATION_TAG = re.compile(r"{%-?\s*(end)?generation\s*-?%}")
 
 
-def _positive(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
-
-
-def family_config(path: Path, config: dict, preprocessor: dict, processor: dict, tokenizer_config: dict,
-                  generation: dict) -> dict:
+def family_config(path: Path, config: JsonObject, preprocessor: JsonObject, processor: JsonObject,
+                  tokenizer_config: JsonObject, generation: JsonObject) -> dict:
     """What the adapter needs from the folder's JSON files, checked, in one flat dict."""
     where = path / "preprocessor_config.json"
-    size = preprocessor.get("size") or {}
-    if _positive(size.get("shortest_edge")):
-        resize = {"shortest_edge": size["shortest_edge"]}
-    elif _positive(size.get("height")) and _positive(size.get("width")):
-        resize = {"height": size["height"], "width": size["width"]}
+    size = preprocessor.object("size")
+    if "shortest_edge" in size:
+        resize = {"shortest_edge": size.side("shortest_edge")}
+    elif "height" in size or "width" in size:
+        resize = {"height": size.side("height"), "width": size.side("width")}
     else:
         raise ModelError(f"{where}: needs size.shortest_edge, or size.height and size.width (positive integers)")
-    crop = preprocessor.get("crop_size") or {}
-    if preprocessor.get("do_center_crop", True):
-        if not (_positive(crop.get("height")) and _positive(crop.get("width"))):
-            raise ModelError(f"{where}: needs crop_size.height and crop_size.width, positive integers")
-        out_h, out_w = crop["height"], crop["width"]
+    crop = preprocessor.object("crop_size")
+    do_center_crop = preprocessor.flag("do_center_crop", True)
+    if do_center_crop:
+        out_h, out_w = crop.side("height"), crop.side("width")
     elif "height" in resize:
         out_h, out_w = resize["height"], resize["width"]
     else:
         raise ModelError(f"{where}: do_center_crop false with size.shortest_edge gives images of "
                          "varying size, which this family does not feed")
-    if not preprocessor.get("do_resize", True):
+    if not preprocessor.flag("do_resize", True):
         raise ModelError(f"{where}: do_resize false is not supported")
-    resample = preprocessor.get("resample", PIL_BICUBIC)
+    resample = preprocessor.integer("resample", PIL_BICUBIC, least=0)
     if resample not in FILTER_NAMES:
         raise ModelError(f"{where}: resample {resample} is not supported "
                          f"({', '.join(f'{k} {v}' for k, v in FILTER_NAMES.items())})")
 
     # the image token count, as LlavaProcessor computes it (processor_config.json; config.json's
     # vision tower and strategy where the processor leaves them out)
-    vision = config.get("vision_config") or {}
-    patch = processor.get("patch_size", vision.get("patch_size"))
-    if not _positive(patch):
+    vision = config.object("vision_config")
+    if "patch_size" not in processor and "patch_size" not in vision:
         raise ModelError(f"{path / 'processor_config.json'}: needs patch_size, a positive integer "
                          "(the image tokens per side are the crop over it)")
+    patch = (processor if "patch_size" in processor else vision).integer("patch_size")
     strategy = processor.get("vision_feature_select_strategy", config.get("vision_feature_select_strategy"))
-    extra = processor.get("num_additional_image_tokens", 0)
-    tokens = (out_h // patch) * (out_w // patch) + (extra if isinstance(extra, int) else 0)
+    extra = processor.integer("num_additional_image_tokens", 0, least=0)
+    tokens = (out_h // patch) * (out_w // patch) + extra
     tokens -= 1 if strategy == "default" else 0
     if tokens <= 0:
         raise ModelError(f"{path}: the image gives {tokens} image tokens (crop {out_h}x{out_w}, patch {patch})")
-    image_token = processor.get("image_token") or special_token(tokenizer_config, "image_token", IMAGE_TOKEN)
+    do_rescale = preprocessor.flag("do_rescale", True)
+    image_token = processor.string("image_token", special_token(tokenizer_config, "image_token", IMAGE_TOKEN))
     return {
-        "resize": resize, "do_center_crop": bool(preprocessor.get("do_center_crop", True)),
+        "resize": resize, "do_center_crop": do_center_crop,
         "height": out_h, "width": out_w, "resample": resample, "image_tokens": tokens,
-        "do_pad": bool(preprocessor.get("do_pad", False)),
-        "do_rescale": bool(preprocessor.get("do_rescale", True)),
-        "do_normalize": bool(preprocessor.get("do_normalize", True)),
-        "rescale_factor": float(preprocessor.get("rescale_factor", 1 / 255)),
-        "image_mean": list(preprocessor.get("image_mean", [0.48145466, 0.4578275, 0.40821073])),
-        "image_std": list(preprocessor.get("image_std", [0.26862954, 0.26130258, 0.27577711])),
+        "do_pad": preprocessor.flag("do_pad", False),
+        "do_rescale": do_rescale,
+        "do_normalize": preprocessor.flag("do_normalize", True),
+        **pixel_normalisation(preprocessor, [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711],
+                              rescaled=do_rescale),
         "image_token": image_token, "bos_token": special_token(tokenizer_config, "bos_token", ""),
         "eos_token": special_token(tokenizer_config, "eos_token", ""),
-        "eos_token_ids": eos_token_ids(generation, config, config.get("text_config") or {}),
+        "eos_token_ids": eos_token_ids(generation, config, config.object("text_config")),
     }
 
 

@@ -43,7 +43,8 @@ import numpy as np
 from edgemm.errors import InputError, ModelError
 from edgemm.model.chat_template import ChatTemplate
 from edgemm.model.family import EncoderPatches, FamilyFields, GraphInputs, Prompt, TokenizedFamily, register
-from edgemm.model.hf_folder import eos_token_ids, optional_json, read_json
+from edgemm.model.hf_folder import (MAX_IMAGE_PIXELS, MAX_IMAGE_SIDE, JsonObject, eos_token_ids, optional_json,
+                                    pixel_normalisation, read_json)
 from edgemm.model.manifest_types import ModelManifest, ResolutionTier
 from edgemm.model.resample import resize_bicubic
 
@@ -56,6 +57,7 @@ PIL_BICUBIC = 3  # preprocessor_config.json "resample": the filter Qwen2-VL's pr
 TOP_TOKENS = 1024  # the richest tier's image tokens at most: a 2B model on an Orin at ~1 s per frame
 GRID_INPUT = {"qwen2_vl": "grid_thw", "qwen2_5_vl": "image_grid_thw"}  # as transformers.js names them
 MAX_ASPECT = 200  # transformers' smart_resize refuses images more elongated than this
+MOST_TEMPORAL = 16  # temporal_patch_size at most: each copy multiplies the patch values
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
@@ -103,36 +105,35 @@ def most_image_tokens(cfg: dict, tokens: int) -> int:
     return most
 
 
-def family_config(path: Path, config: dict, preprocessor: dict, generation: dict) -> dict:
+def family_config(path: Path, config: JsonObject, preprocessor: JsonObject, generation: JsonObject) -> dict:
     """What the adapter needs from the folder's JSON files, checked, in one flat dict."""
     where = path / "preprocessor_config.json"
-    size = preprocessor.get("size") or {}
-
-    def positive(key: str, value: object) -> int:
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ModelError(f"{where}: needs {key}, a positive integer (got {value!r})")
-        return value
-
-    patch = positive("patch_size", preprocessor.get("patch_size", 14))
-    merge = positive("merge_size", preprocessor.get("merge_size", 2))
-    temporal = positive("temporal_patch_size", preprocessor.get("temporal_patch_size", 2))
-    min_pixels = positive("min_pixels", preprocessor.get("min_pixels", size.get("shortest_edge", 56 * 56)))
-    max_pixels = positive("max_pixels", preprocessor.get("max_pixels", size.get("longest_edge", 28 * 28 * 1280)))
+    size = preprocessor.object("size")
+    patch = preprocessor.integer("patch_size", 14, most=MAX_IMAGE_SIDE)
+    merge = preprocessor.integer("merge_size", 2, most=MAX_IMAGE_SIDE // patch)
+    # a still image is copied temporal_patch_size times into every patch: 2 in Qwen2-VL and 2.5
+    temporal = preprocessor.integer("temporal_patch_size", 2, most=MOST_TEMPORAL)
+    # the budgets the resize works within: at most the pixels of a 4096 px square (hf_folder)
+    min_pixels = preprocessor.integer("min_pixels", size.integer("shortest_edge", 56 * 56, most=MAX_IMAGE_PIXELS),
+                                      most=MAX_IMAGE_PIXELS)
+    max_pixels = preprocessor.integer("max_pixels", size.integer("longest_edge", 28 * 28 * 1280,
+                                                                 most=MAX_IMAGE_PIXELS), most=MAX_IMAGE_PIXELS)
     if min_pixels > max_pixels:
         raise ModelError(f"{where}: min_pixels {min_pixels} is above max_pixels {max_pixels}")
+    if max_pixels < (patch * merge) ** 2:
+        raise ModelError(f"{where}: max_pixels {max_pixels} is less than one image token "
+                         f"({patch * merge}x{patch * merge} px)")
     if preprocessor.get("resample", PIL_BICUBIC) != PIL_BICUBIC:
         raise ModelError(f"{where}: resample {preprocessor['resample']} is not supported (only 3, bicubic)")
-    vision = config.get("vision_config", {})
-    if vision.get("spatial_merge_size", merge) != merge:
+    vision = config.object("vision_config")
+    if vision.integer("spatial_merge_size", merge) != merge:
         raise ModelError(f"{path / 'config.json'}: vision_config.spatial_merge_size "
                          f"{vision['spatial_merge_size']} differs from the processor's merge_size {merge}")
     return {
         "model_type": config["model_type"], "grid_input": GRID_INPUT[config["model_type"]],
         "patch_size": patch, "merge_size": merge, "temporal_patch_size": temporal,
         "min_pixels": min_pixels, "max_pixels": max_pixels,
-        "rescale_factor": float(preprocessor.get("rescale_factor", 1 / 255)),
-        "image_mean": list(preprocessor.get("image_mean", OPENAI_CLIP_MEAN)),
-        "image_std": list(preprocessor.get("image_std", OPENAI_CLIP_STD)),
+        **pixel_normalisation(preprocessor, list(OPENAI_CLIP_MEAN), list(OPENAI_CLIP_STD)),
         "eos_token_ids": eos_token_ids(generation, config),
     }
 
