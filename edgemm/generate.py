@@ -27,7 +27,7 @@ TOKEN_EMBED_BYTES = 8 << 20  # Generator.embed_next's table: ~3600 tokens of a 5
 
 
 
-@dataclass
+@dataclass(frozen=True)
 class GenerationOptions:
     max_new_tokens: int = 32
     temperature: float = 0.0  # 0 = greedy

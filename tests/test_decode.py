@@ -3,6 +3,7 @@ alone (and the others get exactly the tokens they get alone), cancellation betwe
 steps, and beams as rows of a batch that share the prefix cache."""
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import numpy as np
@@ -79,7 +80,7 @@ def test_a_sampling_error_fails_that_answer_alone(runtime, monkeypatch):
     gen = endless(runtime)
     items = items_for(runtime, max_new_tokens=6, temperature=0.8)
     for i, item in enumerate(items):
-        item.options.seed = 20 + i
+        item.options = dataclasses.replace(item.options, seed=20 + i)
     want = [alone(gen, item) for item in items]
     sample = decode.sample_token
 

@@ -1,6 +1,7 @@
 """edgemm.generate: greedy and seeded sampling, stop/length, context limit, callbacks, cache."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 from pathlib import Path
@@ -237,8 +238,8 @@ def test_requests_joining_a_running_batch_get_their_own_tokens(runtime):
     asks = [("describe the image", 402_030), ("how many shapes ?", 402_031),
             ("what does the text say ?", 402_032), ("what color is the circle ?", 402_033)]
     items = _batch_items(runtime, asks, max_new_tokens=6)
-    items[0].options.max_new_tokens = 10
-    items[2].options.max_new_tokens = 3
+    items[0].options = dataclasses.replace(items[0].options, max_new_tokens=10)
+    items[2].options = dataclasses.replace(items[2].options, max_new_tokens=3)
     finished: list[tuple[int, object, int]] = []  # (key, outcome, decoder steps made by then)
     batch = DecodingBatch(endless, lambda key, outcome: finished.append(
         (key, outcome, sum(batch.steps_by_rows.values()))))

@@ -27,6 +27,7 @@ Prints JSON, then a Markdown table.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -100,7 +101,7 @@ def bench(model: Path, rounds: int, threads: int, tokens: int) -> dict:
     generators = {"session.run": g,
                   "IOBinding": Generator(g.encoder, g.embed, BoundDecoder(g.decoder), g.max_context, g.stop_ids)}
     request = request_for(rt, model)
-    request.options.max_new_tokens = tokens
+    request.options = dataclasses.replace(request.options, max_new_tokens=tokens)
     features = rt.encode(request.pixel_values, [None])
     item = BatchItem(features, request.prompt.input_ids, request.prompt.image_positions, request.options)
     runs: dict[str, dict[str, list[float]]] = {name: {"decode_ms_per_token": [], "cpu_ms": []} for name in generators}
