@@ -14,9 +14,9 @@ The stream's own answers come first: alerts take the capacity that is spare. An 
 on a frame the stream is behind on (the frame waited for a place of the stream's: the
 source delivers faster than the stream answers, edgemm.stream), or on one of the
 SPARE_AFTER - 1 frames after it, is deferred to the next frame (counted), unless it has
-gone max(every, max_every) frames without being asked: that floor keeps a saturated stream's alerts alive at a cost bounded by the number of alerts /
-max_every questions per frame, and it is what they cost a stream that has no capacity to
-spare. A stream that keeps up with its source (a camera with compute left over) asks every
+gone max(every, max_every) frames without being asked: that floor keeps a saturated
+stream's alerts alive at a cost bounded by (number of alerts) / max_every questions per
+frame, and it is what they cost a stream that has no capacity to spare. A stream that keeps up with its source (a camera with compute left over) asks every
 alert on every frame it is due.
 
 What is fair and bounded. The stream's own prompt keeps its share of the pipeline
@@ -35,8 +35,9 @@ waits for it. Each attempt has a deadline of timeout_s as a whole (every connect
 read of it gets what is left, DeadlineBackend), and only the reply's status and at most
 REPLY_BYTES of its body are read. A closed webhook delivers what it holds for at most one
 timeout_s more, then drops the rest; at most MAX_DRAINING closed webhooks drain at once
-(another is abandoned at once: its connection shut, its queue dropped). Its token comes from an environment variable or an owner-only file, as the
-offload client's key does, and is sent only in the Authorization header.
+(another is abandoned at once: its connection shut, its queue dropped). Its token comes
+from an environment variable or an owner-only file, as the offload client's key does,
+and is sent only in the Authorization header.
 """
 from __future__ import annotations
 
@@ -422,7 +423,11 @@ class NameLookups:
                 self._slots.release()
                 done.set()
 
-        threading.Thread(target=look, name="edgemm-webhook-lookup", daemon=True).start()
+        try:
+            threading.Thread(target=look, name="edgemm-webhook-lookup", daemon=True).start()
+        except RuntimeError as e:  # no thread to be had: the slot comes back
+            self._slots.release()
+            raise httpcore.ConnectError(f"cannot start a name lookup: {e}") from e
         if not done.wait(wait):
             raise httpcore.ConnectTimeout(f"the name lookup of {host} did not finish before the attempt's deadline")
         if "error" in found:
@@ -524,21 +529,27 @@ class DeadlineTransport(httpx.BaseTransport):
     as absolute-URI requests to it, HTTPS through a CONNECT tunnel (the proxy's own
     connection is on `backend` too, so the deadline covers it)."""
 
-    def __init__(self, backend: DeadlineBackend, proxy: httpx.Proxy | None = None) -> None:
+    def __init__(self, backend: DeadlineBackend, proxy_url: str | None = None) -> None:
         ssl_context = httpx.create_ssl_context()
         self._refusal: str | None = None  # a proxy it cannot use: each attempt fails, saying so
         self._pool: httpcore.ConnectionPool | httpcore.HTTPProxy | None = None
-        if proxy is None:
+        scheme = urllib.parse.urlsplit(proxy_url).scheme if proxy_url else None
+        try:
+            proxy = httpx.Proxy(proxy_url) if scheme in ("http", "https") else None
+        except (ValueError, httpx.InvalidURL) as e:
+            self._refusal = f"the proxy URL cannot be used: {e}"
+            return
+        if proxy_url is None:
             self._pool = httpcore.ConnectionPool(ssl_context=ssl_context, max_connections=1,
                                                  network_backend=backend)
-        elif proxy.url.scheme in ("http", "https"):
+        elif proxy is not None:
             self._pool = httpcore.HTTPProxy(
                 proxy_url=httpcore.URL(scheme=proxy.url.raw_scheme, host=proxy.url.raw_host,
                                        port=proxy.url.port, target=proxy.url.raw_path),
                 proxy_auth=proxy.raw_auth, proxy_headers=proxy.headers.raw, ssl_context=ssl_context,
                 proxy_ssl_context=proxy.ssl_context, max_connections=1, network_backend=backend)
         else:
-            self._refusal = f"webhooks go through http:// and https:// proxies only, not {proxy.url.scheme}://"
+            self._refusal = f"webhooks go through http:// and https:// proxies only, not {scheme}://"
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         if self._pool is None:
@@ -558,18 +569,18 @@ class DeadlineTransport(httpx.BaseTransport):
             self._pool.close()
 
 
-def environment_proxy(url: str) -> httpx.Proxy | None:
-    """The proxy the environment names for `url`: HTTP_PROXY / HTTPS_PROXY / ALL_PROXY, none
-    for a host NO_PROXY lists (the standard library's reading of them, the one httpx's follows
-    for the offload client)."""
+def environment_proxy(url: str) -> str | None:
+    """The proxy URL the environment names for `url`: HTTP_PROXY / HTTPS_PROXY / ALL_PROXY,
+    none for a host NO_PROXY lists, by the standard library's rules (a host matches an entry
+    equal to it or ending in it after a dot; `*` matches every host)."""
     parts = urllib.parse.urlsplit(url)
-    proxies = urllib.request.getproxies_environment()
-    if not parts.hostname or urllib.request.proxy_bypass_environment(parts.netloc.rpartition("@")[2], proxies):
+    proxies = urllib.request.getproxies()
+    if not parts.hostname or urllib.request.proxy_bypass(parts.hostname):
         return None
     named = proxies.get(parts.scheme) or proxies.get("all")
     if not named:
         return None
-    return httpx.Proxy(named if "://" in named else f"http://{named}")
+    return named if "://" in named else f"http://{named}"
 
 
 class ReplyStream(httpx.SyncByteStream):
@@ -735,6 +746,9 @@ class WebhookSender:
                 # it is final, as a 4xx is, not retried
                 detail = " ".join(str(e).split())[:100]
                 error = f"bad reply from {self.host}: {type(e).__name__}" + (f" ({detail})" if detail else "")
+                break
+            except httpx.UnsupportedProtocol as e:  # the proxy cannot be used: its reason, final
+                error = f"cannot reach {self.host}: {e}"
                 break
             except httpx.HTTPError as e:
                 error = f"cannot reach {self.host}: {type(e).__name__}"

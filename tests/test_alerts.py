@@ -893,6 +893,36 @@ def test_a_webhook_to_https_opens_a_connect_tunnel_through_https_proxy(proxy, mo
     assert sender.figures.last_error.startswith("cannot reach hook.invalid: ")
 
 
+@pytest.mark.parametrize("named, reason", [
+    ("socks5://127.0.0.1:1080", "http:// and https:// proxies only, not socks5://"),
+    ("socks4://127.0.0.1:1080", "http:// and https:// proxies only, not socks4://"),
+    ("ftp://x:1", "http:// and https:// proxies only, not ftp://"),
+])
+def test_a_proxy_webhooks_cannot_use_fails_each_event_saying_why_and_starts_nothing_else(proxy, monkeypatch,
+                                                                                        named, reason):
+    """README "Alerts": a proxy scheme httpcore cannot speak is not a crash of the stream
+    that carries the webhook: each event fails once (not retried), with the reason."""
+    monkeypatch.setenv("ALL_PROXY", named)
+    sender = WebhookSender(WebhookConfig(url="http://hook.invalid/alerts", timeout_s=30, retries=3), "w")
+    sender.send(EVENT)
+    wait_until(lambda: sender.figures.failed == 1, what="the event to fail")
+    sender.close()
+    assert sender.figures.last_error == f"cannot reach hook.invalid: webhooks go through {reason}"
+    assert sender.figures.retries == 0 and proxy.seen == []
+
+
+def test_no_proxy_is_read_by_host_name_ipv6_included(monkeypatch):
+    from edgemm.alerts import environment_proxy
+    for name in PROXY_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HTTP_PROXY", "proxy.example:3128")
+    monkeypatch.setenv("NO_PROXY", ".internal.example,::1")
+    assert environment_proxy("http://hook.example/x") == "http://proxy.example:3128"
+    assert environment_proxy("http://a.internal.example:8080/x") is None
+    assert environment_proxy("http://[::1]:8080/x") is None
+    assert environment_proxy("https://hook.example/x") is None  # no HTTPS_PROXY, no ALL_PROXY
+
+
 def test_a_webhook_with_no_proxy_set_connects_directly(proxy):
     with socket.socket() as unused:
         unused.bind(("127.0.0.1", 0))

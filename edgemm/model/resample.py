@@ -127,7 +127,7 @@ def resample_lines(lines: np.ndarray, first: np.ndarray, weights: np.ndarray, bi
         return out
     # the sums are int32 as in Pillow (its fixed point is chosen so that they fit), a
     # cache-sized block of output lines at a time
-    weights = weights.astype(np.int32)
+    weights = weights.astype(np.int32, copy=False)
     block = max(1, CHUNK_BYTES // (4 * lines.shape[1]))
     acc = np.empty((min(block, count), lines.shape[1]), np.int32)  # no more lines than there are outputs
     term = np.empty_like(acc)
