@@ -259,27 +259,27 @@ def test_every_stage_survives_an_unexpected_error(runtime, samples, monkeypatch,
 # ---- a daemon-run stream ---------------------------------------------------------------
 
 class FailingSource:
-    """A real source whose read() raises once, at its `fail_at`-th frame."""
+    """A real source whose read() raises once: the first read after `armed` is set."""
 
-    def __init__(self, source, fail_at: int):
-        self.source, self.fail_at, self.reads = source, fail_at, 0
+    def __init__(self, source, armed: threading.Event | None):
+        self.source, self.armed = source, armed
 
     def __getattr__(self, name):
         return getattr(self.source, name)
 
     def read(self):
-        self.reads += 1
-        if self.reads == self.fail_at:
+        if self.armed is not None and self.armed.is_set():
+            self.armed = None
             raise Injected(INJECTED)
         return self.source.read()
 
 
 def test_a_stream_whose_source_fails_reports_it_and_the_daemon_goes_on(runtime, samples, monkeypatch):
-    opened = []
+    opened, armed = [], threading.Event()
     open_source = edgemm.streams.open_source
 
     def failing_open_source(uri, **kwargs):
-        source = FailingSource(open_source(uri, **kwargs), fail_at=3 if not opened else 0)
+        source = FailingSource(open_source(uri, **kwargs), armed if not opened else None)
         opened.append(source)
         return source
     monkeypatch.setattr(edgemm.streams, "open_source", failing_open_source)
@@ -292,8 +292,10 @@ def test_a_stream_whose_source_fails_reports_it_and_the_daemon_goes_on(runtime, 
             for line in response.iter_lines():
                 if line.startswith("data: "):
                     events.append(json.loads(line[6:]))
+                    armed.set()  # this listener is registered: the source fails at its next read
                     if len(opened) > 1 and "answer" in events[-1] and any("error" in e for e in events):
                         break  # answered again after the failure, by the reopened source
+                    assert len(events) < 500, "no error event, or no answer after it"
         failure = next(e for e in events if "error" in e)
         assert "frame" not in failure and failure["error"] == INJECTED  # the source's own failure
         assert "answer" in events[events.index(failure) + 1]
