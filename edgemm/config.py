@@ -518,7 +518,8 @@ class StreamConfig:
                 check_text(getattr(self, name), f"{path}.{name}")
             except LimitError as e:
                 raise ConfigError(str(e)) from None
-        _require(self.every >= 1, f"{path}.every", "be >= 1", self.every)
+        # bounded as an alert's every: a stream that skips more frames than that asks nothing in practice
+        _require(1 <= self.every <= MAX_ALERT_RUN, f"{path}.every", f"be in 1..{MAX_ALERT_RUN}", self.every)
         if self.fps is not None:  # bounded: 1e-320 would be an interval of inf between frames
             _require(math.isfinite(self.fps) and MIN_FPS <= self.fps <= MAX_FPS, f"{path}.fps",
                      f"be between {MIN_FPS:g} and {MAX_FPS:g} or null", self.fps)

@@ -523,6 +523,8 @@ def test_a_stream_whose_prompt_has_a_nul_is_400(daemon, no_tracebacks):
     ("source", "rtsp://127.0.0.1:99999/x", "not a valid rtsp:// address (port out of range"),
     ("source", "rtsp://127.0.0.1:0/x", "not a valid rtsp:// address (port 0)"),
     ("source", "rtsp://[::1/x", "not a valid rtsp:// address"),
+    ("every", 100000000000000000000000, "'every' must be in 1..1000"),  # as an alert's every
+    ("every", 1001, "'every' must be in 1..1000"),
 ])
 def test_a_stream_every_frame_of_which_would_fail_is_400_naming_the_field(daemon, no_tracebacks, field, value, said):
     """Each of these got 201, then failed every frame or retried for ever."""
