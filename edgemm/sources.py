@@ -505,7 +505,8 @@ class Source:
     """A stream of RGB frames. Subclasses implement `_open`, `_next_frame`, `_close`.
 
     `read()` may be called from one thread while another calls `close()`: close cuts
-    a backoff wait short, and later reads return None. A closed source stays closed.
+    a backoff wait short, never waits for a camera call under way (the reader releases the
+    capture when that call returns), and later reads return None. A closed source stays closed.
 
     `on_health`, if set, is called from the reading thread with the reason each time
     the source fails to open or deliver (and retries), and with None when it delivers
@@ -531,21 +532,41 @@ class Source:
         SourceUnusable for what no retry fixes, SourceError for what is wrong now."""
 
     def open(self) -> None:
-        with self._lock:
-            self._ensure_open()
+        try:
+            with self._lock:
+                self._ensure_open()
+        finally:
+            self._release_if_closed()
 
     def read(self) -> Frame | None:
         """The next frame; None at the end of a file (or once closed)."""
-        with self._lock:
-            if self._closed.is_set():
-                return None
-            self._ensure_open()
-            return self._next_frame()
+        if self._closed.is_set():
+            return None  # without the lock: another reader may be stuck in a camera call
+        try:
+            with self._lock:
+                if self._closed.is_set():
+                    return None
+                self._ensure_open()
+                frame = self._next_frame()
+                return None if self._closed.is_set() else frame  # closed meanwhile: nothing more
+        finally:
+            self._release_if_closed()
 
     def close(self) -> None:
+        """Mark the source closed, and release what it holds unless a reader is in a call to
+        it (an RTSP open or read can block for many seconds inside FFmpeg or GStreamer): that
+        reader releases it as its call returns. Never waits, so the event loop may call it."""
         self._closed.set()
-        with self._lock:
-            self._close()
+        self._release_if_closed()
+
+    def _release_if_closed(self) -> None:
+        # close() marks before trying the lock, a reader tries it after leaving it: whichever
+        # comes second finds the lock free and the mark set, so the capture is always released
+        if self._closed.is_set() and self._lock.acquire(blocking=False):
+            try:
+                self._close()
+            finally:
+                self._lock.release()
 
     def __enter__(self) -> Source:
         self.open()

@@ -40,7 +40,7 @@ from edgemm.alerts import ALERT_SHARE, StreamAlerts, check_webhooks, without_sec
 from edgemm.backoff import Backoff
 from edgemm.config import ConfigError, LimitsConfig, StreamConfig, config_from_dict, url_host, webhook_allowed
 from edgemm.errors import EdgemmError, InputError
-from edgemm.pipeline import Pipeline
+from edgemm.pipeline import Overloaded, Pipeline
 from edgemm.sources import Source, SourceError, SourceUnusable, check_uri, open_source, parse_uri
 from edgemm.stream import StreamOptions, run_stream
 from edgemm.view import LatestFrame
@@ -213,11 +213,12 @@ class ManagedStream:
         self.thread.start()
 
     def stop(self) -> None:
-        """Ask the stream to stop; frames in flight are still answered and delivered."""
+        """Ask the stream to stop; frames in flight are still answered and delivered. Never
+        waits, so the event loop may call it: the stream's own threads close its source (a
+        reader in a camera call that blocks, an RTSP open to a server that never answers,
+        releases the capture when that call returns, and the thread ends then)."""
         self._stop.set()
-        self._run_stop.set()
-        if self._source is not None:
-            self._source.close()  # wakes a reader waiting on a camera or a backoff
+        self._run_stop.set()  # run_stream's stopper thread closes the source: wakes a reader in a backoff
 
     # -- the stream's own thread --
 
@@ -260,6 +261,8 @@ class ManagedStream:
                 return None
             self._source.on_health = self._source_health
             self._source.open()  # a camera that is not up yet: retrying, from the source's report
+            if self._stop.is_set():  # stopped while the open blocked (stop() does not wait for it)
+                return None
             generation = {k: v for k, v in (("tier", spec.tier), ("max_new_tokens", spec.max_new_tokens))
                           if v is not None}
             options = StreamOptions(prompt=spec.prompt, every=spec.every, fps=spec.fps,
@@ -274,6 +277,9 @@ class ManagedStream:
             raise
         except Exception as e:  # a camera that won't open, a bad URI: the stream's problem only
             return str(e) or type(e).__name__
+        finally:
+            if self._source is not None:
+                self._source.close()  # here, in the stream's thread: releasing a capture may take a while
         if not self._source.live:
             return None  # a file or a folder came to its end (a bad file in it is one error event)
         return failure[-1] if failure else "the source stopped delivering frames"
@@ -391,6 +397,9 @@ class StreamManager:
         self.route = route  # the power policy's local placement, asked per frame (Router.local_route)
         self.webhook_hosts = list(webhook_hosts or [])  # server.webhook_hosts: where the API's webhooks may go
         self.streams: dict[str, ManagedStream] = {}
+        # removed streams whose thread has not ended yet (a camera call under way must return
+        # first): they hold a thread and a connection each, so they count toward max_streams
+        self.stopping: list[ManagedStream] = []
         self.all_listeners: set[AllStreamsListener] = set()  # GET /v1/events
         self.loop: asyncio.AbstractEventLoop | None = None
 
@@ -443,6 +452,10 @@ class StreamManager:
             raise StreamConflict(f"a stream named {spec.id!r} exists; DELETE it first")
         if len(self.streams) >= self.limit:
             raise StreamConflict(f"{self.limit} streams are running (server.max_streams)")
+        self.stopping = [s for s in self.stopping if s.thread.is_alive()]
+        if len(self.streams) + len(self.stopping) >= self.limit:
+            raise Overloaded(f"server busy: {len(self.stopping)} deleted streams are still closing their sources "
+                             f"(server.max_streams is {self.limit}); retry shortly")
         kind = self._kind(spec)
         if from_api:
             _api_may_start(kind)
@@ -497,6 +510,7 @@ class StreamManager:
         stream = self.get(stream_id)
         del self.streams[stream_id]
         stream.stop()
+        self.stopping.append(stream)
         return stream
 
     def stop_all(self) -> None:

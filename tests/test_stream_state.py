@@ -17,6 +17,7 @@ import threading
 import numpy as np
 import pytest
 from test_server import assert_error, metric, raw_client, running, sock_path, synthetic, wait_until
+from test_sources import StalledCamera
 
 import edgemm.streams
 from edgemm import sources
@@ -160,3 +161,66 @@ def test_a_configured_synthetic_size_over_the_pixel_limit_fails_the_start(runtim
     assert str(info.value) == ("config: streams[0].source (big): synthetic://?size=300: size 300 makes "
                                "90000 pixels per frame, above limits.max_pixels (65536)")
     assert not (tmp_path / "edgemm.sock").exists()  # refused before the socket was made
+
+
+class StalledCameras:
+    """open_source's stand-in: each source made is a StalledCamera (tests/test_sources.py), whose
+    open blocks until its `answer` is set, as FFmpeg's does on a server that accepts the RTSP
+    connection and never speaks (the hostile tester's `socket.listen()` and nothing more)."""
+
+    def __init__(self):
+        self.made: list[StalledCamera] = []
+
+    def __call__(self, uri: str, **limits) -> StalledCamera:
+        self.made.append(StalledCamera())
+        return self.made[-1]
+
+    def opening(self) -> list[StalledCamera]:
+        return [c for c in self.made if c.entered.is_set()]
+
+    def answer_all(self) -> None:
+        for camera in self.made:
+            camera.answer.set()
+
+
+def test_deleting_a_stream_whose_open_blocks_answers_at_once_and_the_loop_stays_free(runtime, monkeypatch, quiet):
+    """The DELETE of a stream still opening its camera waited, on the event loop, for the open to
+    return (8.6 s for FFmpeg's timeout; /healthz and the watchdog's heartbeat waited with it)."""
+    cameras = StalledCameras()
+    monkeypatch.setattr(edgemm.streams, "open_source", cameras)
+    try:
+        with running(runtime, max_streams=1) as d, raw_client(sock_path(d), timeout=15) as http:
+            assert http.post("/v1/streams", json=stream("cam", "rtsp://stalled/x")).status_code == 201
+            wait_until(lambda: len(cameras.opening()) == 1, what="the stream to be opening its camera")
+            (camera,) = cameras.opening()
+            assert http.delete("/v1/streams/cam").status_code == 200
+            assert http.get("/healthz").json() == {"status": "ok"}
+            assert not camera.answer.is_set() and camera.captures == []  # all while the open still blocks
+            # the deleted stream's thread is still in the open: it counts toward max_streams until it ends
+            error = assert_error(http.post("/v1/streams", json=synthetic("next")), 503)
+            assert "still closing their sources" in error["message"]
+            camera.answer.set()
+            wait_until(lambda: camera.captures and camera.captures[0].released, what="the capture to be released")
+            stopped = d.service.streams.stopping[0]
+            stopped.thread.join(10)
+            assert not stopped.thread.is_alive() and stopped.figures.state == "stopped"
+            assert http.post("/v1/streams", json=synthetic("next")).status_code == 201
+    finally:
+        cameras.answer_all()
+
+
+def test_shutdown_with_streams_whose_opens_block_stays_within_the_grace_period(runtime, monkeypatch, quiet):
+    """SIGTERM with four such streams took 60 s (each close waited for its open), past
+    grace_period_s. The daemon now drains without waiting for them (30 s here is only a hang's bound)."""
+    cameras = StalledCameras()
+    monkeypatch.setattr(edgemm.streams, "open_source", cameras)
+    streams = [stream(f"cam{i}", f"rtsp://stalled{i}/x") for i in range(4)]
+    try:
+        with running(runtime, {"streams": streams}, grace_period_s=1):
+            wait_until(lambda: len(cameras.opening()) == 4, what="four streams opening their cameras")
+        # running() asked the daemon to stop and found it stopped, while every open still blocks
+        assert not any(camera.answer.is_set() for camera in cameras.made)
+    finally:
+        cameras.answer_all()
+    wait_until(lambda: all(c.captures and c.captures[0].released for c in cameras.opening()),
+               what="the captures to be released once the opens returned")
