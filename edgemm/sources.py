@@ -61,7 +61,7 @@ from edgemm.opencv import cv2
 __all__ = [
     "SourceError", "SourceUnusable", "Frame", "SourceSpec", "SourceStats", "Source", "CaptureSource",
     "CsiSource", "V4l2Source", "RtspSource", "VideoFileSource", "ImageFilesSource",
-    "SyntheticSource", "open_source", "parse_uri", "check_uri", "gstreamer_available",
+    "SyntheticSource", "open_source", "parse_uri", "check_uri", "network_address", "gstreamer_available",
     "csi_pipeline", "rtsp_pipeline", "rtsp_capture_args",
 ]
 
@@ -169,6 +169,19 @@ def open_source(uri: str, *, fps: float | None = None, width: int | None = None,
                                max_synthetic_pixels=max_synthetic_pixels,
                                sleep=sleep, clock=clock)
     return ImageFilesSource(uri, spec.kind, spec.location, max_pixels=max_pixels)
+
+
+RTSP_PORTS = {"rtsp": 554, "rtsps": 322}  # the schemes' registered ports, when the URI gives none
+
+
+def network_address(uri: str) -> tuple[str, int] | None:
+    """The (host in lower case, port) a network source connects to (rtsp://, rtsps://), None for
+    a local one (a camera, a file, synthetic scenes); SourceError if the URI is malformed."""
+    spec = parse_uri(uri)
+    if spec.kind != "rtsp":
+        return None
+    parts = urllib.parse.urlsplit(spec.location)  # valid: _rtsp_spec checked host and port
+    return (parts.hostname or "").lower(), parts.port or RTSP_PORTS[parts.scheme.lower()]
 
 
 def check_uri(uri: str, *, max_pixels: int = DEFAULT_MAX_PIXELS,
@@ -279,6 +292,11 @@ def _v4l2_spec(uri: str, rest: str) -> SourceSpec:
 
 def _rtsp_spec(uri: str, rest: str) -> SourceSpec:
     address, query = _split_query(rest)
+    if not uri.isprintable() or any(c in uri for c in ' "\\'):
+        # a URL percent-encodes these; a quote would end rtspsrc's location="…" in the GStreamer
+        # pipeline, and what follows it would be pipeline elements of the client's choosing
+        raise SourceError(f"{_redact(uri)}: an rtsp:// URI has no spaces, quotes, backslashes or control "
+                          "characters (percent-encode them)")
     host = address.split("/", 1)[0].rpartition("@")[2]
     if not host:
         raise SourceError(f"{_redact(uri)}: rtsp:// needs a host, e.g. rtsp://192.168.1.10/stream")

@@ -38,10 +38,11 @@ from typing import Any
 
 from edgemm.alerts import ALERT_SHARE, StreamAlerts, check_webhooks, without_secrets
 from edgemm.backoff import Backoff
-from edgemm.config import ConfigError, LimitsConfig, StreamConfig, config_from_dict, url_host, webhook_allowed
+from edgemm.config import (ConfigError, LimitsConfig, StreamConfig, config_from_dict, host_allowed, url_host,
+                           webhook_allowed)
 from edgemm.errors import EdgemmError, InputError
 from edgemm.pipeline import Overloaded, Pipeline
-from edgemm.sources import Source, SourceError, SourceUnusable, check_uri, open_source, parse_uri
+from edgemm.sources import Source, SourceError, SourceUnusable, check_uri, network_address, open_source, parse_uri
 from edgemm.stream import StreamOptions, run_stream
 from edgemm.view import LatestFrame
 
@@ -354,6 +355,23 @@ def _api_may_post_to(spec: StreamConfig, hosts: list[str]) -> None:
                               f"({', '.join(hosts)})")
 
 
+def _api_may_connect_to(spec: StreamConfig, hosts: list[str]) -> None:
+    """A network source from the API is a connection the daemon makes for the client: only to
+    the hosts of server.source_hosts (else a client could reach its loopback ports, the cloud's
+    metadata address, the LAN, and read from the stream's state whether a port answers)."""
+    try:
+        target = network_address(spec.source)
+    except SourceError as e:
+        raise StreamSpecError(str(e), "source") from None
+    if target is None or host_allowed(target, hosts):
+        return
+    if not hosts:
+        raise StreamForbidden("the API may not start network sources: server.source_hosts is empty (list there "
+                              "the cameras' hosts POST /v1/streams may connect to)")
+    raise StreamForbidden(f"a source at {target[0]} port {target[1]} is not in server.source_hosts "
+                          f"({', '.join(hosts)})")
+
+
 def reserved_places(max_streams: int) -> int:
     """Pipeline inbox places the daemon's streams may fill, beyond the API's queue_size:
     each stream's frames and its alerts' questions."""
@@ -386,7 +404,8 @@ class StreamManager:
     starts: the pool keeps their total within those places all the same."""
 
     def __init__(self, pipeline: Pipeline, specs: list[StreamConfig], limit: int,
-                 route: Callable[[], Any] | None = None, webhook_hosts: list[str] | None = None):
+                 route: Callable[[], Any] | None = None, webhook_hosts: list[str] | None = None,
+                 source_hosts: list[str] | None = None):
         self.source_limits = source_limits(pipeline.runtime.config.limits)
         check_configured(specs, limit, pipeline.runtime.config.limits)
         self.pipeline, self.specs, self.limit = pipeline, specs, limit
@@ -396,6 +415,7 @@ class StreamManager:
         self.alert_pool = threading.BoundedSemaphore(limit * ALERT_SHARE)  # the alerts' questions, likewise
         self.route = route  # the power policy's local placement, asked per frame (Router.local_route)
         self.webhook_hosts = list(webhook_hosts or [])  # server.webhook_hosts: where the API's webhooks may go
+        self.source_hosts = list(source_hosts or [])  # server.source_hosts: where the API's network sources may be
         self.streams: dict[str, ManagedStream] = {}
         # removed streams whose thread has not ended yet (a camera call under way must return
         # first): they hold a thread and a connection each, so they count toward max_streams
@@ -410,12 +430,13 @@ class StreamManager:
 
     def check(self, spec: StreamConfig) -> None:
         """What POST /v1/streams refuses before a stream exists: a source the API may not
-        start (403), or one that cannot work now, checked without opening it (400): no
+        start, or a network source on a host outside server.source_hosts (403), or one that cannot work now, checked without opening it (400): no
         GStreamer or no such element, no such device or no camera at that path, permission
         denied, a synthetic size over limits.max_pixels or max_synthetic_pixels. May ask
         GStreamer's registry (a subprocess, once per element): call it off the event loop."""
         kind = self._kind(spec)
         _api_may_start(kind)  # before anything looks at the daemon's files
+        _api_may_connect_to(spec, self.source_hosts)
         _api_may_use_tokens(spec)
         _api_may_post_to(spec, self.webhook_hosts)
         self.check_settings(spec)
@@ -459,6 +480,7 @@ class StreamManager:
         kind = self._kind(spec)
         if from_api:
             _api_may_start(kind)
+            _api_may_connect_to(spec, self.source_hosts)
             _api_may_use_tokens(spec)
             _api_may_post_to(spec, self.webhook_hosts)
         stream = ManagedStream(spec, self.pipeline, self.loop, self.route, self.pool, self.alert_pool)

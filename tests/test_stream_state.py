@@ -21,7 +21,7 @@ from test_sources import StalledCamera
 
 import edgemm.streams
 from edgemm import sources
-from edgemm.config import load_config
+from edgemm.config import ConfigError, load_config
 from edgemm.daemon import Daemon
 from edgemm.errors import InputError
 from edgemm.sources import CaptureSource
@@ -42,7 +42,7 @@ def quiet(monkeypatch):
 
 
 def test_a_stream_that_never_delivered_is_retrying_with_the_last_error(runtime, quiet):
-    with running(runtime) as d, raw_client(sock_path(d)) as http:
+    with running(runtime, source_hosts=["127.0.0.1:1"]) as d, raw_client(sock_path(d)) as http:
         created = http.post("/v1/streams", json=stream("gate", NEVER_OPENS))
         assert created.status_code == 201, created.text
         wait_until(lambda: http.get("/v1/streams/gate").json()["state"] == "retrying", what="state retrying")
@@ -122,7 +122,7 @@ class FlakyCamera(CaptureSource):
 def test_a_camera_that_stops_after_delivering_is_retrying_until_it_delivers_again(runtime, monkeypatch, quiet):
     camera = FlakyCamera("rtsp://flaky/x")
     monkeypatch.setattr(edgemm.streams, "open_source", lambda uri, **kw: camera)
-    with running(runtime) as d, raw_client(sock_path(d)) as http:
+    with running(runtime, source_hosts=["flaky"]) as d, raw_client(sock_path(d)) as http:
         assert http.post("/v1/streams", json=stream("flaky", "rtsp://flaky/x")).status_code == 201
         state = lambda: http.get("/v1/streams/flaky").json()["state"]  # noqa: E731
         wait_until(lambda: state() == "running" and http.get("/v1/streams/flaky").json()["frames"] > 0,
@@ -189,7 +189,8 @@ def test_deleting_a_stream_whose_open_blocks_answers_at_once_and_the_loop_stays_
     cameras = StalledCameras()
     monkeypatch.setattr(edgemm.streams, "open_source", cameras)
     try:
-        with running(runtime, max_streams=1) as d, raw_client(sock_path(d), timeout=15) as http:
+        with running(runtime, max_streams=1, source_hosts=["stalled"]) as d, \
+                raw_client(sock_path(d), timeout=15) as http:
             assert http.post("/v1/streams", json=stream("cam", "rtsp://stalled/x")).status_code == 201
             wait_until(lambda: len(cameras.opening()) == 1, what="the stream to be opening its camera")
             (camera,) = cameras.opening()
@@ -224,3 +225,46 @@ def test_shutdown_with_streams_whose_opens_block_stays_within_the_grace_period(r
         cameras.answer_all()
     wait_until(lambda: all(c.captures and c.captures[0].released for c in cameras.opening()),
                what="the captures to be released once the opens returned")
+
+
+@pytest.mark.parametrize("hosts, source, message", [
+    ([], "rtsp://169.254.169.254:80/x", "the API may not start network sources: server.source_hosts is empty"),
+    ([], "rtsp://127.0.0.1:22/x", "the API may not start network sources: server.source_hosts is empty"),
+    (["127.0.0.1:554"], "rtsp://127.0.0.1:22/x", "a source at 127.0.0.1 port 22 is not in server.source_hosts "
+                                                 "(127.0.0.1:554)"),
+    (["cam.lan"], "rtsps://user:pw@10.0.0.1/x", "a source at 10.0.0.1 port 322 is not in server.source_hosts"),
+    (["127.0.0.1"], "rtsp://127.0.0.2/x", "a source at 127.0.0.2 port 554 is not in server.source_hosts"),
+])
+def test_the_api_starts_network_sources_on_the_hosts_of_source_hosts_only(runtime, hosts, source, message):
+    """POST /v1/streams with rtsp://169.254.169.254:80/x or rtsp://127.0.0.1:<any port> got 201, and
+    the stream's state then told whether that port answered: a port scanner through the daemon."""
+    with running(runtime, source_hosts=hosts) as d, raw_client(sock_path(d)) as http:
+        error = assert_error(http.post("/v1/streams", json=stream("probe", source)), 403)
+        assert error["message"].startswith(message) and "\n" not in error["message"]
+        assert "pw" not in error["message"]
+        assert http.get("/v1/streams").json()["data"] == []  # never started
+
+
+def test_network_sources_on_an_allowed_host_start_and_the_config_file_names_any(runtime, quiet):
+    configured = stream("configured", NEVER_OPENS)  # not in source_hosts: the config file's own choice
+    with running(runtime, {"streams": [configured]}, source_hosts=["Localhost", "127.0.0.1:1"]) as d, \
+            raw_client(sock_path(d)) as http:
+        assert http.post("/v1/streams", json=stream("loopback", "rtsp://127.0.0.1:1/x")).status_code == 201
+        assert http.post("/v1/streams", json=stream("named", "rtsp://localhost:9/x")).status_code == 201
+        wait_until(lambda: http.get("/v1/streams/configured").json()["state"] == "retrying", what="retrying")
+
+
+def test_an_rtsp_uri_that_could_leave_the_gstreamer_location_is_400(runtime):
+    """rtspsrc location="…": a quote in the URI would end it, and what follows would be pipeline
+    elements of the client's choosing (on a host source_hosts allows)."""
+    with running(runtime, source_hosts=["cam"]) as d, raw_client(sock_path(d)) as http:
+        for source in ('rtsp://cam/x" ! filesrc location=/etc/passwd ! fakesink', "rtsp://cam/a b",
+                       "rtsp://cam/a\\b", "rtsp://cam/a\tb"):
+            error = assert_error(http.post("/v1/streams", json=stream("cam", source)), 400, param="source")
+            assert "an rtsp:// URI has no spaces, quotes, backslashes or control characters" in error["message"]
+        assert http.get("/v1/streams").json()["data"] == []
+
+
+def test_source_hosts_entries_are_checked_as_webhook_hosts_are():
+    with pytest.raises(ConfigError, match=r"server.source_hosts\[0\]' must be a host name or address"):
+        load_config({"server": {"source_hosts": ["rtsp://cam/x"]}})
