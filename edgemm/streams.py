@@ -38,8 +38,8 @@ from typing import Any
 
 from edgemm.alerts import ALERT_SHARE, StreamAlerts, check_webhooks, without_secrets
 from edgemm.backoff import Backoff
-from edgemm.config import (ConfigError, LimitsConfig, StreamConfig, config_from_dict, host_allowed, url_host,
-                           webhook_allowed)
+from edgemm.config import (MAX_ALERTS, ConfigError, LimitsConfig, StreamConfig, config_from_dict, host_allowed,
+                           url_host, webhook_allowed)
 from edgemm.errors import EdgemmError, InputError
 from edgemm.pipeline import Overloaded, Pipeline
 from edgemm.sources import Source, SourceError, SourceUnusable, check_uri, network_address, open_source, parse_uri
@@ -370,6 +370,29 @@ def _api_may_connect_to(spec: StreamConfig, hosts: list[str]) -> None:
                               "the cameras' hosts POST /v1/streams may connect to)")
     raise StreamForbidden(f"a source at {target[0]} port {target[1]} is not in server.source_hosts "
                           f"({', '.join(hosts)})")
+
+
+@dataclass(frozen=True)
+class BodyLimit:
+    """The most bytes a route's request body may have, and what the 413 calls it."""
+    size: int
+    what: str  # "a stream's body"
+    why: str   # where the limit comes from, for the message
+
+
+# Room in a stream's body beside its prompts: id, source, webhook URLs, alerts' rules, JSON's own
+STREAM_BODY_ROOM = 16 * 1024
+ESCAPED_CHAR_BYTES = 6  # a prompt character, JSON-escaped: \u00e9
+
+
+def stream_body_limit(limits: LimitsConfig, server: Any, prompts: int = 1 + MAX_ALERTS) -> BodyLimit:
+    """POST /v1/streams takes a stream and its alerts (1 + MAX_ALERTS prompts), PATCH one prompt
+    (`prompts=1`): each of at most limits.max_prompt_chars characters. A body beyond what that can
+    take is 413 unread (it was parsed on the event loop: 16 MB took 9 s there)."""
+    size = min(server.max_body_bytes, STREAM_BODY_ROOM + prompts * ESCAPED_CHAR_BYTES * limits.max_prompt_chars)
+    what = "a stream's body" if prompts > 1 else "a stream change's body"
+    return BodyLimit(size, what, f"{prompts} prompt{'s' * (prompts > 1)} of limits.max_prompt_chars and 16 KiB "
+                                 "more, within server.max_body_bytes")
 
 
 def reserved_places(max_streams: int) -> int:

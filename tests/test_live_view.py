@@ -212,7 +212,8 @@ def test_the_page_and_its_endpoints_on_the_unix_socket(runtime):
         # a prompt changes as POST validates it
         assert http.patch("/v1/streams/cam", json={"prompt": COUNT}).json()["prompt"] == COUNT
         assert_error(http.patch("/v1/streams/cam", json={"prompt": 5}), 400, param="prompt")
-        assert_error(http.patch("/v1/streams/cam", json={"prompt": "x" * 100_000}), 400, param="prompt")
+        assert_error(http.patch("/v1/streams/cam", json={"prompt": "x" * 4001}), 400, param="prompt")
+        assert_error(http.patch("/v1/streams/cam", json={"prompt": "x" * 100_000}), 413, "request_too_large")
         assert_error(http.patch("/v1/streams/cam", json={"source": "csi://0"}), 400, param="source")
         assert_error(http.patch("/v1/streams/cam", content=b"[1]"), 400)
         assert_error(http.patch("/v1/streams/nope", json={"prompt": COUNT}), 404)
