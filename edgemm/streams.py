@@ -498,8 +498,8 @@ class StreamManager:
             raise StreamConflict(f"{self.limit} streams are running (server.max_streams)")
         self.stopping = [s for s in self.stopping if s.thread.is_alive()]
         if len(self.streams) + len(self.stopping) >= self.limit:
-            raise Overloaded(f"server busy: {len(self.stopping)} deleted streams are still closing their sources "
-                             f"(server.max_streams is {self.limit}); retry shortly")
+            raise Overloaded(f"server busy: {len(self.stopping)} deleted streams have not ended yet (a camera call "
+                             f"under way, or frames in flight; server.max_streams is {self.limit}); retry shortly")
         kind = self._kind(spec)
         if from_api:
             _api_may_start(kind)

@@ -199,7 +199,7 @@ def test_deleting_a_stream_whose_open_blocks_answers_at_once_and_the_loop_stays_
             assert not camera.answer.is_set() and camera.captures == []  # all while the open still blocks
             # the deleted stream's thread is still in the open: it counts toward max_streams until it ends
             error = assert_error(http.post("/v1/streams", json=synthetic("next")), 503)
-            assert "still closing their sources" in error["message"]
+            assert "deleted streams have not ended yet" in error["message"]
             camera.answer.set()
             wait_until(lambda: camera.captures and camera.captures[0].released, what="the capture to be released")
             stopped = d.service.streams.stopping[0]
