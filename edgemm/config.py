@@ -337,6 +337,10 @@ class ServerConfig:
     # hosts ('host' = any port, or 'host:port') POST /v1/streams may give webhook URLs for; empty = none
     # may (403). The config file's streams' webhooks may go anywhere
     webhook_hosts: list[str] = field(default_factory=list)
+    # hosts ('host' = any port, or 'host:port') POST /v1/streams may give network sources (rtsp://) for;
+    # empty = none may (403), so a client cannot have the daemon probe its own ports or the LAN.
+    # The config file's streams may name any host
+    source_hosts: list[str] = field(default_factory=list)
 
     def validate(self, path: str) -> None:
         if self.socket is not None:
@@ -355,9 +359,10 @@ class ServerConfig:
             _require(getattr(self, name) >= 0, f"{path}.{name}", "be >= 0", getattr(self, name))
         _require(self.max_header_bytes >= 1024, f"{path}.max_header_bytes", "be >= 1024 (a request's line and "
                  "headers need room)", self.max_header_bytes)
-        for i, entry in enumerate(self.webhook_hosts):
-            _require(webhook_host(entry) is not None, f"{path}.webhook_hosts[{i}]",
-                     "be a host name or address, or host:port ('[::1]:8080' for IPv6)", entry)
+        for name in ("webhook_hosts", "source_hosts"):
+            for i, entry in enumerate(getattr(self, name)):
+                _require(webhook_host(entry) is not None, f"{path}.{name}[{i}]",
+                         "be a host name or address, or host:port ('[::1]:8080' for IPv6)", entry)
         _choice(self.encoder_batching, BATCHING_MODES, f"{path}.encoder_batching")
         _choice(self.continuous_batching, BATCHING_MODES, f"{path}.continuous_batching")
 
@@ -414,7 +419,12 @@ def webhook_host(entry: Any) -> tuple[str, int | None] | None:
 
 def webhook_allowed(url: str, hosts: list[str]) -> bool:
     """Whether server.webhook_hosts (validated) lets POST /v1/streams give this webhook URL."""
-    target = url_host(url)
+    return host_allowed(url_host(url), hosts)
+
+
+def host_allowed(target: tuple[str, int] | None, hosts: list[str]) -> bool:
+    """Whether (host, port) is one of `hosts`, entries as server.webhook_hosts / source_hosts
+    take them (validated): 'host' for any port, 'host:port' for that one."""
     if target is None:
         return False
     for entry in hosts:
@@ -521,7 +531,8 @@ class StreamConfig:
                 check_text(getattr(self, name), f"{path}.{name}")
             except LimitError as e:
                 raise ConfigError(str(e)) from None
-        _require(self.every >= 1, f"{path}.every", "be >= 1", self.every)
+        # bounded as an alert's every: a stream that skips more frames than that asks nothing in practice
+        _require(1 <= self.every <= MAX_ALERT_RUN, f"{path}.every", f"be in 1..{MAX_ALERT_RUN}", self.every)
         if self.fps is not None:  # bounded: 1e-320 would be an interval of inf between frames
             _require(math.isfinite(self.fps) and MIN_FPS <= self.fps <= MAX_FPS, f"{path}.fps",
                      f"be between {MIN_FPS:g} and {MAX_FPS:g} or null", self.fps)

@@ -29,7 +29,7 @@ from starlette.routing import Route
 from edgemm.openai_api import ApiError
 from edgemm.pipeline import Overloaded
 from edgemm.service import Service
-from edgemm.streams import END, StreamSpecError
+from edgemm.streams import END, StreamSpecError, stream_body_limit
 from edgemm.view import LatestFrame
 
 # the scope key of edgemm.connections.LONG_LIVED (see edgemm.server for why it is not imported)
@@ -115,7 +115,8 @@ def live_view_routes(service: Service, read_json: Callable[..., Awaitable[object
                         headers={"Cache-Control": "no-store", "X-Edgemm-Answer": str(number)})
 
     async def patch_stream(http: HttpRequest) -> Response:
-        body = await read_json(http, admit=False)  # like POST /v1/streams: no request slot
+        limit = stream_body_limit(service.runtime.config.limits, service.server, prompts=1)
+        body = await read_json(http, admit=False, limit=limit)  # like POST /v1/streams: no request slot
         if not isinstance(body, dict) or not body:
             raise StreamSpecError("a stream change is a JSON object: {\"prompt\": …}")
         unknown = sorted(set(body) - set(PATCHABLE))

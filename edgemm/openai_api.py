@@ -18,6 +18,7 @@ import os
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +50,10 @@ def error_body(message: str, kind: str, param: str | None = None, code: str | No
 # ---- request bodies ---------------------------------------------------------------------
 
 MAX_JSON_DEPTH = 64  # nesting of arrays and objects; a chat request needs 6
+# arrays' elements and objects' members in one body: a chat request with a long conversation has
+# a few thousand. The json module's C parser holds the GIL for the whole of a call, so a body of
+# 8 M values (16 MB of [1,1,1,…]) held every thread, the event loop's too, for seconds wherever it ran
+MAX_JSON_VALUES = 100_000
 MAX_INTEGER_DIGITS = 100  # longer integers are kept as LongNumber (no field takes one: a seed has 20)
 _BRACKETS = np.zeros(256, np.int8)
 _BRACKETS[[ord("["), ord("{")]], _BRACKETS[[ord("]"), ord("}")]] = 1, -1
@@ -74,9 +79,13 @@ def _integer(text: str) -> int | LongNumber:
 
 def parse_json_body(body: bytes) -> Any:
     """A request body as JSON, or a 400: not JSON, nested deeper than MAX_JSON_DEPTH (checked
-    before decoding, as Python's decoder would recurse), or not UTF-8."""
+    before decoding, as Python's decoder would recurse), more than MAX_JSON_VALUES values
+    (checked before decoding, which would take seconds), or not UTF-8."""
     if json_depth_exceeds(body, MAX_JSON_DEPTH):
         raise ApiError(f"the request body nests arrays and objects more than {MAX_JSON_DEPTH} levels deep")
+    if json_values_exceed(body, MAX_JSON_VALUES):
+        raise ApiError(f"the request body holds more than {MAX_JSON_VALUES} JSON values "
+                       "(array elements and object members); no request takes that many")
     try:
         return json.loads(body, parse_int=_integer)
     except UnicodeDecodeError:
@@ -93,17 +102,40 @@ def json_depth_exceeds(body: bytes, limit: int) -> bool:
     are even. A body with no more brackets than `limit` is not scanned at all."""
     if body.count(b"[") + body.count(b"{") <= limit:
         return False
-    plain = np.frombuffer(body.replace(b"\\\\", b"").replace(b'\\"', b""), np.uint8)
-    depth, quotes = 0, 0
-    for start in range(0, len(plain), _CHUNK):
-        chunk = plain[start:start + _CHUNK]
-        in_string = (np.cumsum(chunk == ord('"'), dtype=np.int32) + quotes) % 2 == 1
+    depth = 0
+    for chunk, in_string in _outside_strings(body):
         steps = np.where(in_string, 0, _BRACKETS[chunk]).astype(np.int32)
         running = np.cumsum(steps) + depth
         if running.max(initial=depth) > limit:
             return True
-        depth, quotes = int(running[-1]), quotes + int(np.count_nonzero(chunk == ord('"')))
+        depth = int(running[-1])
     return False
+
+
+def json_values_exceed(body: bytes, limit: int) -> bool:
+    """Whether `body` has more than `limit` commas and colons outside strings (each array element
+    but the first follows a comma, each object member has a colon), as json_depth_exceeds scans.
+    A body with no more of them than `limit` anywhere (a base64 image has none) is not scanned."""
+    if body.count(b",") + body.count(b":") <= limit:
+        return False
+    separators = 0
+    for chunk, in_string in _outside_strings(body):
+        separators += int(np.count_nonzero(((chunk == ord(",")) | (chunk == ord(":"))) & ~in_string))
+        if separators > limit:
+            return True
+    return False
+
+
+def _outside_strings(body: bytes) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """`body` in chunks of _CHUNK bytes, each with where it is inside a string: escaped backslashes,
+    then escaped quotes, are dropped, so every quote left opens or closes a string."""
+    plain = np.frombuffer(body.replace(b"\\\\", b"").replace(b'\\"', b""), np.uint8)
+    quotes = 0
+    for start in range(0, len(plain), _CHUNK):
+        chunk = plain[start:start + _CHUNK]
+        is_quote = chunk == ord('"')
+        yield chunk, (np.cumsum(is_quote, dtype=np.int32) + quotes) % 2 == 1
+        quotes += int(np.count_nonzero(is_quote))
 
 
 # ---- requests -------------------------------------------------------------------------

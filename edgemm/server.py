@@ -1,8 +1,9 @@
 """`edgemm serve`'s HTTP side: the routes and how errors become responses.
 
     client ─► uvicorn (UNIX socket, systemd's socket, or loopback TCP) ─► MeasuredApp (/metrics)
-           ─► a route: body (≤ server.max_body_bytes, else 413; within server.body_timeout_s
-              of its headers, else 408; before admission) ─► OpenAI schema (edgemm.openai_api)
+           ─► a route: body (≤ server.max_body_bytes or the route's smaller limit, else 413; within
+              server.body_timeout_s of its headers, else 408; before admission) ─► JSON (a large
+              body on JSON_PARSER's thread, off the event loop) ─► OpenAI schema (edgemm.openai_api)
            ─► the service (edgemm.service: admission, the pipeline, cancellation, SSE)
            ─► JSON, or server-sent events
 
@@ -18,6 +19,7 @@ import re
 import secrets
 import time
 import urllib.parse
+from concurrent.futures import ThreadPoolExecutor
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -33,7 +35,7 @@ from edgemm.openai_api import (DEFAULT_PROMPT, ApiError, completion, error_body,
                                parse_chat_request, parse_json_body)
 from edgemm.pipeline import Overloaded
 from edgemm.service import Service, describe, sse
-from edgemm.streams import END, stream_spec
+from edgemm.streams import END, BodyLimit, stream_body_limit, stream_spec
 
 # the scope key of edgemm.connections.LONG_LIVED, not imported from there: that module needs
 # httptools, which the h11 fallback runs without (and then there is no connection count)
@@ -42,6 +44,10 @@ EVICT_BODY = "edgemm.evict_body"  # edgemm.connections.EVICT_BODY, likewise
 # the body-byte pool full: how long a body waits for the upload evicted for it to release its
 # bytes (its reader is woken at once; this only bounds the wait)
 POOL_WAIT_S = 0.5
+# JSON bodies above this are parsed on JSON_PARSER's thread, not on the event loop (up to
+# MAX_JSON_VALUES values: a few hundred ms); smaller ones take microseconds, less than the hop
+INLINE_JSON_BYTES = 64 * 1024
+JSON_PARSER = ThreadPoolExecutor(1, thread_name_prefix="edgemm-json")
 
 
 class Routes:
@@ -129,7 +135,8 @@ class Routes:
     async def add_stream(self, http: HttpRequest) -> Response:
         if self.service.draining:
             raise Overloaded("the server is shutting down")
-        spec = stream_spec(await self.read_json(http, admit=False))  # a stream takes no request slot
+        limit = stream_body_limit(self.service.runtime.config.limits, self.service.server)
+        spec = stream_spec(await self.read_json(http, admit=False, limit=limit))  # a stream takes no request slot
         await asyncio.to_thread(self.service.streams.check, spec)  # 403/400 now; may ask GStreamer
         stream = self.service.streams.add(spec, from_api=True)
         return JSONResponse(stream.describe(), 201)
@@ -169,21 +176,21 @@ class Routes:
         return JSONResponse({"object": "list", "data": [row for s in streams if s.alerts is not None
                                                          for row in s.alerts.states()]})
 
-    async def read_body(self, http: HttpRequest, admit: bool = True) -> bytes:
-        """The body, at most server.max_body_bytes (else 413), within server.body_timeout_s of
-        its headers (else 408). Read before admission, so a slow body holds no slot. Bodies
-        being read hold at most queue_size × max_body_bytes together, the bound admission gave
-        when it came first: beyond, the slowest upload is closed to make room (pool_room),
-        else 503. `admit`: a request that needs a slot is refused
+    async def read_body(self, http: HttpRequest, admit: bool = True, limit: BodyLimit | None = None) -> bytes:
+        """The body, at most server.max_body_bytes or the route's smaller `limit` (else 413), within
+        server.body_timeout_s of its headers (else 408). Read before admission, so a slow body holds
+        no slot. Bodies being read hold at most queue_size × max_body_bytes together, the bound
+        admission gave when it came first: beyond, the slowest upload is closed to make room
+        (pool_room), else 503. `admit`: a request that needs a slot is refused
         (503) unread when there is none."""
         cfg = self.service.server
         if admit:
             self.service.check_admissible()  # no body is read for a request that would be refused anyway
-        limit = cfg.max_body_bytes
-        too_large = ApiError(f"request body is larger than {limit} bytes (server.max_body_bytes)",
+        limit = limit or BodyLimit(cfg.max_body_bytes, "request body", "server.max_body_bytes")
+        too_large = ApiError(f"{limit.what} is larger than {limit.size} bytes ({limit.why})",
                              status=413, code="request_too_large")
         declared = http.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
+        if declared.isdigit() and int(declared) > limit.size:
             raise too_large  # refused unread
         body = bytearray()
 
@@ -193,7 +200,7 @@ class Routes:
                     await self.pool_room(http, len(piece))
                 body.extend(piece)
                 self.reading_bytes += len(piece)
-                if len(body) > limit:
+                if len(body) > limit.size:
                     raise too_large
 
         try:
@@ -206,11 +213,15 @@ class Routes:
         except ClientDisconnect:  # the client hung up mid-body: nobody to answer, nothing to log
             raise ApiError("the client closed the connection", status=499, kind="client_closed") from None
         finally:
-            self.reading_bytes -= len(body)
-            if body:
-                self.released.set()  # wakes the bodies waiting for room (pool_room)
-                self.released = asyncio.Event()
+            self.release_bytes(len(body))
         return bytes(body)
+
+    def release_bytes(self, size: int) -> None:
+        """`size` bytes of a body leave the pool: wakes the bodies waiting for room (pool_room)."""
+        self.reading_bytes -= size
+        if size:
+            self.released.set()
+            self.released = asyncio.Event()
 
     async def pool_room(self, http: HttpRequest, size: int) -> None:
         """The body-byte pool cannot take `size` more bytes: make room by closing the slowest
@@ -232,8 +243,18 @@ class Routes:
             with contextlib.suppress(asyncio.TimeoutError, TimeoutError):
                 await asyncio.wait_for(released.wait(), max(0.0, deadline - loop.time()))
 
-    async def read_json(self, http: HttpRequest, admit: bool = True) -> object:
-        return parse_json_body(await self.read_body(http, admit))
+    async def read_json(self, http: HttpRequest, admit: bool = True, limit: BodyLimit | None = None) -> object:
+        """The body (read_body) as JSON (parse_json_body), a large one parsed off the event loop.
+        Its bytes stay in the body pool until parsed, so bodies waiting for the parser are bounded
+        as those arriving are; the body's clock (body_timeout_s) stopped when its last byte came."""
+        body = await self.read_body(http, admit, limit)
+        if len(body) <= INLINE_JSON_BYTES:
+            return parse_json_body(body)
+        self.reading_bytes += len(body)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(JSON_PARSER, parse_json_body, body)
+        finally:
+            self.release_bytes(len(body))
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.service.model_id:

@@ -146,7 +146,8 @@ class Service:
         self.images = ImagePolicy(self.server.image_dirs, self.server.remote_images,
                                   self.server.remote_timeout_s, config.limits.max_image_bytes)
         self.streams = StreamManager(pipeline, config.streams, self.server.max_streams,
-                                     route=self.router.local_route, webhook_hosts=self.server.webhook_hosts)
+                                     route=self.router.local_route, webhook_hosts=self.server.webhook_hosts,
+                                     source_hosts=self.server.source_hosts)
         self.draining = False
         self.metrics = ServiceMetrics(self)
         alert_metrics(self.metrics.registry, self.streams.streams)

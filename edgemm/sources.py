@@ -61,7 +61,7 @@ from edgemm.opencv import cv2
 __all__ = [
     "SourceError", "SourceUnusable", "Frame", "SourceSpec", "SourceStats", "Source", "CaptureSource",
     "CsiSource", "V4l2Source", "RtspSource", "VideoFileSource", "ImageFilesSource",
-    "SyntheticSource", "open_source", "parse_uri", "check_uri", "gstreamer_available",
+    "SyntheticSource", "open_source", "parse_uri", "check_uri", "network_address", "gstreamer_available",
     "csi_pipeline", "rtsp_pipeline", "rtsp_capture_args",
 ]
 
@@ -169,6 +169,19 @@ def open_source(uri: str, *, fps: float | None = None, width: int | None = None,
                                max_synthetic_pixels=max_synthetic_pixels,
                                sleep=sleep, clock=clock)
     return ImageFilesSource(uri, spec.kind, spec.location, max_pixels=max_pixels)
+
+
+RTSP_PORTS = {"rtsp": 554, "rtsps": 322}  # the schemes' registered ports, when the URI gives none
+
+
+def network_address(uri: str) -> tuple[str, int] | None:
+    """The (host in lower case, port) a network source connects to (rtsp://, rtsps://), None for
+    a local one (a camera, a file, synthetic scenes); SourceError if the URI is malformed."""
+    spec = parse_uri(uri)
+    if spec.kind != "rtsp":
+        return None
+    parts = urllib.parse.urlsplit(spec.location)  # valid: _rtsp_spec checked host and port
+    return (parts.hostname or "").lower(), parts.port or RTSP_PORTS[parts.scheme.lower()]
 
 
 def check_uri(uri: str, *, max_pixels: int = DEFAULT_MAX_PIXELS,
@@ -279,6 +292,11 @@ def _v4l2_spec(uri: str, rest: str) -> SourceSpec:
 
 def _rtsp_spec(uri: str, rest: str) -> SourceSpec:
     address, query = _split_query(rest)
+    if not uri.isprintable() or any(c in uri for c in ' "\\'):
+        # a URL percent-encodes these; a quote would end rtspsrc's location="…" in the GStreamer
+        # pipeline, and what follows it would be pipeline elements of the client's choosing
+        raise SourceError(f"{_redact(uri)}: an rtsp:// URI has no spaces, quotes, backslashes or control "
+                          "characters (percent-encode them)")
     host = address.split("/", 1)[0].rpartition("@")[2]
     if not host:
         raise SourceError(f"{_redact(uri)}: rtsp:// needs a host, e.g. rtsp://192.168.1.10/stream")
@@ -505,7 +523,8 @@ class Source:
     """A stream of RGB frames. Subclasses implement `_open`, `_next_frame`, `_close`.
 
     `read()` may be called from one thread while another calls `close()`: close cuts
-    a backoff wait short, and later reads return None. A closed source stays closed.
+    a backoff wait short, never waits for a camera call under way (the reader releases the
+    capture when that call returns), and later reads return None. A closed source stays closed.
 
     `on_health`, if set, is called from the reading thread with the reason each time
     the source fails to open or deliver (and retries), and with None when it delivers
@@ -531,21 +550,41 @@ class Source:
         SourceUnusable for what no retry fixes, SourceError for what is wrong now."""
 
     def open(self) -> None:
-        with self._lock:
-            self._ensure_open()
+        try:
+            with self._lock:
+                self._ensure_open()
+        finally:
+            self._release_if_closed()
 
     def read(self) -> Frame | None:
         """The next frame; None at the end of a file (or once closed)."""
-        with self._lock:
-            if self._closed.is_set():
-                return None
-            self._ensure_open()
-            return self._next_frame()
+        if self._closed.is_set():
+            return None  # without the lock: another reader may be stuck in a camera call
+        try:
+            with self._lock:
+                if self._closed.is_set():
+                    return None
+                self._ensure_open()
+                frame = self._next_frame()
+                return None if self._closed.is_set() else frame  # closed meanwhile: nothing more
+        finally:
+            self._release_if_closed()
 
     def close(self) -> None:
+        """Mark the source closed, and release what it holds unless a reader is in a call to
+        it (an RTSP open or read can block for many seconds inside FFmpeg or GStreamer): that
+        reader releases it as its call returns. Never waits, so the event loop may call it."""
         self._closed.set()
-        with self._lock:
-            self._close()
+        self._release_if_closed()
+
+    def _release_if_closed(self) -> None:
+        # close() marks before trying the lock, a reader tries it after leaving it: whichever
+        # comes second finds the lock free and the mark set, so the capture is always released
+        if self._closed.is_set() and self._lock.acquire(blocking=False):
+            try:
+                self._close()
+            finally:
+                self._lock.release()
 
     def __enter__(self) -> Source:
         self.open()

@@ -39,10 +39,11 @@ from typing import Any
 
 from edgemm.alerts import ALERT_SHARE, StreamAlerts, check_webhooks, without_secrets
 from edgemm.backoff import Backoff
-from edgemm.config import ConfigError, LimitsConfig, StreamConfig, config_from_dict, url_host, webhook_allowed
+from edgemm.config import (MAX_ALERTS, ConfigError, LimitsConfig, StreamConfig, config_from_dict, host_allowed,
+                           url_host, webhook_allowed)
 from edgemm.errors import EdgemmError, InputError
-from edgemm.pipeline import Pipeline
-from edgemm.sources import Source, SourceError, SourceUnusable, check_uri, open_source, parse_uri
+from edgemm.pipeline import Overloaded, Pipeline
+from edgemm.sources import Source, SourceError, SourceUnusable, check_uri, network_address, open_source, parse_uri
 from edgemm.stream import StreamOptions, run_stream
 from edgemm.view import LatestFrame
 
@@ -216,11 +217,12 @@ class ManagedStream:
         self.thread.start()
 
     def stop(self) -> None:
-        """Ask the stream to stop; frames in flight are still answered and delivered."""
+        """Ask the stream to stop; frames in flight are still answered and delivered. Never
+        waits, so the event loop may call it: the stream's own threads close its source (a
+        reader in a camera call that blocks, an RTSP open to a server that never answers,
+        releases the capture when that call returns, and the thread ends then)."""
         self._stop.set()
-        self._run_stop.set()
-        if self._source is not None:
-            self._source.close()  # wakes a reader waiting on a camera or a backoff
+        self._run_stop.set()  # run_stream's stopper thread closes the source: wakes a reader in a backoff
 
     # -- the stream's own thread --
 
@@ -263,6 +265,8 @@ class ManagedStream:
                 return None
             self._source.on_health = self._source_health
             self._source.open()  # a camera that is not up yet: retrying, from the source's report
+            if self._stop.is_set():  # stopped while the open blocked (stop() does not wait for it)
+                return None
             generation = {k: v for k, v in (("tier", spec.tier), ("max_new_tokens", spec.max_new_tokens))
                           if v is not None}
             options = StreamOptions(prompt=spec.prompt, every=spec.every, fps=spec.fps,
@@ -277,6 +281,9 @@ class ManagedStream:
             raise
         except Exception as e:  # a camera that won't open, a bad URI: the stream's problem only
             return str(e) or type(e).__name__
+        finally:
+            if self._source is not None:
+                self._source.close()  # here, in the stream's thread: releasing a capture may take a while
         if not self._source.live:
             return None  # a file or a folder came to its end (a bad file in it is one error event)
         return failure[-1] if failure else "the source stopped delivering frames"
@@ -351,6 +358,46 @@ def _api_may_post_to(spec: StreamConfig, hosts: list[str]) -> None:
                               f"({', '.join(hosts)})")
 
 
+def _api_may_connect_to(spec: StreamConfig, hosts: list[str]) -> None:
+    """A network source from the API is a connection the daemon makes for the client: only to
+    the hosts of server.source_hosts (else a client could reach its loopback ports, the cloud's
+    metadata address, the LAN, and read from the stream's state whether a port answers)."""
+    try:
+        target = network_address(spec.source)
+    except SourceError as e:
+        raise StreamSpecError(str(e), "source") from None
+    if target is None or host_allowed(target, hosts):
+        return
+    if not hosts:
+        raise StreamForbidden("the API may not start network sources: server.source_hosts is empty (list there "
+                              "the cameras' hosts POST /v1/streams may connect to)")
+    raise StreamForbidden(f"a source at {target[0]} port {target[1]} is not in server.source_hosts "
+                          f"({', '.join(hosts)})")
+
+
+@dataclass(frozen=True)
+class BodyLimit:
+    """The most bytes a route's request body may have, and what the 413 calls it."""
+    size: int
+    what: str  # "a stream's body"
+    why: str   # where the limit comes from, for the message
+
+
+# Room in a stream's body beside its prompts: id, source, webhook URLs, alerts' rules, JSON's own
+STREAM_BODY_ROOM = 16 * 1024
+ESCAPED_CHAR_BYTES = 6  # a prompt character, JSON-escaped: \u00e9
+
+
+def stream_body_limit(limits: LimitsConfig, server: Any, prompts: int = 1 + MAX_ALERTS) -> BodyLimit:
+    """POST /v1/streams takes a stream and its alerts (1 + MAX_ALERTS prompts), PATCH one prompt
+    (`prompts=1`): each of at most limits.max_prompt_chars characters. A body beyond what that can
+    take is 413 unread (it was parsed on the event loop: 16 MB took 9 s there)."""
+    size = min(server.max_body_bytes, STREAM_BODY_ROOM + prompts * ESCAPED_CHAR_BYTES * limits.max_prompt_chars)
+    what = "a stream's body" if prompts > 1 else "a stream change's body"
+    return BodyLimit(size, what, f"{prompts} prompt{'s' * (prompts > 1)} of limits.max_prompt_chars and 16 KiB "
+                                 "more, within server.max_body_bytes")
+
+
 def reserved_places(max_streams: int) -> int:
     """Pipeline inbox places the daemon's streams may fill, beyond the API's queue_size:
     each stream's frames and its alerts' questions."""
@@ -383,7 +430,8 @@ class StreamManager:
     starts: the pool keeps their total within those places all the same."""
 
     def __init__(self, pipeline: Pipeline, specs: list[StreamConfig], limit: int,
-                 route: Callable[[], Any] | None = None, webhook_hosts: list[str] | None = None):
+                 route: Callable[[], Any] | None = None, webhook_hosts: list[str] | None = None,
+                 source_hosts: list[str] | None = None):
         self.source_limits = source_limits(pipeline.runtime.config.limits)
         check_configured(specs, limit, pipeline.runtime.config.limits)
         self.pipeline, self.specs, self.limit = pipeline, specs, limit
@@ -393,7 +441,11 @@ class StreamManager:
         self.alert_pool = threading.BoundedSemaphore(limit * ALERT_SHARE)  # the alerts' questions, likewise
         self.route = route  # the power policy's local placement, asked per frame (Router.local_route)
         self.webhook_hosts = list(webhook_hosts or [])  # server.webhook_hosts: where the API's webhooks may go
+        self.source_hosts = list(source_hosts or [])  # server.source_hosts: where the API's network sources may be
         self.streams: dict[str, ManagedStream] = {}
+        # removed streams whose thread has not ended yet (a camera call under way must return
+        # first): they hold a thread and a connection each, so they count toward max_streams
+        self.stopping: list[ManagedStream] = []
         self.all_listeners: set[AllStreamsListener] = set()  # GET /v1/events
         self.loop: asyncio.AbstractEventLoop | None = None
 
@@ -404,12 +456,13 @@ class StreamManager:
 
     def check(self, spec: StreamConfig) -> None:
         """What POST /v1/streams refuses before a stream exists: a source the API may not
-        start (403), or one that cannot work now, checked without opening it (400): no
+        start, or a network source on a host outside server.source_hosts (403), or one that cannot work now, checked without opening it (400): no
         GStreamer or no such element, no such device or no camera at that path, permission
         denied, a synthetic size over limits.max_pixels or max_synthetic_pixels. May ask
         GStreamer's registry (a subprocess, once per element): call it off the event loop."""
         kind = self._kind(spec)
         _api_may_start(kind)  # before anything looks at the daemon's files
+        _api_may_connect_to(spec, self.source_hosts)
         _api_may_use_tokens(spec)
         _api_may_post_to(spec, self.webhook_hosts)
         self.check_settings(spec)
@@ -446,9 +499,14 @@ class StreamManager:
             raise StreamConflict(f"a stream named {spec.id!r} exists; DELETE it first")
         if len(self.streams) >= self.limit:
             raise StreamConflict(f"{self.limit} streams are running (server.max_streams)")
+        self.stopping = [s for s in self.stopping if s.thread.is_alive()]
+        if len(self.streams) + len(self.stopping) >= self.limit:
+            raise Overloaded(f"server busy: {len(self.stopping)} deleted streams have not ended yet (a camera call "
+                             f"under way, or frames in flight; server.max_streams is {self.limit}); retry shortly")
         kind = self._kind(spec)
         if from_api:
             _api_may_start(kind)
+            _api_may_connect_to(spec, self.source_hosts)
             _api_may_use_tokens(spec)
             _api_may_post_to(spec, self.webhook_hosts)
         stream = ManagedStream(spec, self.pipeline, self.loop, self.route, self.pool, self.alert_pool)
@@ -500,6 +558,7 @@ class StreamManager:
         stream = self.get(stream_id)
         del self.streams[stream_id]
         stream.stop()
+        self.stopping.append(stream)
         return stream
 
     def stop_all(self) -> None:

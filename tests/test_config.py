@@ -86,6 +86,7 @@ server:
   max_streams: 2
   max_stream_listeners: 5
   webhook_hosts: [hooks.example, "10.0.0.9:8080"]
+  source_hosts: [10.0.0.5, "cam.lan:8554"]
 streams:
 - id: door
   source: rtsp://10.0.0.5/stream
@@ -232,7 +233,7 @@ def test_full_yaml_file_loads_every_field(tmp_path):
                             max_connections=7, header_timeout_s=3.0, idle_timeout_s=2.0, max_header_bytes=8192,
                             image_dirs=["/srv/edgemm/images"], remote_images=True,
                             remote_timeout_s=2.0, max_streams=2, max_stream_listeners=5,
-                            webhook_hosts=["hooks.example", "10.0.0.9:8080"]),
+                            webhook_hosts=["hooks.example", "10.0.0.9:8080"], source_hosts=["10.0.0.5", "cam.lan:8554"]),
         streams=[StreamConfig(id="door", source="rtsp://10.0.0.5/stream", prompt="is the door open ?", fps=0.5,
                               every=2, change_threshold=4.0, tier="low", max_new_tokens=8,
                               alerts={"open": AlertConfig(prompt="is the door open ?", every=2, max_every=6, on_after=3, off_after=4,

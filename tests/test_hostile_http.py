@@ -24,12 +24,12 @@ from pathlib import Path
 import httpx
 import pytest
 from click.testing import CliRunner
-from test_server import assert_error, metric, raw_client, running, sock_path, wait_until
+from test_server import assert_error, in_background, metric, raw_client, running, sock_path, wait_until
 
 from edgemm.cli import main
 from edgemm.config import ConfigError, load_config
 from edgemm.connections import BODY_GRACE_S
-from edgemm.openai_api import json_depth_exceeds, parse_json_body
+from edgemm.openai_api import ApiError, json_depth_exceeds, json_values_exceed, parse_json_body
 from edgemm.pipeline import Overloaded
 
 WAIT_S = 30  # bound for anything that should happen "now"; never a timing assumption
@@ -456,11 +456,73 @@ def test_json_nested_thousands_deep_is_400(daemon, png, no_tracebacks, depth, ro
     assert "64 levels" in error["message"]
 
 
+def array_of_ones(count: int = 8_000_000) -> bytes:
+    """The hostile tester's body: 16 MB, within server.max_body_bytes, of {"prompt": [1,1,1,…]}."""
+    return b'{"prompt": [' + b",".join([b"1"] * count) + b"]}"
+
+
+def test_a_stream_change_or_a_stream_takes_a_small_body_only(daemon, no_tracebacks):
+    """PATCH /v1/streams/p with 16 MB took 9 s to its 400, on the event loop: refused unread now."""
+    path = sock_path(daemon)
+    size = len(array_of_ones(300_000))  # 600 KB: more than a prompt change or a stream can hold
+    for method, route in (("PATCH", "/v1/streams/p"), ("POST", "/v1/streams")):
+        with connect(path) as s:  # the headers only: refused before a byte of the body is read
+            s.sendall(f"{method} {route} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      f"Content-Length: {size}\r\n\r\n".encode())
+            status, _, answer = read_response(s)
+        error = openai_error(answer)
+        assert status == 413 and error["code"] == "request_too_large"
+        assert "is larger than" in error["message"] and "stream" in error["message"]
+    with raw_client(path) as http:
+        spec = {"id": "small", "source": "synthetic://?fps=1", "prompt": "x" * 4000,
+                "alerts": {f"a{i}": "\u00e9" * 4000 for i in range(8)}}  # the largest a stream can be
+        assert http.post("/v1/streams", json=spec).status_code == 201
+        assert http.patch("/v1/streams/small", json={"prompt": "\u00e9" * 4000}).status_code == 200
+        assert http.delete("/v1/streams/small").status_code == 200
+
+
+def test_large_json_bodies_leave_the_loop_free_and_only_a_slow_client_gets_408(runtime, no_tracebacks):
+    """Four 16 MB chat bodies at once: /healthz waited 11 s, and two of the four got 408 "body did not
+    arrive within 10 s" although they sent at once, as the loop parsed the others' JSON meanwhile."""
+    body = array_of_ones()
+    with running(runtime, body_timeout_s=3.0, encoder_batching="off") as d:
+        path = sock_path(d)
+        senders = [in_background(post_json, path, body) for _ in range(4)]
+
+        def slow_client() -> int:  # sends 10 of its 1000 bytes, then nothing
+            with connect(path) as s:
+                s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n" + b"{" * 10)
+                return read_response(s)[0]
+
+        slow = in_background(slow_client)
+        waits = []
+        with raw_client(path, timeout=60) as http:
+            while any(thread.is_alive() for thread, _ in senders):
+                started = time.monotonic()
+                assert http.get("/healthz").status_code == 200
+                waits.append(time.monotonic() - started)
+        for thread, _ in [*senders, slow]:
+            thread.join(60)
+        statuses = [out[0].status_code for _, out in senders]
+        assert statuses == [400] * 4, [out[0].text[:200] for _, out in senders]
+        assert slow[1] == [408]
+        assert waits and max(waits) < 6.0, waits  # generous: it was 8-11 s on the loop
+
+
 def test_brackets_in_strings_are_no_nesting():
     text = "[" * 200 + '\\"' + "{" * 200
     assert parse_json_body(json.dumps({"t": text, "u": "\\"}).encode()) == {"t": text, "u": "\\"}
     assert not json_depth_exceeds(json.dumps([[[text]]]).encode(), 3)
     assert json_depth_exceeds(json.dumps([[[[text]]]]).encode(), 3)
+
+
+def test_commas_and_colons_in_strings_are_no_values():
+    text = ",:" * 200 + '\\",' + "::" * 200
+    assert parse_json_body(json.dumps({"t": text, "n": [1, 2, 3]}).encode()) == {"t": text, "n": [1, 2, 3]}
+    assert not json_values_exceed(json.dumps([text, 1, 2]).encode(), 2)
+    assert json_values_exceed(json.dumps([text, 1, 2, 3]).encode(), 2)
+    with pytest.raises(ApiError, match="more than 100000 JSON values"):
+        parse_json_body(b"[" + b"0," * 100_001 + b"0]")
 
 
 def test_an_integer_of_5000_digits_is_400_naming_its_field(daemon, png, no_tracebacks):
@@ -523,6 +585,8 @@ def test_a_stream_whose_prompt_has_a_nul_is_400(daemon, no_tracebacks):
     ("source", "rtsp://127.0.0.1:99999/x", "not a valid rtsp:// address (port out of range"),
     ("source", "rtsp://127.0.0.1:0/x", "not a valid rtsp:// address (port 0)"),
     ("source", "rtsp://[::1/x", "not a valid rtsp:// address"),
+    ("every", 100000000000000000000000, "'every' must be in 1..1000"),  # as an alert's every
+    ("every", 1001, "'every' must be in 1..1000"),
 ])
 def test_a_stream_every_frame_of_which_would_fail_is_400_naming_the_field(daemon, no_tracebacks, field, value, said):
     """Each of these got 201, then failed every frame or retried for ever."""

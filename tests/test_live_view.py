@@ -185,7 +185,8 @@ def test_a_streams_text_is_shown_as_text_not_markup(runtime):
 
 def test_the_page_and_its_endpoints_on_the_unix_socket(runtime):
     stream = {"id": "cam", "source": "synthetic://?fps=10", "prompt": COLOUR, "tier": "low", "max_new_tokens": 2}
-    with running(runtime, {"streams": [stream]}, max_streams=3) as d, raw_client(sock_path(d)) as http:
+    with running(runtime, {"streams": [stream]}, max_streams=3, source_hosts=["127.0.0.1"]) as d, \
+            raw_client(sock_path(d)) as http:
         page = http.get("/")
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
         assert "<script>" in page.text and "https://" not in page.text and "http://" not in page.text  # offline
@@ -212,7 +213,8 @@ def test_the_page_and_its_endpoints_on_the_unix_socket(runtime):
         # a prompt changes as POST validates it
         assert http.patch("/v1/streams/cam", json={"prompt": COUNT}).json()["prompt"] == COUNT
         assert_error(http.patch("/v1/streams/cam", json={"prompt": 5}), 400, param="prompt")
-        assert_error(http.patch("/v1/streams/cam", json={"prompt": "x" * 100_000}), 400, param="prompt")
+        assert_error(http.patch("/v1/streams/cam", json={"prompt": "x" * 4001}), 400, param="prompt")
+        assert_error(http.patch("/v1/streams/cam", json={"prompt": "x" * 100_000}), 413, "request_too_large")
         assert_error(http.patch("/v1/streams/cam", json={"source": "csi://0"}), 400, param="source")
         assert_error(http.patch("/v1/streams/cam", content=b"[1]"), 400)
         assert_error(http.patch("/v1/streams/nope", json={"prompt": COUNT}), 404)

@@ -494,6 +494,52 @@ def test_close_wakes_a_reader_in_backoff():
     assert camera.read() is None
 
 
+class StalledCamera(FakeCamera):
+    """A network camera whose open (or, with `stall_reads`, each read) blocks until `answer` is set,
+    as FFmpeg's does on a server that accepts the connection and never speaks."""
+
+    def __init__(self, stall_reads: bool = False):
+        super().__init__()
+        self.stall_reads = stall_reads
+        self.entered, self.answer = threading.Event(), threading.Event()
+
+    def _open_capture(self):
+        if not self.stall_reads:
+            self.entered.set()
+            self.answer.wait()
+        return super()._open_capture()
+
+    def _grab(self):
+        if self.stall_reads:
+            self.entered.set()
+            self.answer.wait()
+        return super()._grab()
+
+
+@pytest.mark.parametrize("stall_reads", [False, True], ids=["open", "read"])
+def test_close_does_not_wait_for_a_stalled_open_or_read_and_the_capture_is_released_after(stall_reads):
+    """close() waited for the reader's lock, held through the whole blocking open (the daemon's
+    DELETE, on its event loop, took 8.6 s). Now it marks the source closed and returns; the
+    reader releases the capture when its call returns."""
+    camera = StalledCamera(stall_reads)
+    results = []
+    reader = threading.Thread(target=lambda: results.append(camera.read()), daemon=True)
+    reader.start()
+    assert camera.entered.wait(10)
+    closer = threading.Thread(target=camera.close, daemon=True)
+    closer.start()
+    closer.join(10)
+    try:
+        assert not closer.is_alive(), "close() waited for the stalled camera"
+        assert camera.read() is None  # closed: no frame, and no waiting either
+    finally:
+        camera.answer.set()
+    reader.join(10)
+    assert not reader.is_alive() and results == [None]  # nothing delivered after close
+    assert camera.captures and all(c.released for c in camera.captures)
+    assert camera._capture is None
+
+
 # ---- limits before work, paths that are no file, cameras that can never open -------------
 
 def opened_within(source, seconds: float = 10.0) -> BaseException | None:

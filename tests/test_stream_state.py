@@ -17,10 +17,11 @@ import threading
 import numpy as np
 import pytest
 from test_server import assert_error, metric, raw_client, running, sock_path, synthetic, wait_until
+from test_sources import StalledCamera
 
 import edgemm.streams
 from edgemm import sources
-from edgemm.config import load_config
+from edgemm.config import ConfigError, load_config
 from edgemm.daemon import Daemon
 from edgemm.errors import InputError
 from edgemm.sources import CaptureSource
@@ -41,7 +42,7 @@ def quiet(monkeypatch):
 
 
 def test_a_stream_that_never_delivered_is_retrying_with_the_last_error(runtime, quiet):
-    with running(runtime) as d, raw_client(sock_path(d)) as http:
+    with running(runtime, source_hosts=["127.0.0.1:1"]) as d, raw_client(sock_path(d)) as http:
         created = http.post("/v1/streams", json=stream("gate", NEVER_OPENS))
         assert created.status_code == 201, created.text
         wait_until(lambda: http.get("/v1/streams/gate").json()["state"] == "retrying", what="state retrying")
@@ -121,7 +122,7 @@ class FlakyCamera(CaptureSource):
 def test_a_camera_that_stops_after_delivering_is_retrying_until_it_delivers_again(runtime, monkeypatch, quiet):
     camera = FlakyCamera("rtsp://flaky/x")
     monkeypatch.setattr(edgemm.streams, "open_source", lambda uri, **kw: camera)
-    with running(runtime) as d, raw_client(sock_path(d)) as http:
+    with running(runtime, source_hosts=["flaky"]) as d, raw_client(sock_path(d)) as http:
         assert http.post("/v1/streams", json=stream("flaky", "rtsp://flaky/x")).status_code == 201
         state = lambda: http.get("/v1/streams/flaky").json()["state"]  # noqa: E731
         wait_until(lambda: state() == "running" and http.get("/v1/streams/flaky").json()["frames"] > 0,
@@ -160,3 +161,110 @@ def test_a_configured_synthetic_size_over_the_pixel_limit_fails_the_start(runtim
     assert str(info.value) == ("config: streams[0].source (big): synthetic://?size=300: size 300 makes "
                                "90000 pixels per frame, above limits.max_pixels (65536)")
     assert not (tmp_path / "edgemm.sock").exists()  # refused before the socket was made
+
+
+class StalledCameras:
+    """open_source's stand-in: each source made is a StalledCamera (tests/test_sources.py), whose
+    open blocks until its `answer` is set, as FFmpeg's does on a server that accepts the RTSP
+    connection and never speaks (the hostile tester's `socket.listen()` and nothing more)."""
+
+    def __init__(self):
+        self.made: list[StalledCamera] = []
+
+    def __call__(self, uri: str, **limits) -> StalledCamera:
+        self.made.append(StalledCamera())
+        return self.made[-1]
+
+    def opening(self) -> list[StalledCamera]:
+        return [c for c in self.made if c.entered.is_set()]
+
+    def answer_all(self) -> None:
+        for camera in self.made:
+            camera.answer.set()
+
+
+def test_deleting_a_stream_whose_open_blocks_answers_at_once_and_the_loop_stays_free(runtime, monkeypatch, quiet):
+    """The DELETE of a stream still opening its camera waited, on the event loop, for the open to
+    return (8.6 s for FFmpeg's timeout; /healthz and the watchdog's heartbeat waited with it)."""
+    cameras = StalledCameras()
+    monkeypatch.setattr(edgemm.streams, "open_source", cameras)
+    try:
+        with running(runtime, max_streams=1, source_hosts=["stalled"]) as d, \
+                raw_client(sock_path(d), timeout=15) as http:
+            assert http.post("/v1/streams", json=stream("cam", "rtsp://stalled/x")).status_code == 201
+            wait_until(lambda: len(cameras.opening()) == 1, what="the stream to be opening its camera")
+            (camera,) = cameras.opening()
+            assert http.delete("/v1/streams/cam").status_code == 200
+            assert http.get("/healthz").json() == {"status": "ok"}
+            assert not camera.answer.is_set() and camera.captures == []  # all while the open still blocks
+            # the deleted stream's thread is still in the open: it counts toward max_streams until it ends
+            error = assert_error(http.post("/v1/streams", json=synthetic("next")), 503)
+            assert "deleted streams have not ended yet" in error["message"]
+            camera.answer.set()
+            wait_until(lambda: camera.captures and camera.captures[0].released, what="the capture to be released")
+            stopped = d.service.streams.stopping[0]
+            stopped.thread.join(10)
+            assert not stopped.thread.is_alive() and stopped.figures.state == "stopped"
+            assert http.post("/v1/streams", json=synthetic("next")).status_code == 201
+    finally:
+        cameras.answer_all()
+
+
+def test_shutdown_with_streams_whose_opens_block_stays_within_the_grace_period(runtime, monkeypatch, quiet):
+    """SIGTERM with four such streams took 60 s (each close waited for its open), past
+    grace_period_s. The daemon now drains without waiting for them (30 s here is only a hang's bound)."""
+    cameras = StalledCameras()
+    monkeypatch.setattr(edgemm.streams, "open_source", cameras)
+    streams = [stream(f"cam{i}", f"rtsp://stalled{i}/x") for i in range(4)]
+    try:
+        with running(runtime, {"streams": streams}, grace_period_s=1):
+            wait_until(lambda: len(cameras.opening()) == 4, what="four streams opening their cameras")
+        # running() asked the daemon to stop and found it stopped, while every open still blocks
+        assert not any(camera.answer.is_set() for camera in cameras.made)
+    finally:
+        cameras.answer_all()
+    wait_until(lambda: all(c.captures and c.captures[0].released for c in cameras.opening()),
+               what="the captures to be released once the opens returned")
+
+
+@pytest.mark.parametrize("hosts, source, message", [
+    ([], "rtsp://169.254.169.254:80/x", "the API may not start network sources: server.source_hosts is empty"),
+    ([], "rtsp://127.0.0.1:22/x", "the API may not start network sources: server.source_hosts is empty"),
+    (["127.0.0.1:554"], "rtsp://127.0.0.1:22/x", "a source at 127.0.0.1 port 22 is not in server.source_hosts "
+                                                 "(127.0.0.1:554)"),
+    (["cam.lan"], "rtsps://user:pw@10.0.0.1/x", "a source at 10.0.0.1 port 322 is not in server.source_hosts"),
+    (["127.0.0.1"], "rtsp://127.0.0.2/x", "a source at 127.0.0.2 port 554 is not in server.source_hosts"),
+])
+def test_the_api_starts_network_sources_on_the_hosts_of_source_hosts_only(runtime, hosts, source, message):
+    """POST /v1/streams with rtsp://169.254.169.254:80/x or rtsp://127.0.0.1:<any port> got 201, and
+    the stream's state then told whether that port answered: a port scanner through the daemon."""
+    with running(runtime, source_hosts=hosts) as d, raw_client(sock_path(d)) as http:
+        error = assert_error(http.post("/v1/streams", json=stream("probe", source)), 403)
+        assert error["message"].startswith(message) and "\n" not in error["message"]
+        assert "pw" not in error["message"]
+        assert http.get("/v1/streams").json()["data"] == []  # never started
+
+
+def test_network_sources_on_an_allowed_host_start_and_the_config_file_names_any(runtime, quiet):
+    configured = stream("configured", NEVER_OPENS)  # not in source_hosts: the config file's own choice
+    with running(runtime, {"streams": [configured]}, source_hosts=["Localhost", "127.0.0.1:1"]) as d, \
+            raw_client(sock_path(d)) as http:
+        assert http.post("/v1/streams", json=stream("loopback", "rtsp://127.0.0.1:1/x")).status_code == 201
+        assert http.post("/v1/streams", json=stream("named", "rtsp://localhost:9/x")).status_code == 201
+        wait_until(lambda: http.get("/v1/streams/configured").json()["state"] == "retrying", what="retrying")
+
+
+def test_an_rtsp_uri_that_could_leave_the_gstreamer_location_is_400(runtime):
+    """rtspsrc location="…": a quote in the URI would end it, and what follows would be pipeline
+    elements of the client's choosing (on a host source_hosts allows)."""
+    with running(runtime, source_hosts=["cam"]) as d, raw_client(sock_path(d)) as http:
+        for source in ('rtsp://cam/x" ! filesrc location=/etc/passwd ! fakesink', "rtsp://cam/a b",
+                       "rtsp://cam/a\\b", "rtsp://cam/a\tb"):
+            error = assert_error(http.post("/v1/streams", json=stream("cam", source)), 400, param="source")
+            assert "an rtsp:// URI has no spaces, quotes, backslashes or control characters" in error["message"]
+        assert http.get("/v1/streams").json()["data"] == []
+
+
+def test_source_hosts_entries_are_checked_as_webhook_hosts_are():
+    with pytest.raises(ConfigError, match=r"server.source_hosts\[0\]' must be a host name or address"):
+        load_config({"server": {"source_hosts": ["rtsp://cam/x"]}})
