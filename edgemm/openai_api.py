@@ -113,15 +113,19 @@ def json_depth_exceeds(body: bytes, limit: int) -> bool:
 
 
 def json_values_exceed(body: bytes, limit: int) -> bool:
-    """Whether `body` has more than `limit` commas and colons outside strings (each array element
-    but the first follows a comma, each object member has a colon), as json_depth_exceeds scans.
-    A body with no more of them than `limit` anywhere (a base64 image has none) is not scanned."""
-    if body.count(b",") + body.count(b":") <= limit:
+    """Whether `body` has more than `limit` commas, colons and opening brackets outside strings
+    (each array element but the first follows a comma, each object member has a colon, and
+    each array or object opens with a bracket, so `[[[]],[[]]]` counts too), as
+    json_depth_exceeds scans. A body with no more of them than `limit` anywhere (a base64
+    image has none) is not scanned."""
+    marks = (b",", b":", b"[", b"{")
+    if sum(body.count(mark) for mark in marks) <= limit:
         return False
-    separators = 0
+    counted = 0
     for chunk, in_string in _outside_strings(body):
-        separators += int(np.count_nonzero(((chunk == ord(",")) | (chunk == ord(":"))) & ~in_string))
-        if separators > limit:
+        is_mark = (chunk == ord(",")) | (chunk == ord(":")) | (chunk == ord("[")) | (chunk == ord("{"))
+        counted += int(np.count_nonzero(is_mark & ~in_string))
+        if counted > limit:
             return True
     return False
 

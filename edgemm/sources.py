@@ -180,8 +180,12 @@ def network_address(uri: str) -> tuple[str, int] | None:
     spec = parse_uri(uri)
     if spec.kind != "rtsp":
         return None
-    parts = urllib.parse.urlsplit(spec.location)  # valid: _rtsp_spec checked host and port
-    return (parts.hostname or "").lower(), parts.port or RTSP_PORTS[parts.scheme.lower()]
+    parts = urllib.parse.urlsplit(spec.location)
+    try:
+        port = parts.port
+    except ValueError as e:  # _rtsp_spec checked the port; this is the same check, never a crash
+        raise SourceError(f"{_redact(uri)}: not a valid rtsp:// address ({str(e).lower()})") from None
+    return (parts.hostname or "").lower(), port or RTSP_PORTS[parts.scheme.lower()]
 
 
 def check_uri(uri: str, *, max_pixels: int = DEFAULT_MAX_PIXELS,
@@ -297,7 +301,12 @@ def _rtsp_spec(uri: str, rest: str) -> SourceSpec:
         # pipeline, and what follows it would be pipeline elements of the client's choosing
         raise SourceError(f"{_redact(uri)}: an rtsp:// URI has no spaces, quotes, backslashes or control "
                           "characters (percent-encode them)")
-    host = address.split("/", 1)[0].rpartition("@")[2]
+    authority = address.split("/", 1)[0]
+    if "#" in uri or authority.count("@") > 1:
+        # GStreamer's RTSP URL parser takes the first @ and reads past a #, Python's and FFmpeg's
+        # the last @ and stop at #: the host checked (server.source_hosts) must be the one reached
+        raise SourceError(f"{_redact(uri)}: an rtsp:// URI has at most one @ (user:password@host) and no #")
+    host = authority.rpartition("@")[2]
     if not host:
         raise SourceError(f"{_redact(uri)}: rtsp:// needs a host, e.g. rtsp://192.168.1.10/stream")
     try:  # a port out of 1..65535 or not a number, a bracket left open: refused now, not retried for ever

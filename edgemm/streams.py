@@ -385,7 +385,7 @@ class BodyLimit:
 
 # Room in a stream's body beside its prompts: id, source, webhook URLs, alerts' rules, JSON's own
 STREAM_BODY_ROOM = 16 * 1024
-ESCAPED_CHAR_BYTES = 6  # a prompt character, JSON-escaped: \u00e9
+ESCAPED_CHAR_BYTES = 12  # a prompt character, JSON-escaped: \ud83d\ude00 (one above U+FFFF: a surrogate pair)
 
 
 def stream_body_limit(limits: LimitsConfig, server: Any, prompts: int = 1 + MAX_ALERTS) -> BodyLimit:

@@ -265,6 +265,18 @@ def test_an_rtsp_uri_that_could_leave_the_gstreamer_location_is_400(runtime):
         assert http.get("/v1/streams").json()["data"] == []
 
 
+def test_an_rtsp_uri_whose_host_gstreamer_reads_differently_is_400(runtime):
+    """GStreamer's RTSP parser takes the first @ and reads past a #; Python's (which checks
+    source_hosts) the last @ and stops at #: `rtsp://cam:1#@evil/x` was cam to the check and evil
+    to rtspsrc. A malformed port behind such a URI was a 500."""
+    with running(runtime, source_hosts=["cam"]) as d, raw_client(sock_path(d)) as http:
+        for source in ("rtsp://cam:1#@evil/x?backend=gstreamer", "rtsp://u@evil@cam/x", "rtsp://cam:x#@evil/x",
+                       "rtsp://cam/x#frag"):
+            error = assert_error(http.post("/v1/streams", json=stream("cam", source)), 400, param="source")
+            assert "at most one @ (user:password@host) and no #" in error["message"]
+        assert http.get("/v1/streams").json()["data"] == []
+
+
 def test_source_hosts_entries_are_checked_as_webhook_hosts_are():
     with pytest.raises(ConfigError, match=r"server.source_hosts\[0\]' must be a host name or address"):
         load_config({"server": {"source_hosts": ["rtsp://cam/x"]}})

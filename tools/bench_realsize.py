@@ -243,7 +243,7 @@ def cold_commands(args, spec: str, nowarm_config: Path) -> list[str]:
         exe = str(Path(sys.executable).parent / "edgemm")
         command = [exe, "infer", str(args.model / reference["image"]), "--model", str(args.model), "--prompt",
                    reference["prompt"], "--tier", "global", "--max-new-tokens", str(args.tokens), "--threads",
-                   str(args.threads), "--json", "--quiet"]
+                   str(args.threads), "--precision", "fp32", "--json", "--quiet"]  # the raw loop's graphs, not auto's pick
         return command + (["--config", str(nowarm_config)] if spec.endswith("no-warm-up") else [])
     return [sys.executable, __file__, "--once", spec, "--model", str(args.model), "--threads", str(args.threads),
             "--tokens", str(args.tokens)]

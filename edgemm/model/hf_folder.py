@@ -47,6 +47,10 @@ class JsonObject(dict):
         self.file = file
         self.prefix = prefix
 
+    def __contains__(self, key: object) -> bool:
+        """A key holding null is absent, for `in` as for the accessors: it takes the default."""
+        return dict.get(self, key) is not None
+
     def refuse(self, key: str, needs: str, value: object = None) -> ModelError:
         got = f" (got {json.dumps(value)[:60]})" if value is not None else ""
         return ModelError(f"{self.file}: {self.prefix}{key} must be {needs}{got}")
