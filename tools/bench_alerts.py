@@ -54,11 +54,8 @@ import argparse
 import functools
 import json
 import os
-import shutil
 import statistics
 import sys
-import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,10 +66,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from edgemm.config import load_config  # noqa: E402
-from edgemm.daemon import Daemon  # noqa: E402
 from edgemm.runtime import Runtime  # noqa: E402
 from edgemm.scenes import make_scene  # noqa: E402
 from bench_view import cpu_s, free_port, tree_cpu_s  # noqa: E402
+from daemon_thread import DaemonThread  # noqa: E402
 from headless_browser import HeadlessBrowser, find_chromium  # noqa: E402
 
 WAIT_S = 60.0
@@ -107,28 +104,13 @@ def posed(alert: str, frame: int, hold: int) -> bool:
     return sum(s.kind == "circle" for s in scene_of(frame, hold).shapes) == 1
 
 
-class DaemonThread:
-    def __init__(self, runtime: Runtime):
-        self.folder = Path(tempfile.mkdtemp(prefix="edgemm-alerts-", dir="/tmp"))
-        self.sock = str(self.folder / "edgemm.sock")
-        self.port = free_port()  # the live view, for the browser
-        cfg = load_config({"backend": {"intra_op_threads": 1}, "server": {"socket": self.sock, "tcp_port": self.port}})
-        self.daemon = Daemon(cfg, runtime=runtime)
-        self.thread = threading.Thread(target=self.daemon.run, name="bench-daemon", daemon=True)
-
-    def __enter__(self) -> "DaemonThread":
-        self.thread.start()
-        if not self.daemon.ready.wait(WAIT_S):
-            raise SystemExit("the daemon did not become ready")
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.daemon.stop()
-        self.thread.join(WAIT_S)
-        shutil.rmtree(self.folder, ignore_errors=True)
-
-    def client(self) -> httpx.Client:
-        return httpx.Client(transport=httpx.HTTPTransport(uds=self.sock), base_url="http://edgemm", timeout=WAIT_S)
+def daemon_thread(runtime: Runtime) -> DaemonThread:
+    """The daemon of every round, with the live view on a TCP port (`.port`) for the browser."""
+    port = free_port()
+    d = DaemonThread(runtime, {"backend": {"intra_op_threads": 1}, "server": {"tcp_port": port}},
+                     prefix="edgemm-alerts-")
+    d.port = port
+    return d
 
 
 # ---- accuracy and delay ------------------------------------------------------------------------
@@ -344,7 +326,7 @@ def main() -> None:
         print("no chromium on PATH: the cost rounds run without the live view", file=sys.stderr)
     runtime = Runtime(load_config({"backend": {"intra_op_threads": 1}}))
     out: dict = {}
-    with DaemonThread(runtime) as d:
+    with daemon_thread(runtime) as d:
         if "accuracy" not in args.skip:
             out["accuracy"] = accuracy(d, args.frames, args.fps, args.hold)
             print(json.dumps(out["accuracy"], indent=1), flush=True)

@@ -68,8 +68,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from edgemm.config import load_config  # noqa: E402
-from edgemm.daemon import Daemon  # noqa: E402
 from edgemm.runtime import Runtime  # noqa: E402
+from daemon_thread import DaemonThread  # noqa: E402
 
 QUESTIONS = ["describe the image", "how many shapes are there ?", "what color is the circle ?",
              "what does the text say ?"]
@@ -135,36 +135,9 @@ class FaultyEncoder:
         return faulty_run
 
 
-class DaemonThread:
+def daemon_thread(runtime: Runtime, model: Path, **server) -> DaemonThread:
     """A Daemon serving `runtime` in a thread on a fresh socket."""
-
-    def __init__(self, runtime: Runtime, model: Path, **server):
-        self.folder = Path(tempfile.mkdtemp(prefix="edgemm-faults-", dir="/tmp"))
-        self.sock = str(self.folder / "edgemm.sock")
-        cfg = load_config({"model": {"path": str(model)}, "server": {"socket": self.sock, **server}})
-        self.daemon = Daemon(cfg, runtime=runtime)
-        self.thread = threading.Thread(target=self.daemon.run, name="bench-daemon", daemon=True)
-
-    def __enter__(self) -> "DaemonThread":
-        self.thread.start()
-        if not self.daemon.ready.wait(WAIT_S):
-            raise SystemExit("the daemon did not become ready")
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.daemon.stop()
-        self.thread.join(WAIT_S)
-        shutil.rmtree(self.folder, ignore_errors=True)
-
-    def client(self, timeout: float = WAIT_S) -> httpx.Client:
-        return httpx.Client(transport=httpx.HTTPTransport(uds=self.sock), base_url="http://edgemm", timeout=timeout)
-
-    def metric(self, name: str) -> float:
-        with self.client() as http:
-            for line in http.get("/metrics").text.splitlines():
-                if line.startswith(name + " "):
-                    return float(line.split()[-1])
-        return float("nan")
+    return DaemonThread(runtime, {"model": {"path": str(model)}, "server": server}, prefix="edgemm-faults-")
 
 
 def post(http: httpx.Client, image: bytes, prompt: str, max_tokens: int) -> dict:
@@ -200,7 +173,7 @@ def load_section(runtime: Runtime, model: Path, faulty: FaultyEncoder, images: d
             return poison["nan_poison"]
         return normal[n % len(normal)]
 
-    with DaemonThread(runtime, model, queue_size=args.clients) as d:
+    with daemon_thread(runtime, model, queue_size=args.clients) as d:
         with d.client() as http:
             reference = {key: post(http, image, prompt, args.max_tokens) for key, image, prompt in normal}
             alone_poison = {key: post(http, image, prompt, args.max_tokens) for key, image, prompt in poison.values()}
@@ -378,7 +351,7 @@ def stall_section(runtime: Runtime, model: Path, faulty: FaultyEncoder, images: 
     os.environ.update(NOTIFY_SOCKET=fake.path, WATCHDOG_USEC=str(args.watchdog_usec), WATCHDOG_PID=str(os.getpid()))
     runs = []
     try:
-        with DaemonThread(runtime, model, stall_s=args.stall_s) as d:
+        with daemon_thread(runtime, model, stall_s=args.stall_s) as d:
             fake.expect(lambda m: "WATCHDOG=1" in m, 0)
             for _ in range(args.stalls):
                 faulty.unblock.clear()
