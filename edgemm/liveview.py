@@ -1,8 +1,9 @@
 """The live view: the page at `GET /`, and the endpoints it needs beyond the API's.
 
     GET /                              edgemm/web/index.html: one self-contained page, no build step
-    GET /v1/events                     every stream's results (and alert events) as one SSE
-                                       stream, so a page watching many streams holds one connection
+    GET /v1/events[?rate=R]            every stream's results (and alert events) as one SSE
+                                       stream, so a page watching many streams holds one connection;
+                                       with `rate`, at most R results per stream per second (Thinning)
     GET /v1/streams/{id}/frame.jpg     the latest answered frame, a JPEG of at most 640 px a side
                                        (edgemm.view.LatestFrame: encoded once per answer, on a pool of
                                        ENCODE_THREADS of its own); 404 before one
@@ -18,8 +19,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
+import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from importlib import resources
 
 from starlette.requests import Request as HttpRequest
@@ -66,6 +71,118 @@ async def shared_encode(latest: LatestFrame) -> tuple[int, bytes] | None:
     return await asyncio.shield(future)  # a viewer that leaves does not cancel it for the others
 
 
+# ---- /v1/events?rate=R ---------------------------------------------------------------------------
+
+MAX_RATE = 1000.0  # results per stream per second a listener may ask for; more is every result anyway
+_RATE = re.compile(r"[0-9]+(\.[0-9]*)?|\.[0-9]+")
+
+
+def parse_rate(values: list[str]) -> float | None:
+    """`?rate=R` of GET /v1/events: None when absent (every result), else a number in (0, MAX_RATE]."""
+    if not values:
+        return None
+    if len(values) > 1:
+        raise ApiError("query parameter 'rate' is given more than once", param="rate")
+    text = values[0]
+    rate = float(text) if _RATE.fullmatch(text) else math.nan
+    if not 0 < rate <= MAX_RATE:
+        raise ApiError(f"'rate' is results per stream per second, a number above 0 and at most {MAX_RATE:g}, "
+                       f"got {text[:40]!r}", param="rate")
+    return rate
+
+
+@dataclass
+class Thinning:
+    """One listener's results, at most `rate` per stream per second. A result that comes sooner
+    after its stream's last one sent waits, and a newer one of that stream takes its place
+    (newest wins), so the result a page shows is never older than 1 / rate seconds behind the
+    stream's latest. Alert events and error records are never thinned: they go at once, after
+    the result of their stream that was waiting (the order of a stream's events is kept).
+
+    Why: the page draws at most a few times a second; a saturated stream answers ~90 times a
+    second with the built-in model, and every event it cannot show costs the daemon a JSON
+    encode and a write and the browser a parse (docs/BENCHMARKS.md, "the live view's cost")."""
+    rate: float
+    clock: Callable[[], float] = time.monotonic
+    waiting: dict[str, tuple[dict, str | None]] = field(default_factory=dict)  # stream → its newest result unsent
+    next_at: dict[str, float] = field(default_factory=dict)  # stream → when its next result may go
+
+    def offer(self, record: dict, event: str | None) -> list[tuple[dict, str | None]]:
+        """The events to send now, in order, for one that came from the streams."""
+        stream = record.get("stream")
+        if event is not None or "error" in record or not isinstance(stream, str):
+            held = self.waiting.pop(stream, None) if isinstance(stream, str) else None
+            return [held, (record, event)] if held is not None else [(record, event)]
+        now = self.clock()
+        if now >= self.next_at.get(stream, -math.inf):
+            self.waiting.pop(stream, None)
+            self.next_at[stream] = now + 1.0 / self.rate
+            return [(record, event)]
+        self.waiting[stream] = (record, event)
+        return []
+
+    def due(self) -> list[tuple[dict, str | None]]:
+        """The waiting results whose time has come."""
+        now = self.clock()
+        ready = [s for s in self.waiting if self.next_at[s] <= now]
+        for stream in ready:
+            self.next_at[stream] = now + 1.0 / self.rate
+        return [self.waiting.pop(s) for s in ready]
+
+    def due_all(self) -> list[tuple[dict, str | None]]:
+        """Every waiting result, due or not (the listener ends)."""
+        ready = list(self.waiting.values())
+        self.waiting.clear()
+        return ready
+
+    def wait_s(self) -> float | None:
+        """Seconds until the first waiting result is due (None: none is waiting)."""
+        if not self.waiting:
+            return None
+        return max(0.0, min(self.next_at[s] for s in self.waiting) - self.clock())
+
+    def forget(self, streams: set[str]) -> None:
+        """Streams that are gone: nothing of theirs is kept (a long-lived page sees many come and go)."""
+        for stream in [s for s in self.next_at if s not in streams]:
+            self.next_at.pop(stream)
+            self.waiting.pop(stream, None)
+
+
+NOTHING = object()  # no event came within the wait (END is None)
+
+
+async def sse_texts(listener: asyncio.Queue, thinning: Thinning | None, manager, keepalive_s: float = KEEPALIVE_S):
+    """GET /v1/events' body: the listener's events as SSE text (thinned, with `thinning`), a
+    comment after `keepalive_s` of nothing sent, until END. `manager` (edgemm.streams'
+    StreamManager): the streams there are, so a thinning forgets those gone."""
+    quiet_since = time.monotonic()  # the last thing sent
+    yield ": edgemm live view\n\n"  # the headers and a first byte now: EventSource opens at once
+    while True:
+        wait = thinning.wait_s() if thinning is not None else None
+        try:
+            item = await asyncio.wait_for(listener.get(), keepalive_s if wait is None else wait)
+        except asyncio.TimeoutError:
+            item = NOTHING
+        if item is END:
+            break
+        ready = []
+        if item is not NOTHING:
+            _, record, event = item
+            ready = [(record, event)] if thinning is None else thinning.offer(record, event)
+        if thinning is not None:
+            ready += thinning.due()  # also while events keep coming: other streams' waiting ones
+            if len(thinning.next_at) > 2 * manager.limit:  # streams come and go: bounded
+                thinning.forget(set(manager.streams))
+        if ready:
+            quiet_since = time.monotonic()
+            yield "".join(event_text(record, event) for record, event in ready)
+        elif time.monotonic() - quiet_since >= keepalive_s:
+            quiet_since = time.monotonic()
+            yield ": keepalive\n\n"
+    if thinning is not None and (rest := thinning.due_all()):  # the daemon drains: what waits goes first
+        yield "".join(event_text(record, event) for record, event in rest)
+
+
 def live_view_routes(service: Service, read_json: Callable[..., Awaitable[object]]) -> list[Route]:
     """The page's routes; `read_json` is edgemm.server's body reader (its limits and timeouts)."""
     html = page()  # read once: the page is part of the package
@@ -75,6 +192,7 @@ def live_view_routes(service: Service, read_json: Callable[..., Awaitable[object
 
     async def all_events(http: HttpRequest) -> Response:
         manager = service.streams
+        rate = parse_rate(http.query_params.getlist("rate"))  # before the listener's place is taken
         limit = service.server.max_stream_listeners
         if manager.listener_count() >= limit:
             raise Overloaded(f"server busy: {limit} stream listeners are connected (server.max_stream_listeners); "
@@ -85,17 +203,8 @@ def live_view_routes(service: Service, read_json: Callable[..., Awaitable[object
 
         async def events():
             try:
-                yield ": edgemm live view\n\n"  # the headers and a first byte now: EventSource opens at once
-                while True:
-                    try:
-                        item = await asyncio.wait_for(listener.get(), KEEPALIVE_S)
-                    except asyncio.TimeoutError:
-                        yield ": keepalive\n\n"
-                        continue
-                    if item is END:
-                        break
-                    _, record, event = item
-                    yield event_text(record, event)
+                async for text in sse_texts(listener, Thinning(rate) if rate is not None else None, manager):
+                    yield text
             finally:
                 manager.unlisten_all(listener)
 

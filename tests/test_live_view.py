@@ -190,6 +190,7 @@ def test_the_page_and_its_endpoints_on_the_unix_socket(runtime):
         page = http.get("/")
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
         assert "<script>" in page.text and "https://" not in page.text and "http://" not in page.text  # offline
+        assert "new EventSource(`/v1/events?rate=${FRAMES_PER_S}`)" in page.text  # thinned to what it draws
         # before its first answer a stream has no frame (this camera never opens); after it, a bounded
         # JPEG of the latest
         http.post("/v1/streams", json={**stream, "id": "down", "source": "rtsp://127.0.0.1:1/x"})
@@ -559,3 +560,124 @@ def test_delivery_after_the_daemon_drains_keeps_end_and_the_other_listeners():
         assert late.get_nowait() is END and late.empty()
 
     asyncio.run(scenario())
+
+
+# ---- /v1/events?rate=R: a page gets no more results than it can draw ---------------------------
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def frames_of(sent) -> list:
+    return [(record["stream"], record.get("frame"), event) for record, event in sent]
+
+
+def test_thinning_sends_at_most_rate_results_per_stream_the_newest_waiting():
+    from edgemm.liveview import Thinning
+    clock = FakeClock()
+    thin = Thinning(4.0, clock)  # one result per 0.25 s per stream (steps exact in binary)
+    assert frames_of(thin.offer({"stream": "a", "frame": 1}, None)) == [("a", 1, None)]
+    assert thin.wait_s() is None
+    clock.now += 0.0625
+    assert thin.offer({"stream": "a", "frame": 2}, None) == []  # too soon: waits
+    assert frames_of(thin.offer({"stream": "b", "frame": 1}, None)) == [("b", 1, None)]  # streams apart
+    clock.now += 0.0625
+    assert thin.offer({"stream": "a", "frame": 3}, None) == []  # newest wins: 2 is never sent
+    assert thin.wait_s() == pytest.approx(0.125)
+    assert thin.due() == []
+    clock.now += 0.125
+    assert frames_of(thin.due()) == [("a", 3, None)]
+    assert thin.due() == [] and thin.wait_s() is None
+    clock.now += 0.0625  # 0.0625 s after a's last one went: the next waits its 0.25 s again
+    assert thin.offer({"stream": "a", "frame": 4}, None) == []
+    assert thin.wait_s() == pytest.approx(0.1875)
+
+
+def test_thinning_never_holds_back_alert_events_or_errors_and_keeps_a_streams_order():
+    from edgemm.liveview import Thinning
+    clock = FakeClock()
+    thin = Thinning(2.0, clock)
+    thin.offer({"stream": "a", "frame": 1}, None)
+    clock.now += 0.1
+    assert thin.offer({"stream": "a", "frame": 2}, None) == []
+    alert = {"stream": "a", "alert": "red", "state": "true", "frame": 2}
+    # the waiting result goes first, then the alert event: the page sees them in the stream's order
+    assert frames_of(thin.offer(alert, "alert")) == [("a", 2, None), ("a", 2, "alert")]
+    assert thin.wait_s() is None
+    error = {"stream": "a", "frame": 3, "error": "internal error: boom"}
+    assert frames_of(thin.offer(error, None)) == [("a", 3, None)]  # at once, too soon or not
+    assert frames_of(thin.offer({"stream": "b", "alert": "x", "state": "false"}, "alert")) == [("b", None, "alert")]
+    thin.offer({"stream": "c", "frame": 1}, None)
+    clock.now += 0.1
+    thin.offer({"stream": "c", "frame": 2}, None)
+    assert frames_of(thin.due_all()) == [("c", 2, None)]  # the listener ends: what waited goes
+    thin.forget({"c"})
+    assert set(thin.next_at) == {"c"}
+
+
+def test_thinned_sse_text_keeps_each_streams_latest_and_ends_with_what_waited():
+    import asyncio
+
+    from edgemm.liveview import Thinning, sse_texts
+    from edgemm.streams import ListenerQueue
+
+    class Manager:
+        limit, streams = 4, {"a": None}
+
+    async def run() -> list[str]:
+        queue = ListenerQueue()
+        texts = []
+        clock = FakeClock()
+
+        async def read():
+            async for text in sse_texts(queue, Thinning(5.0, clock), Manager(), keepalive_s=30):
+                texts.append(text)
+        reader = asyncio.create_task(read())
+        await asyncio.sleep(0)
+        for frame in range(1, 5):  # four results at once: the first goes, the newest waits
+            queue.offer((frame, {"stream": "a", "frame": frame}, None))
+        await asyncio.sleep(0.05)
+        queue.close()  # END: the daemon drains
+        await asyncio.wait_for(reader, 5)
+        return texts
+
+    texts = asyncio.run(run())
+    data = [json.loads(line[6:])["frame"] for text in texts for line in text.splitlines() if line.startswith("data: ")]
+    assert texts[0].startswith(": edgemm live view") and data == [1, 4]
+
+
+@pytest.mark.parametrize("query, message", [
+    ("rate=0", "above 0"), ("rate=-1", "above 0"), ("rate=abc", "a number"), ("rate=nan", "a number"),
+    ("rate=inf", "a number"), ("rate=1e9", "at most 1000"), ("rate=2000", "at most 1000"),
+    ("rate=", "a number"), ("rate=1&rate=2", "more than once")])
+def test_a_bad_events_rate_is_a_400_before_a_listener_place_is_taken(runtime, query, message):
+    with running(runtime, max_stream_listeners=1) as d, raw_client(sock_path(d)) as http:
+        response = http.get(f"/v1/events?{query}")
+        assert_error(response, 400, param="rate")
+        assert message in response.json()["error"]["message"] and "\n" not in response.json()["error"]["message"]
+        assert d.service.streams.listener_count() == 0
+
+
+def test_events_at_a_rate_thin_a_fast_stream_and_keep_its_latest(runtime):
+    """A stream answering as fast as it can, read at rate=4: about 4 results a second reach the
+    listener (not the stream's ~tens), and each is newer than the last."""
+    stream = {"id": "fast", "source": "synthetic://?size=64", "prompt": COLOUR, "tier": "low", "max_new_tokens": 1}
+    with running(runtime, {"streams": [stream]}) as d, raw_client(sock_path(d)) as http:
+        wait_until(lambda: http.get("/v1/streams/fast").json()["frames"] >= 3, 30, "answers")
+        frames, began = [], time.monotonic()
+        answered0 = http.get("/v1/streams/fast").json()["frames"]
+        with http.stream("GET", "/v1/events?rate=4") as events:
+            for line in events.iter_lines():
+                if line.startswith("data: "):
+                    frames.append(json.loads(line[6:])["frame"])
+                if time.monotonic() - began > 2.0:
+                    break
+        elapsed = time.monotonic() - began
+        answered = http.get("/v1/streams/fast").json()["frames"] - answered0
+    assert frames == sorted(frames) and len(set(frames)) == len(frames)
+    assert len(frames) <= 4 * elapsed + 2  # at most rate per second (the first goes at once)
+    assert answered > 2 * len(frames)  # the stream answered more than were sent: they were thinned
