@@ -3,7 +3,8 @@
     GET /                              edgemm/web/index.html: one self-contained page, no build step
     GET /v1/events[?rate=R]            every stream's results (and alert events) as one SSE
                                        stream, so a page watching many streams holds one connection;
-                                       with `rate`, at most R results per stream per second (Thinning)
+                                       with `rate`, at most R results per stream per second
+                                       (ThinnedListener)
     GET /v1/streams/{id}/frame.jpg     the latest answered frame, a JPEG of at most 640 px a side
                                        (edgemm.view.LatestFrame: encoded once per answer, on a pool of
                                        ENCODE_THREADS of its own); 404 before one
@@ -34,7 +35,7 @@ from starlette.routing import Route
 from edgemm.openai_api import ApiError
 from edgemm.pipeline import Overloaded
 from edgemm.service import Service
-from edgemm.streams import END, StreamSpecError, stream_body_limit
+from edgemm.streams import END, AllStreamsListener, StreamSpecError, stream_body_limit
 from edgemm.view import LatestFrame
 
 # the scope key of edgemm.connections.LONG_LIVED (see edgemm.server for why it is not imported)
@@ -95,41 +96,43 @@ def parse_rate(values: list[str]) -> float | None:
 class Thinning:
     """One listener's results, at most `rate` per stream per second. A result that comes sooner
     after its stream's last one sent waits, and a newer one of that stream takes its place
-    (newest wins), so the result a page shows is never older than 1 / rate seconds behind the
+    (newest wins), so the result a page shows is never more than 1 / rate seconds behind the
     stream's latest. Alert events and error records are never thinned: they go at once, after
     the result of their stream that was waiting (the order of a stream's events is kept).
+    Items are the listeners' (id, record, SSE event name).
 
     Why: the page draws at most a few times a second; a saturated stream answers ~90 times a
-    second with the built-in model, and every event it cannot show costs the daemon a JSON
-    encode and a write and the browser a parse (docs/BENCHMARKS.md, "the live view's cost")."""
+    second with the built-in model, and every event it cannot show costs the daemon a wake-up,
+    a JSON encode and a write, and the browser a parse (docs/BENCHMARKS.md, "the live view's cost")."""
     rate: float
     clock: Callable[[], float] = time.monotonic
-    waiting: dict[str, tuple[dict, str | None]] = field(default_factory=dict)  # stream → its newest result unsent
+    waiting: dict[str, tuple] = field(default_factory=dict)  # stream → its newest result unsent
     next_at: dict[str, float] = field(default_factory=dict)  # stream → when its next result may go
 
-    def offer(self, record: dict, event: str | None) -> list[tuple[dict, str | None]]:
-        """The events to send now, in order, for one that came from the streams."""
+    def offer(self, item: tuple) -> list[tuple]:
+        """The items to send now, in order, for one that came from the streams."""
+        _, record, event = item
         stream = record.get("stream")
         if event is not None or "error" in record or not isinstance(stream, str):
             held = self.waiting.pop(stream, None) if isinstance(stream, str) else None
-            return [held, (record, event)] if held is not None else [(record, event)]
+            return [held, item] if held is not None else [item]
         now = self.clock()
         if now >= self.next_at.get(stream, -math.inf):
             self.waiting.pop(stream, None)
-            self.next_at[stream] = now + 1.0 / self.rate
-            return [(record, event)]
-        self.waiting[stream] = (record, event)
+            self._sent(stream, now)
+            return [item]
+        self.waiting[stream] = item
         return []
 
-    def due(self) -> list[tuple[dict, str | None]]:
+    def due(self) -> list[tuple]:
         """The waiting results whose time has come."""
         now = self.clock()
         ready = [s for s in self.waiting if self.next_at[s] <= now]
         for stream in ready:
-            self.next_at[stream] = now + 1.0 / self.rate
+            self._sent(stream, now)
         return [self.waiting.pop(s) for s in ready]
 
-    def due_all(self) -> list[tuple[dict, str | None]]:
+    def due_all(self) -> list[tuple]:
         """Every waiting result, due or not (the listener ends)."""
         ready = list(self.waiting.values())
         self.waiting.clear()
@@ -141,46 +144,57 @@ class Thinning:
             return None
         return max(0.0, min(self.next_at[s] for s in self.waiting) - self.clock())
 
-    def forget(self, streams: set[str]) -> None:
-        """Streams that are gone: nothing of theirs is kept (a long-lived page sees many come and go)."""
-        for stream in [s for s in self.next_at if s not in streams]:
-            self.next_at.pop(stream)
-            self.waiting.pop(stream, None)
+    def _sent(self, stream: str, now: float) -> None:
+        self.next_at[stream] = now + 1.0 / self.rate
+        if len(self.next_at) > FORGET_ABOVE:  # streams come and go: one free to send again is as if unseen
+            for gone in [s for s, at in self.next_at.items() if at <= now and s not in self.waiting]:
+                del self.next_at[gone]
 
 
-NOTHING = object()  # no event came within the wait (END is None)
+FORGET_ABOVE = 64  # streams a Thinning remembers before it forgets those free to send again
 
 
-async def sse_texts(listener: asyncio.Queue, thinning: Thinning | None, manager, keepalive_s: float = KEEPALIVE_S):
-    """GET /v1/events' body: the listener's events as SSE text (thinned, with `thinning`), a
-    comment after `keepalive_s` of nothing sent, until END. `manager` (edgemm.streams'
-    StreamManager): the streams there are, so a thinning forgets those gone."""
-    quiet_since = time.monotonic()  # the last thing sent
-    yield ": edgemm live view\n\n"  # the headers and a first byte now: EventSource opens at once
-    while True:
-        wait = thinning.wait_s() if thinning is not None else None
-        try:
-            item = await asyncio.wait_for(listener.get(), keepalive_s if wait is None else wait)
-        except asyncio.TimeoutError:
-            item = NOTHING
-        if item is END:
-            break
-        ready = []
-        if item is not NOTHING:
-            _, record, event = item
-            ready = [(record, event)] if thinning is None else thinning.offer(record, event)
-        if thinning is not None:
-            ready += thinning.due()  # also while events keep coming: other streams' waiting ones
-            if len(thinning.next_at) > 2 * manager.limit:  # streams come and go: bounded
-                thinning.forget(set(manager.streams))
-        if ready:
-            quiet_since = time.monotonic()
-            yield "".join(event_text(record, event) for record, event in ready)
-        elif time.monotonic() - quiet_since >= keepalive_s:
-            quiet_since = time.monotonic()
-            yield ": keepalive\n\n"
-    if thinning is not None and (rest := thinning.due_all()):  # the daemon drains: what waits goes first
-        yield "".join(event_text(record, event) for record, event in rest)
+class ThinnedListener(AllStreamsListener):
+    """GET /v1/events?rate=R's listener. The streams offer it every result (on the event loop);
+    only what Thinning lets through goes into the queue, at once or when its time comes (a timer
+    of the loop's), so a result that will not be sent never wakes the reader."""
+
+    def __init__(self, rate: float, clock: Callable[[], float] = time.monotonic):
+        super().__init__()
+        self.thinning = Thinning(rate, clock)
+        self._timer: asyncio.TimerHandle | None = None
+
+    def offer(self, item: tuple) -> tuple | None:
+        if self.closed:
+            return None
+        lost = self._enqueue(self.thinning.offer(item))
+        self._schedule()
+        return lost
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if not self.closed:
+            self._enqueue(self.thinning.due_all())  # the daemon drains: what waited goes before END
+        super().close()
+
+    def _enqueue(self, items: list[tuple]) -> tuple | None:
+        lost = None
+        for item in items:
+            lost = super().offer(item) or lost
+        return lost
+
+    def _schedule(self) -> None:
+        wait = self.thinning.wait_s()
+        if wait is not None and self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(wait, self._flush)
+
+    def _flush(self) -> None:
+        self._timer = None
+        if not self.closed:
+            self._enqueue(self.thinning.due())
+            self._schedule()
 
 
 def live_view_routes(service: Service, read_json: Callable[..., Awaitable[object]]) -> list[Route]:
@@ -199,14 +213,25 @@ def live_view_routes(service: Service, read_json: Callable[..., Awaitable[object
                              f"retry in {service.server.retry_after_s} s")
         if callable(mark := http.scope.get(LONG_LIVED)):
             mark()  # out of server.max_connections, as a stream's own listener
-        listener = manager.listen_all()
+        listener = manager.listen_all(ThinnedListener(rate) if rate is not None else None)
 
         async def events():
             try:
-                async for text in sse_texts(listener, Thinning(rate) if rate is not None else None, manager):
-                    yield text
+                yield ": edgemm live view\n\n"  # the headers and a first byte now: EventSource opens at once
+                while True:
+                    try:
+                        item = await asyncio.wait_for(listener.get(), KEEPALIVE_S)
+                    except asyncio.TimeoutError:
+                        yield ": keepalive\n\n"
+                        continue
+                    if item is END:
+                        break
+                    _, record, event = item
+                    yield event_text(record, event)
             finally:
                 manager.unlisten_all(listener)
+                if not listener.closed:
+                    listener.close()  # the client left: a thinned one's timer goes with it
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 

@@ -527,9 +527,10 @@ class StreamManager:
         (server.max_stream_listeners bounds them)."""
         return len(self.all_listeners) + sum(len(s.listeners - self.all_listeners) for s in self.streams.values())
 
-    def listen_all(self) -> AllStreamsListener:
-        """A listener on every stream, those running and those added later (from the event loop)."""
-        listener = AllStreamsListener()
+    def listen_all(self, listener: AllStreamsListener | None = None) -> AllStreamsListener:
+        """A listener on every stream, those running and those added later (from the event loop):
+        `listener`, or a plain one."""
+        listener = AllStreamsListener() if listener is None else listener
         self.all_listeners.add(listener)
         for stream in self.streams.values():
             stream.listeners.add(listener)

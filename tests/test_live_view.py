@@ -573,27 +573,31 @@ class FakeClock:
 
 
 def frames_of(sent) -> list:
-    return [(record["stream"], record.get("frame"), event) for record, event in sent]
+    return [(record["stream"], record.get("frame"), event) for _, record, event in sent]
+
+
+def result(stream: str, frame: int) -> tuple:
+    return (frame, {"stream": stream, "frame": frame}, None)
 
 
 def test_thinning_sends_at_most_rate_results_per_stream_the_newest_waiting():
     from edgemm.liveview import Thinning
     clock = FakeClock()
     thin = Thinning(4.0, clock)  # one result per 0.25 s per stream (steps exact in binary)
-    assert frames_of(thin.offer({"stream": "a", "frame": 1}, None)) == [("a", 1, None)]
+    assert frames_of(thin.offer(result("a", 1))) == [("a", 1, None)]
     assert thin.wait_s() is None
     clock.now += 0.0625
-    assert thin.offer({"stream": "a", "frame": 2}, None) == []  # too soon: waits
-    assert frames_of(thin.offer({"stream": "b", "frame": 1}, None)) == [("b", 1, None)]  # streams apart
+    assert thin.offer(result("a", 2)) == []  # too soon: waits
+    assert frames_of(thin.offer(result("b", 1))) == [("b", 1, None)]  # streams apart
     clock.now += 0.0625
-    assert thin.offer({"stream": "a", "frame": 3}, None) == []  # newest wins: 2 is never sent
+    assert thin.offer(result("a", 3)) == []  # newest wins: 2 is never sent
     assert thin.wait_s() == pytest.approx(0.125)
     assert thin.due() == []
     clock.now += 0.125
     assert frames_of(thin.due()) == [("a", 3, None)]
     assert thin.due() == [] and thin.wait_s() is None
     clock.now += 0.0625  # 0.0625 s after a's last one went: the next waits its 0.25 s again
-    assert thin.offer({"stream": "a", "frame": 4}, None) == []
+    assert thin.offer(result("a", 4)) == []
     assert thin.wait_s() == pytest.approx(0.1875)
 
 
@@ -601,53 +605,57 @@ def test_thinning_never_holds_back_alert_events_or_errors_and_keeps_a_streams_or
     from edgemm.liveview import Thinning
     clock = FakeClock()
     thin = Thinning(2.0, clock)
-    thin.offer({"stream": "a", "frame": 1}, None)
-    clock.now += 0.1
-    assert thin.offer({"stream": "a", "frame": 2}, None) == []
-    alert = {"stream": "a", "alert": "red", "state": "true", "frame": 2}
+    thin.offer(result("a", 1))
+    clock.now += 0.125
+    assert thin.offer(result("a", 2)) == []
+    alert = (3, {"stream": "a", "alert": "red", "state": "true", "frame": 2}, "alert")
     # the waiting result goes first, then the alert event: the page sees them in the stream's order
-    assert frames_of(thin.offer(alert, "alert")) == [("a", 2, None), ("a", 2, "alert")]
+    assert frames_of(thin.offer(alert)) == [("a", 2, None), ("a", 2, "alert")]
     assert thin.wait_s() is None
-    error = {"stream": "a", "frame": 3, "error": "internal error: boom"}
-    assert frames_of(thin.offer(error, None)) == [("a", 3, None)]  # at once, too soon or not
-    assert frames_of(thin.offer({"stream": "b", "alert": "x", "state": "false"}, "alert")) == [("b", None, "alert")]
-    thin.offer({"stream": "c", "frame": 1}, None)
-    clock.now += 0.1
-    thin.offer({"stream": "c", "frame": 2}, None)
+    error = (4, {"stream": "a", "frame": 3, "error": "internal error: boom"}, None)
+    assert frames_of(thin.offer(error)) == [("a", 3, None)]  # at once, too soon or not
+    assert frames_of(thin.offer((1, {"stream": "b", "alert": "x", "state": "false"}, "alert"))) == [("b", None, "alert")]
+    thin.offer(result("c", 1))
+    clock.now += 0.125
+    thin.offer(result("c", 2))
     assert frames_of(thin.due_all()) == [("c", 2, None)]  # the listener ends: what waited goes
-    thin.forget({"c"})
-    assert set(thin.next_at) == {"c"}
 
 
-def test_thinned_sse_text_keeps_each_streams_latest_and_ends_with_what_waited():
+def test_thinning_forgets_streams_that_are_free_to_send_again():
+    from edgemm.liveview import FORGET_ABOVE, Thinning
+    clock = FakeClock()
+    thin = Thinning(4.0, clock)
+    for n in range(10 * FORGET_ABOVE):  # streams come and go, each sending once
+        thin.offer(result(f"s{n}", 1))
+        clock.now += 0.0625
+    assert len(thin.next_at) <= FORGET_ABOVE + 1
+
+
+def test_a_thinned_listener_queues_only_what_goes_and_the_rest_when_due():
+    """The reader is woken for the results that are sent, each stream's newest, and at END for
+    what still waited."""
     import asyncio
 
-    from edgemm.liveview import Thinning, sse_texts
-    from edgemm.streams import ListenerQueue
+    from edgemm.liveview import ThinnedListener
+    from edgemm.streams import END
 
-    class Manager:
-        limit, streams = 4, {"a": None}
+    async def run() -> tuple[list, list, list]:
+        listener = ThinnedListener(20.0)  # one per 50 ms
+        for frame in range(1, 6):  # five at once: the first goes, the newest waits
+            listener.offer(result("a", frame))
+        first = [listener.get_nowait() for _ in range(listener.qsize())]
+        await asyncio.sleep(0.2)  # its time comes: the loop's timer queues it
+        second = [listener.get_nowait() for _ in range(listener.qsize())]
+        listener.offer(result("a", 6))  # 0.15 s after 5 went: at once
+        listener.offer(result("a", 7))  # waits
+        listener.close()  # the daemon drains: what waited, then END
+        third = [listener.get_nowait() for _ in range(listener.qsize())]
+        return first, second, third
 
-    async def run() -> list[str]:
-        queue = ListenerQueue()
-        texts = []
-        clock = FakeClock()
-
-        async def read():
-            async for text in sse_texts(queue, Thinning(5.0, clock), Manager(), keepalive_s=30):
-                texts.append(text)
-        reader = asyncio.create_task(read())
-        await asyncio.sleep(0)
-        for frame in range(1, 5):  # four results at once: the first goes, the newest waits
-            queue.offer((frame, {"stream": "a", "frame": frame}, None))
-        await asyncio.sleep(0.05)
-        queue.close()  # END: the daemon drains
-        await asyncio.wait_for(reader, 5)
-        return texts
-
-    texts = asyncio.run(run())
-    data = [json.loads(line[6:])["frame"] for text in texts for line in text.splitlines() if line.startswith("data: ")]
-    assert texts[0].startswith(": edgemm live view") and data == [1, 4]
+    first, second, third = asyncio.run(run())
+    assert frames_of(first) == [("a", 1, None)]
+    assert frames_of(second) == [("a", 5, None)]
+    assert [item[0] for item in third[:-1]] == [6, 7] and third[-1] is END
 
 
 @pytest.mark.parametrize("query, message", [
