@@ -43,7 +43,10 @@ browser) on a temporary UNIX socket; everything is read through its HTTP API.
              window (GET /v1/alerts). With --no-browser (or no chromium) the view is
              left out. --sources and --setups pick which of them run; --setups may
              also name `view` (the browser, no alerts) and `alerts` (the alerts, no
-             browser), the two halves of `watched`.
+             browser), the two halves of `watched`, and `remote view` / `remote
+             watched`: instead of the browser, the page's requests made by
+             tools/page_traffic.py in a process of its own (what a page open on
+             another computer costs the daemon), alone / with the 3 alerts.
 
 The machine may be shared: the figures are medians over rounds and ratios of runs side
 by side. Paste the printed Markdown into docs/BENCHMARKS.md with the command.
@@ -55,6 +58,7 @@ import functools
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -206,16 +210,34 @@ def metric(text: str, start: str) -> float:
 # ---- cost ------------------------------------------------------------------------------------------
 
 SETUPS = ("none", "watched", "old rule")
-EXTRA_SETUPS = ("view", "alerts")  # the two halves of `watched`: the browser alone, the alerts alone
+# the two halves of `watched` (the browser alone, the alerts alone), and the page's requests without
+# a browser (tools/page_traffic.py: a page open on another computer) alone and with the alerts
+EXTRA_SETUPS = ("view", "alerts", "remote view", "remote watched")
+REMOTE = ("remote view", "remote watched")
 
 
 @dataclass
 class Window:
     answers_per_s: float
     cpu_ms_per_answer: float  # this process's (the daemon's) CPU over the window, per answer
-    browser_cpu: float  # the browser's CPU over the window, share of one core (0 without one)
+    browser_cpu: float  # the browser's (or page_traffic's) CPU over the window, share of one core (0 without one)
     questions_per_answer: float  # alert questions asked per answered frame over the window
     deferred_per_answer: float
+
+
+class PageTrafficProcess:
+    """tools/page_traffic.py against the daemon's port, in a process of its own (its CPU is not the daemon's)."""
+
+    def __init__(self, port: int):
+        tool = Path(__file__).resolve().parent / "page_traffic.py"
+        self.process = subprocess.Popen([sys.executable, str(tool), f"http://127.0.0.1:{port}/"])
+
+    def cpu_s(self) -> float:
+        return tree_cpu_s(self.process.pid)
+
+    def close(self) -> None:
+        self.process.terminate()
+        self.process.wait(WAIT_S)
 
 
 class ViewInBrowser:
@@ -247,7 +269,7 @@ def alert_counts(http: httpx.Client, stream_id: str) -> tuple[int, int]:
 def window(d: DaemonThread, source: str, setup: str, seconds: float, n: int, browser: bool,
            max_every: int | None = None) -> Window:
     floor = {"max_every": 1} if setup == "old rule" else {"max_every": max_every} if max_every else {}
-    alerts = {} if setup in ("none", "view") else {name: {**alert, "every": 1, **floor} for name, alert in {**ALERTS, **THIRD}.items()}
+    alerts = {} if setup in ("none", "view", "remote view") else {name: {**alert, "every": 1, **floor} for name, alert in {**ALERTS, **THIRD}.items()}
     stream_id = f"cost{n}"
     spec = {"id": stream_id, "source": source, "prompt": "describe the image", "alerts": alerts}
     me = os.getpid()
@@ -256,7 +278,8 @@ def window(d: DaemonThread, source: str, setup: str, seconds: float, n: int, bro
         frames = lambda: http.get(f"/v1/streams/{stream_id}").json()["frames"]  # noqa: E731
         while frames() < 3:  # past the start
             time.sleep(0.05)
-        view = ViewInBrowser(d.port, stream_id) if browser and setup not in ("none", "alerts") else None
+        view = (PageTrafficProcess(d.port) if setup in REMOTE else
+                ViewInBrowser(d.port, stream_id) if browser and setup not in ("none", "alerts") else None)
         try:
             time.sleep(1.0)
             asked0, deferred0 = alert_counts(http, stream_id) if alerts else (0, 0)
@@ -281,8 +304,9 @@ def window(d: DaemonThread, source: str, setup: str, seconds: float, n: int, bro
 def cost(d: DaemonThread, source: str, seconds: float, rounds: int, browser: bool, counter: list[int],
          setups: tuple[str, ...] = SETUPS, max_every: tuple[int | None, ...] = (None,)) -> dict:
     """`max_every`: one `watched` set-up for each (None: the config's default)."""
-    runs = [(f"{setup}, max_every {n}" if setup in ("watched", "alerts") and n else setup, setup, n)
-            for setup in setups for n in (max_every if setup in ("watched", "alerts") else (None,))]
+    floored = ("watched", "alerts", "remote watched")  # the set-ups with alerts
+    runs = [(f"{setup}, max_every {n}" if setup in floored and n else setup, setup, n)
+            for setup in setups for n in (max_every if setup in floored else (None,))]
     windows: dict[str, list[Window]] = {label: [] for label, _, _ in runs}
     for r in range(rounds):
         for label, setup, n in (runs if r % 2 == 0 else runs[::-1]):
@@ -361,11 +385,11 @@ def markdown(out: dict, args) -> None:
     if "cost" in out:
         print("\n| source | set-up | answers/s median (min-max) | vs none | per-round ratio to none, median "
               "(min-max) | CPU ms per answer median (min-max) | vs none | alert questions per answer | "
-              "deferred per answer | browser CPU, % of a core |")
+              "deferred per answer | browser (or page traffic) CPU, % of a core |")
         print("|---|---|---|---|---|---|---|---|---|---|")
         for c in out["cost"]:
             for setup, r in c["setups"].items():
-                label = setup if setup == "none" or c["browser"] else f"{setup} (no browser)"
+                label = setup if setup in ("none", "alerts", *REMOTE) or c["browser"] else f"{setup} (no browser)"
                 per_round = r["rate_ratio_per_round"]
                 rate, cpu = r["answers_per_s"], r["cpu_ms_per_answer"]
                 print(f"| `{c['source']}` | {label} | {rate['median']:.2f} ({rate['min']:.2f}-{rate['max']:.2f}) | "
