@@ -184,6 +184,40 @@ def test_a_special_token_of_the_wrong_type_is_one_line_naming_the_file_and_key(f
                 adapter_for(load_manifest(folder))
 
 
+# preprocessor_config.json edited so that the pixels no longer fit the fixture's encoder: the
+# edit, the encoder's declared pixel_values, what the family would feed, and from where
+MISMATCHED_PIXELS = {
+    "qwen2_vl": ({"temporal_patch_size": 1}, "num_patches, 1176", "any, 588",
+                 "3 channels x temporal_patch_size 1 x patch_size 14²"),
+    "gemma3": ({"size": {"height": 64, "width": 64}}, "batch_size, 3, 32, 32", "any, 3, 64, 64", "3 channels x size"),
+    "llava": ({"crop_size": {"height": 64, "width": 64}}, "batch_size, 3, 32, 32", "any, 3, 64, 64",
+              "3 channels x crop_size"),
+    "fastvlm": ({"crop_size": {"height": 128, "width": 128}}, "batch_size, 3, 256, 256", "any, 3, 128, 128",
+                "3 channels x crop_size"),
+    "idefics3": ({"max_image_size": {"longest_edge": 48}}, "batch_size, num_images, 3, 32, 32", "any, any, 3, 48, 48",
+                 "3 channels x max_image_size"),
+    "internvl": ({"size": {"height": 64, "width": 64}}, "batch_size, num_images, 3, 32, 32", "any, any, 3, 64, 64",
+                 "3 channels x size"),
+}
+MISMATCHED_PIXELS["qwen2_5_vl"] = MISMATCHED_PIXELS["qwen2_vl"]
+
+
+@pytest.mark.parametrize("fixture", ALL, ids=fixture_id)
+def test_an_encoder_sized_for_other_pixels_than_the_config_makes_is_refused_at_load(fixture, tmp_path):
+    """Qwen2-VL's patch rows of 3 x temporal_patch_size x patch_size² values (a square of the
+    config's size elsewhere) against an encoder that declares another static size: the first
+    request failed inside onnxruntime; now the load does, naming both."""
+    edit, declared, fed, source = MISMATCHED_PIXELS[fixture.name]
+    folder = _copy(fixture, tmp_path)
+    file = folder / "preprocessor_config.json"
+    file.write_text(json.dumps({**json.loads(file.read_text()), **edit}))
+    with pytest.raises(ModelError) as refused:
+        make_runtime(folder)
+    assert str(refused.value) == (f"{folder / 'onnx' / 'vision_encoder.onnx'}: vision_encoder graph declares input "
+                                  f"'pixel_values' of shape [{declared}] but the model's family feeds [{fed}] "
+                                  f"(preprocessor_config.json: {source})")
+
+
 # ---- the int8 variant -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("which", INT8_CASES, ids=case_id)
