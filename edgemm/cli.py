@@ -11,6 +11,7 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -33,6 +34,22 @@ DEFAULT_PROMPT = "describe the image"
 # limits and messages are the config's and the API's (click only parses the type)
 GENERATION_FLAGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_p": "--top-p",
                     "seed": "--seed", "num_beams": "--beams", "beam_gate": "--beam-gate"}
+
+
+def within_a_streams_bounds(ctx: click.Context, param: click.Parameter, value: float | None) -> float | None:
+    """`edgemm stream`'s --every, --fps and --change-threshold: a finite number within what a
+    stream of the daemon's config and API may have (edgemm.config's bounds, imported only
+    here: importing edgemm.config takes longer than `edgemm --help` itself). click's
+    FloatRange lets NaN through, every comparison with it being false."""
+    if value is None:
+        return None
+    from edgemm.config import MAX_ALERT_RUN, MAX_CHANGE_THRESHOLD, MAX_FPS, MIN_FPS
+    low, high = {"every": (1, MAX_ALERT_RUN), "fps": (MIN_FPS, MAX_FPS),
+                 "change_threshold": (0, MAX_CHANGE_THRESHOLD)}[param.name]
+    if not (math.isfinite(value) and low <= value <= high):
+        raise click.BadParameter(f"{value!r} is not in {low:g}..{high:g}" if math.isfinite(value)
+                                 else f"{value} is not a finite number")
+    return value
 
 
 def quiet_libraries() -> None:
@@ -290,11 +307,13 @@ class JsonLines:
 @main.command()
 @click.argument("source_uri", metavar="SOURCE")
 @click.option("--prompt", "-p", default=DEFAULT_PROMPT, show_default=True)
-@click.option("--fps", type=click.FloatRange(0, min_open=True), help="Process at most F frames per second.")
-@click.option("--every", type=click.IntRange(1), default=1, show_default=True, help="Process every Nth frame.")
+@click.option("--fps", type=float, callback=within_a_streams_bounds,
+              help="Process at most F frames per second, 0.001..1000.")
+@click.option("--every", type=int, default=1, show_default=True, callback=within_a_streams_bounds,
+              help="Process every Nth frame, 1..1000.")
 @click.option("--max-frames", type=click.IntRange(1), help="Stop after N processed frames.")
 @click.option("--out", type=click.Path(dir_okay=False, writable=True), help="Write JSON lines here (default stdout).")
-@click.option("--change-threshold", type=click.FloatRange(0),
+@click.option("--change-threshold", type=float, callback=within_a_streams_bounds,
               help="Reuse the last answer when a frame differs by less than this (mean abs pixel change, 0-255).")
 @click.option("--tier", help="Resolution tier for every frame.")
 @click.option("--precision", type=PRECISION_CHOICE, help=PRECISION_HELP)

@@ -268,6 +268,7 @@ class PlacementConfig:
 
 # a frame rate: at least one frame in 1000 s, at most 1000 a second (stream fps, and a source URI's fps=)
 MIN_FPS, MAX_FPS = 0.001, 1000.0
+MAX_CHANGE_THRESHOLD = 255.0  # a stream's change_threshold: a mean absolute pixel change, on the 0-255 scale
 BATCHING_MODES = ("auto", "on", "off")  # server.encoder_batching, server.continuous_batching
 SYSTEM_SOCKET = "/run/edgemm/edgemm.sock"  # in systemd's RuntimeDirectory=edgemm; edgemm.socket creates it
 
@@ -537,7 +538,8 @@ class StreamConfig:
             _require(math.isfinite(self.fps) and MIN_FPS <= self.fps <= MAX_FPS, f"{path}.fps",
                      f"be between {MIN_FPS:g} and {MAX_FPS:g} or null", self.fps)
         if self.change_threshold is not None:
-            _require(self.change_threshold >= 0, f"{path}.change_threshold", "be >= 0 or null", self.change_threshold)
+            _require(0 <= self.change_threshold <= MAX_CHANGE_THRESHOLD,
+                     f"{path}.change_threshold", f"be in 0..{MAX_CHANGE_THRESHOLD:g} or null", self.change_threshold)
         _generation_limits(path, nullable=("max_new_tokens",), max_new_tokens=self.max_new_tokens)
 
 

@@ -130,7 +130,7 @@ class Routes:
     # -- camera streams run by the daemon (edgemm.streams) --
 
     async def list_streams(self, http: HttpRequest) -> Response:
-        return JSONResponse({"object": "list", "data": [s.describe() for s in self.service.streams.streams.values()]})
+        return JSONResponse({"object": "list", "data": [s.describe() for s in self.service.streams.listed()]})
 
     async def add_stream(self, http: HttpRequest) -> Response:
         if self.service.draining:
@@ -142,7 +142,7 @@ class Routes:
         return JSONResponse(stream.describe(), 201)
 
     async def get_stream(self, http: HttpRequest) -> Response:
-        return JSONResponse(self.service.streams.get(http.path_params["id"]).describe())
+        return JSONResponse(self.service.streams.find(http.path_params["id"]).describe())
 
     async def delete_stream(self, http: HttpRequest) -> Response:
         stream = self.service.streams.remove(http.path_params["id"])

@@ -315,7 +315,9 @@ class Service:
                                             for tier in self.runtime.manifest.tiers},
                           "decoder_batch": self.pipeline.max_batch,
                           "continuous_batching": self.pipeline.joins.mode},
-                "streams": len(self.streams.streams)}
+                "streams": len(self.streams.streams),
+                # deleted streams whose camera call has not returned: each still holds a server.max_streams place
+                "streams_stopping": len(self.streams.still_stopping())}
 
     def status_line(self) -> str:
         stats = self.pipeline.stats
@@ -324,9 +326,10 @@ class Service:
         if not health.ok:
             state = f"unhealthy ({health.reason}), {state}"
         running = sum(s.figures.state == "running" for s in self.streams.streams.values())
+        stopping = len(self.streams.still_stopping())
         return (f"{state} {self.model_id}: {self.admission.count} in flight, {stats.completed} answered, "
                 f"{stats.failed} failed, {self.metrics.refused} refused; "
-                f"streams {running}/{len(self.streams.streams)} running")
+                f"streams {running}/{len(self.streams.streams)} running" + f", {stopping} stopping" * (stopping > 0))
 
 
 def components(runtime: Runtime) -> dict:

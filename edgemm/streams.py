@@ -138,6 +138,7 @@ class AllStreamsListener(ListenerQueue):
 @dataclass
 class StreamFigures:
     state: str = "starting"  # starting | running | retrying | failed | ended | stopped
+    # (and "stopping" in what the API shows of a deleted stream whose thread has not ended: describe())
     frames: int = 0  # answered frames
     errors: int = 0
     dropped: int = 0  # live frames replaced by newer ones before processing (the current run)
@@ -164,6 +165,7 @@ class ManagedStream:
                                    alert_pool) if spec.alerts else None
         self.sent = 0  # results delivered: the SSE id of the last one
         self.finished = False  # END was delivered: the stream's thread is done
+        self.deleted_at: float | None = None  # time.monotonic() of its DELETE
         self._stop = threading.Event()  # the stream is to stop for good
         self._run_stop = threading.Event()  # the current run is to stop (run_stream also sets it when done)
         self._source: Source | None = None
@@ -176,6 +178,9 @@ class ManagedStream:
         with self._lock:
             figures = asdict(self.figures)
         source = self._source
+        if self.deleted_at is not None:  # deleted, its thread not ended yet (a camera call under way)
+            figures["state"] = "stopping"
+            figures["stopping_s"] = round(time.monotonic() - self.deleted_at, 1)  # since the DELETE
         return {"id": self.spec.id, "object": "stream", **without_secrets(asdict(self.spec)), **figures,
                 # a live camera that stops delivering is first reopened by the source itself
                 "source_reconnects": source.stats.reconnects if source is not None else 0,
@@ -215,6 +220,10 @@ class ManagedStream:
 
     def start(self) -> None:
         self.thread.start()
+
+    def ended(self) -> bool:
+        """Its thread is done (or all but: END is delivered, or the thread has returned)."""
+        return self.finished or not self.thread.is_alive()
 
     def stop(self) -> None:
         """Ask the stream to stop; frames in flight are still answered and delivered. Never
@@ -499,8 +508,13 @@ class StreamManager:
             raise StreamConflict(f"a stream named {spec.id!r} exists; DELETE it first")
         if len(self.streams) >= self.limit:
             raise StreamConflict(f"{self.limit} streams are running (server.max_streams)")
-        self.stopping = [s for s in self.stopping if s.thread.is_alive()]
-        if len(self.streams) + len(self.stopping) >= self.limit:
+        stopping = self.still_stopping()
+        same = [s for s in stopping if s.spec.id == spec.id]
+        if same:  # its listeners, metrics and frame would be the new one's: refused until it ends
+            assert same[0].deleted_at is not None
+            raise Overloaded(f"server busy: the stream {spec.id!r} deleted {time.monotonic() - same[0].deleted_at:.1f} s "
+                             "ago has not ended yet (a camera call under way, or frames in flight); retry shortly")
+        if len(self.streams) + len(stopping) >= self.limit:
             raise Overloaded(f"server busy: {len(self.stopping)} deleted streams have not ended yet (a camera call "
                              f"under way, or frames in flight; server.max_streams is {self.limit}); retry shortly")
         kind = self._kind(spec)
@@ -555,9 +569,26 @@ class StreamManager:
         except KeyError:
             raise StreamNotFound(f"no stream named {stream_id!r}") from None
 
+    def still_stopping(self) -> list[ManagedStream]:
+        """Deleted streams whose thread has not ended yet (from the event loop); the ended ones are let go."""
+        self.stopping = [s for s in self.stopping if not s.ended()]
+        return list(self.stopping)
+
+    def listed(self) -> list[ManagedStream]:
+        """What GET /v1/streams shows: the streams, then those deleted and still stopping."""
+        return [*self.streams.values(), *self.still_stopping()]
+
+    def find(self, stream_id: str) -> ManagedStream:
+        """GET /v1/streams/{id}: a stream, or a deleted one still stopping."""
+        for stream in self.listed():
+            if stream.spec.id == stream_id:
+                return stream
+        raise StreamNotFound(f"no stream named {stream_id!r}")
+
     def remove(self, stream_id: str) -> ManagedStream:
         stream = self.get(stream_id)
         del self.streams[stream_id]
+        stream.deleted_at = time.monotonic()
         stream.stop()
         self.stopping.append(stream)
         return stream

@@ -448,6 +448,8 @@ def test_null_allowed_only_for_optional_fields():
      "config: 'streams[0].id' must be a name of letters, digits, '_', '.', '-' (at most 64), got 'a b'"),
     ({"streams": [{"id": "cam"}]}, "config: 'streams[0].source' must be a source URI, got ''"),
     ({"streams": [{"id": "cam", "source": "csi://0", "fps": 0}]}, "config: 'streams[0].fps' must be between 0.001 and 1000 or null, got 0.0"),
+    ({"streams": [{"id": "cam", "source": "csi://0", "change_threshold": 256}]},
+     "config: 'streams[0].change_threshold' must be in 0..255 or null, got 256.0"),
     ({"streams": [{"id": "a", "source": "csi://0"}, {"id": "a", "source": "csi://1"}]},
      "config: 'streams[1].id' must not repeat an earlier stream's id, got 'a'"),
     ({"streams": {"id": "a"}}, "config: 'streams' must be a list of mappings, got {'id': 'a'} (dict)"),

@@ -19,6 +19,7 @@ import onnx
 import pytest
 
 from edgemm.errors import ModelError
+from edgemm.model.family import adapter_for
 from edgemm.model.manifest import load_manifest
 from edgemm.pipeline import Pipeline, Request
 from family_conformance import FAMILIES, TOOLS, FamilyFixture, answer, make_runtime, prepare, runtime_of
@@ -146,6 +147,75 @@ def test_unknown_model_type_lists_the_known_families_in_one_line(fixture, tmp_pa
     known = str(refused.value).split("known: ", 1)[1].split(")")[0].split(", ")
     assert {"gemma3", "llava", "llava_qwen2", "idefics3", "internvl", "qwen2_vl", "qwen2_5_vl"} <= set(known)
     assert "\n" not in str(refused.value)
+
+
+# the special tokens of tokenizer_config.json each family reads (the others take theirs from
+# tokenizer.json by their fixed names, and ignore these keys)
+TOKENIZER_CONFIG_TOKENS = {"gemma3": {"bos_token", "image_token", "boi_token", "eoi_token"},
+                           "llava": {"bos_token", "eos_token", "image_token"},
+                           "fastvlm": {"bos_token", "eos_token", "image_token"}}
+BROKEN_TOKENS = [5, True, ["<s>"], {"special": True}, {"content": 5}]  # no string, no AddedToken with content
+
+
+@pytest.mark.parametrize("fixture", ALL, ids=fixture_id)
+def test_a_special_token_of_the_wrong_type_is_one_line_naming_the_file_and_key(fixture, tmp_path):
+    """A number, a list, or a dict without a string content was taken for absent (the default
+    token, silently); null still is, as transformers reads it."""
+    folder = _copy(fixture, tmp_path)
+    file = folder / "tokenizer_config.json"
+    original = json.loads(file.read_text())
+    reads = TOKENIZER_CONFIG_TOKENS.get(fixture.name, set())
+    for key in ("bos_token", "eos_token", "pad_token", "unk_token", "image_token", "boi_token", "eoi_token"):
+        for value in BROKEN_TOKENS:
+            file.write_text(json.dumps({**original, key: value}))
+            if key not in reads:
+                adapter_for(load_manifest(folder))  # a key the family does not read: loads as before
+                continue
+            with pytest.raises(ModelError) as refused:
+                adapter_for(load_manifest(folder))
+            assert str(refused.value) == (f"{file}: {key} must be a string or an object with a string content "
+                                          f"(got {json.dumps(value)})")
+        if key in reads:  # null is absent: the family's default, which these fixtures' tokenizers have
+            file.write_text(json.dumps({**original, key: None}))
+            adapter_for(load_manifest(folder))
+            file.write_text(json.dumps({**{k: v for k, v in original.items() if k != key},
+                                        "extra_special_tokens": {key: 7}}))
+            with pytest.raises(ModelError, match=f"extra_special_tokens.{key} must be a string or an object"):
+                adapter_for(load_manifest(folder))
+
+
+# preprocessor_config.json edited so that the pixels no longer fit the fixture's encoder: the
+# edit, the encoder's declared pixel_values, what the family would feed, and from where
+MISMATCHED_PIXELS = {
+    "qwen2_vl": ({"temporal_patch_size": 1}, "num_patches, 1176", "any, 588",
+                 "3 channels x temporal_patch_size 1 x patch_size 14²"),
+    "gemma3": ({"size": {"height": 64, "width": 64}}, "batch_size, 3, 32, 32", "any, 3, 64, 64", "3 channels x size"),
+    "llava": ({"crop_size": {"height": 64, "width": 64}}, "batch_size, 3, 32, 32", "any, 3, 64, 64",
+              "3 channels x crop_size"),
+    "fastvlm": ({"crop_size": {"height": 128, "width": 128}}, "batch_size, 3, 256, 256", "any, 3, 128, 128",
+                "3 channels x crop_size"),
+    "idefics3": ({"max_image_size": {"longest_edge": 48}}, "batch_size, num_images, 3, 32, 32", "any, any, 3, 48, 48",
+                 "3 channels x max_image_size"),
+    "internvl": ({"size": {"height": 64, "width": 64}}, "batch_size, num_images, 3, 32, 32", "any, any, 3, 64, 64",
+                 "3 channels x size"),
+}
+MISMATCHED_PIXELS["qwen2_5_vl"] = MISMATCHED_PIXELS["qwen2_vl"]
+
+
+@pytest.mark.parametrize("fixture", ALL, ids=fixture_id)
+def test_an_encoder_sized_for_other_pixels_than_the_config_makes_is_refused_at_load(fixture, tmp_path):
+    """Qwen2-VL's patch rows of 3 x temporal_patch_size x patch_size² values (a square of the
+    config's size elsewhere) against an encoder that declares another static size: the first
+    request failed inside onnxruntime; now the load does, naming both."""
+    edit, declared, fed, source = MISMATCHED_PIXELS[fixture.name]
+    folder = _copy(fixture, tmp_path)
+    file = folder / "preprocessor_config.json"
+    file.write_text(json.dumps({**json.loads(file.read_text()), **edit}))
+    with pytest.raises(ModelError) as refused:
+        make_runtime(folder)
+    assert str(refused.value) == (f"{folder / 'onnx' / 'vision_encoder.onnx'}: vision_encoder graph declares input "
+                                  f"'pixel_values' of shape [{declared}] but the model's family feeds [{fed}] "
+                                  f"(preprocessor_config.json: {source})")
 
 
 # ---- the int8 variant -------------------------------------------------------------------------

@@ -16,8 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 from test_server import assert_error, raw_client, running, sock_path, wait_until
+from test_stream_state import HangingCamera
 
 import edgemm.runtime
+import edgemm.streams
 import edgemm.view
 from edgemm.cli import main
 from edgemm.opencv import cv2
@@ -112,6 +114,31 @@ def test_the_page_starts_a_stream_changes_its_prompt_and_stops_it(runtime):
         browser.evaluate("document.querySelector('[data-stream=door] button.stop').click()")
         wait_until(lambda: http.get("/v1/streams").json()["data"] == [], 10, "the stream to stop")
         wait_until(lambda: "door" not in shown(browser), 10, "the card to go")
+
+
+@needs_browser
+def test_a_deleted_stream_whose_camera_call_hangs_shows_as_stopping_with_nothing_to_change(runtime, monkeypatch):
+    camera = HangingCamera()
+    monkeypatch.setattr(edgemm.streams, "open_source", lambda uri, **kw: camera)
+    stream = {"id": "gate", "source": "rtsp://hanging/x", "prompt": COLOUR, "tier": "low", "max_new_tokens": 2}
+    form = "getComputedStyle(document.querySelector('[data-stream=gate] form.prompt')).display"
+    try:
+        with running(runtime, {"streams": [stream]}, tcp_port=0) as d, raw_client(sock_path(d)) as http, \
+                HeadlessBrowser(tcp_url(d)) as browser:
+            wait_until(lambda: shown(browser).get("gate", {}).get("state") == "running", 30, "the running card")
+            assert browser.evaluate(form) == "flex"
+            camera.hang.set()
+            assert camera.hung.wait(10), "the camera's read did not hang"
+            browser.evaluate("document.querySelector('[data-stream=gate] button.stop').click()")
+            wait_until(lambda: shown(browser).get("gate", {}).get("state") == "stopping", 10, "the stopping card")
+            assert browser.evaluate(form) == "none"  # no prompt to change, no stop button
+            said = browser.evaluate("document.querySelector('[data-stream=gate] .error').textContent")
+            assert said.startswith("deleted ") and "waiting for its camera call to return" in said
+            camera.answer.set()
+            wait_until(lambda: "gate" not in shown(browser), 10, "the card to go once the stream ended")
+            assert http.get("/v1/streams").json()["data"] == []
+    finally:
+        camera.answer.set()
 
 
 @needs_browser

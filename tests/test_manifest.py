@@ -7,8 +7,10 @@ from pathlib import Path
 import onnx
 import pytest
 import yaml
+from click.testing import CliRunner
 from onnx import TensorProto, helper
 
+from edgemm.cli import main
 from edgemm.config import load_config
 from edgemm.errors import InputError, ModelError
 from edgemm.model.family import adapter_for
@@ -73,6 +75,40 @@ def test_missing_key_is_named(tmp_model, section, key):
     assert f"missing key '{key}'" in message and "model.yaml" in message
     if section:
         assert section in message
+
+
+NAN, INF = float("nan"), float("inf")  # YAML's .nan and .inf, as yaml.safe_dump writes them
+
+
+@pytest.mark.parametrize("section, key, value, said", [
+    # NaN passed `min(std) <= 0` (false for NaN), and every pixel of every request was NaN
+    ("preprocessing", "std", [0.5, NAN, 0.5], "preprocessing.mean and .std must be lists of 3 finite numbers, std > 0"),
+    ("preprocessing", "std", [INF, 0.5, 0.5], "preprocessing.mean and .std must be lists of 3 finite numbers, std > 0"),
+    ("preprocessing", "mean", [NAN, 0.5, 0.5], "preprocessing.mean and .std must be lists of 3 finite numbers, std > 0"),
+    ("preprocessing", "mean", [0.5, 0.5, -INF], "preprocessing.mean and .std must be lists of 3 finite numbers, std > 0"),
+    ("preprocessing", "mean", [True, 0.5, 0.5], "preprocessing.mean and .std must be lists of 3 finite numbers, std > 0"),
+    ("preprocessing", "std", [1e-9, 0.5, 0.5], "preprocessing.mean and .std make a pixel 5e+08, beyond float16's ±65504"),
+    ("preprocessing", "color", 5, "preprocessing.color must be str, got int"),
+    # each of these was a traceback (AttributeError, TypeError) instead of a line naming the key
+    (None, "preprocessing", [1, 2], "'preprocessing' must be a mapping"),
+    (None, "stop_tokens", 5, "'stop_tokens' must be a list of strings"),
+    (None, "stop_tokens", [5], "'stop_tokens' must be a list of strings"),
+    (None, "precisions", 5, "'precisions' must be a list of strings"),
+    (None, "decoder", [1, 2], "'decoder' must be dict, got list"),
+    (None, "default_tier", [1], "default_tier [1] is not one of low, mid, high"),
+    ("special_tokens", "unk", 5, "special_tokens: 'unk' must be str, got int"),
+])
+def test_a_bad_value_in_model_yaml_is_one_line_naming_the_key(tmp_model, section, key, value, said):
+    edit_yaml(tmp_model, lambda d: (d[section] if section else d).update({key: value}))
+    assert refused(ModelError, load_manifest, tmp_model) == f"{tmp_model / 'model.yaml'}: {said}"
+
+
+def test_a_nan_std_is_exit_2_from_the_cli(tmp_model):
+    edit_yaml(tmp_model, lambda d: d["preprocessing"].update(std=[NAN] * 3))
+    result = CliRunner().invoke(main, ["infer", str(tmp_model / "samples" / "scene_11.png"), "--model", str(tmp_model)])
+    assert result.exit_code == 2
+    assert result.stderr.strip().splitlines() == [f"edgemm: error: {tmp_model / 'model.yaml'}: preprocessing.mean "
+                                                  "and .std must be lists of 3 finite numbers, std > 0"]
 
 
 def test_unknown_family(tmp_model):

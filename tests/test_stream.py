@@ -651,6 +651,33 @@ def test_cli_stream_unwritable_out_is_exit_2(cli, tmp_path):
     assert stderr_lines(result) == [f"edgemm: error: cannot write --out {out}: No such file or directory"]
 
 
+@pytest.mark.parametrize("flag, value, said", [
+    ("--every", str(10**12), "1000000000000 is not in 1..1000"),  # the config's and the API's bound on every
+    ("--every", "0", "0 is not in 1..1000"),
+    ("--fps", "nan", "nan is not a finite number"),  # click's FloatRange let NaN through
+    ("--fps", "inf", "inf is not a finite number"),
+    ("--fps", "1e-320", "1e-320 is not in 0.001..1000"),  # an interval of inf between frames
+    ("--fps", "-1", "-1.0 is not in 0.001..1000"),
+    ("--change-threshold", "nan", "nan is not a finite number"),
+    ("--change-threshold", "inf", "inf is not a finite number"),
+    ("--change-threshold", "-0.5", "-0.5 is not in 0..255"),
+    ("--change-threshold", "256", "256.0 is not in 0..255"),
+    ("--max-frames", "-1", "-1 is not in the range x>=1."),
+])
+def test_cli_stream_bad_numbers_are_exit_2_in_one_line(cli, flag, value, said):
+    result = cli("synthetic://?count=2&size=64", flag, value)
+    assert result.exit_code == 2, result.output
+    assert stderr_lines(result) == [f"edgemm: error: Invalid value for '{flag}': {said} "
+                                    "(see 'main stream --help')"]  # CliRunner's prog name
+
+
+def test_cli_stream_takes_the_bounds_themselves(cli):
+    result = cli("synthetic://?count=2&size=64", "--every", "1000", "--fps", "1000", "--change-threshold", "255",
+                 "--tier", "low", "--max-new-tokens", "1")
+    assert result.exit_code == 0, result.output
+    assert len([line for line in result.stdout.splitlines() if line.startswith("{")]) == 1  # frame 0 of 2
+
+
 def test_cli_stream_synthetic_frames_over_max_synthetic_pixels_are_exit_2(cli, tmp_path):
     """A generated 25 MP scene per frame is within limits.max_pixels but not decoded, so no
     decode budget bounds it: refused before the model loads, not generated."""

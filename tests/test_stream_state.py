@@ -210,6 +210,65 @@ def test_deleting_a_stream_whose_open_blocks_answers_at_once_and_the_loop_stays_
         cameras.answer_all()
 
 
+class HangingCamera(CaptureSource):
+    """A camera that delivers (about 50 frames a second) until `hang` is set; then its next read
+    blocks until `answer` is set, as a V4L2 or RTSP read can on a camera that stopped answering."""
+
+    def __init__(self):
+        super().__init__("rtsp://hanging/x", live=True, max_backoff_s=0.05)
+        self.hang, self.hung, self.answer = threading.Event(), threading.Event(), threading.Event()
+
+    def _open_capture(self):
+        return object()
+
+    def _grab(self):
+        self.answer.wait(0.02)
+        if self.hang.is_set() and not self.answer.is_set():
+            self.hung.set()
+            self.answer.wait()
+        return np.full((32, 32, 3), 80, np.uint8)
+
+
+def test_a_deleted_stream_whose_read_hangs_is_listed_as_stopping_and_holds_its_id(runtime, monkeypatch, quiet):
+    """Such a stream holds one of server.max_streams (POST got 503 saying so) but GET /v1/streams,
+    GET /v1/streams/{id} and /v1/status did not show it: the operator could not see why."""
+    camera = HangingCamera()
+    monkeypatch.setattr(edgemm.streams, "open_source", lambda uri, **kw: camera)
+    try:
+        with running(runtime, max_streams=2, source_hosts=["hanging"]) as d, raw_client(sock_path(d)) as http:
+            assert http.post("/v1/streams", json=stream("cam", "rtsp://hanging/x")).status_code == 201
+            wait_until(lambda: http.get("/v1/streams/cam").json()["frames"] > 0, what="the camera to deliver")
+            camera.hang.set()
+            assert camera.hung.wait(10), "the camera's read did not hang"
+            assert http.delete("/v1/streams/cam").status_code == 200
+            (listed,) = http.get("/v1/streams").json()["data"]
+            assert listed["id"] == "cam" and listed["state"] == "stopping" and listed["frames"] > 0
+            assert 0 <= listed["stopping_s"] < 10
+            assert http.get("/v1/streams/cam").json()["state"] == "stopping"
+            assert http.get("/v1/status").json()["streams"] == 0
+            assert http.get("/v1/status").json()["streams_stopping"] == 1
+            assert "streams 0/0 running, 1 stopping" in d.service.status_line()
+            # the same id again: 503 + Retry-After, naming it (its listeners and frame would be the new one's)
+            refused = http.post("/v1/streams", json=stream("cam", "rtsp://hanging/x"))
+            error = assert_error(refused, 503)
+            assert refused.headers["Retry-After"]
+            assert error["message"].startswith("server busy: the stream 'cam' deleted ")
+            assert "has not ended yet (a camera call under way, or frames in flight); retry shortly" in error["message"]
+            assert_error(http.patch("/v1/streams/cam", json={"prompt": "x"}), 404)  # nothing left to change
+            assert_error(http.delete("/v1/streams/cam"), 404)  # nor to delete
+            # another id still has the place the deleted stream leaves
+            assert http.post("/v1/streams", json=synthetic("yard")).status_code == 201
+            assert [s["state"] == "stopping" for s in http.get("/v1/streams").json()["data"]] == [False, True]
+            camera.answer.set()  # the read returns: the thread ends, and the stream is gone
+            wait_until(lambda: [s["id"] for s in http.get("/v1/streams").json()["data"]] == ["yard"],
+                       what="the deleted stream to go once its read returned")
+            assert http.get("/v1/status").json()["streams_stopping"] == 0
+            assert_error(http.get("/v1/streams/cam"), 404)
+            assert http.post("/v1/streams", json=stream("cam", "rtsp://hanging/x")).status_code == 201
+    finally:
+        camera.answer.set()
+
+
 def test_shutdown_with_streams_whose_opens_block_stays_within_the_grace_period(runtime, monkeypatch, quiet):
     """SIGTERM with four such streams took 60 s (each close waited for its open), past
     grace_period_s. The daemon now drains without waiting for them (30 s here is only a hang's bound)."""

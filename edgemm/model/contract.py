@@ -48,6 +48,7 @@ def check_component(kind: str, component: Component, path: str, fed: GraphInputs
         if extra:
             raise ModelError(f"{path}: vision_encoder graph has inputs the runtime does not know how to "
                              f"feed: {', '.join(extra)}")
+        _check_pixel_values(component, path, fed.pixel_values, fed.pixel_values_from)
     if kind != "decoder":
         return
     _check_positions(component, path, fed.position_axes)
@@ -79,3 +80,17 @@ def _check_positions(component: Component, path: str, axes: int) -> None:
         needed = f"[{axes}, batch, sequence] (one row per rotary axis)" if axes else "[batch, sequence]"
         raise ModelError(f"{path}: decoder graph declares input 'position_ids' of shape "
                          f"[{', '.join(str(d) for d in shape)}] but the model's family feeds {needed}")
+
+
+def _check_pixel_values(component: Component, path: str, fed: tuple[int | None, ...], source: str) -> None:
+    """pixel_values must have the rank the family feeds, and its size on every axis both fix."""
+    shape = component.inputs["pixel_values"].shape
+    if not fed or shape is None:  # nothing the family fixes, or a rank the graph leaves open
+        return
+    static = [d if isinstance(d, int) and d >= 0 else None for d in shape]  # symbolic names: they vary
+    if len(shape) == len(fed) and all(a is None or b is None or a == b for a, b in zip(static, fed)):
+        return
+    declared = ", ".join(str(d) for d in shape)
+    feeds = ", ".join("any" if d is None else str(d) for d in fed)
+    raise ModelError(f"{path}: vision_encoder graph declares input 'pixel_values' of shape [{declared}] but "
+                     f"the model's family feeds [{feeds}] ({source})")

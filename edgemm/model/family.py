@@ -133,6 +133,12 @@ class GraphInputs:
     # rows, and each row's patches): how an encoder that takes one image per call (a static
     # DLA plan) runs a batch; the features of the parts, concatenated, are the batch's
     split_encoder_feeds: Callable[[dict[str, np.ndarray]], list[dict[str, np.ndarray]]] | None = None
+    # the shape of the encoder's pixel_values as the family feeds them, an int for each axis whose
+    # size the folder's config fixes, None for one that varies (Qwen2-VL: (None, 1176), the patch
+    # row's channels x temporal copies x patch²): a graph that declares another static size is
+    # refused at load, not inside the first request. () checks nothing
+    pixel_values: tuple[int | None, ...] = ()
+    pixel_values_from: str = "the folder's preprocessing config"  # where those sizes come from, for the message
 
 
 def graph_inputs(family: object) -> GraphInputs:

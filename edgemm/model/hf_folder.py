@@ -165,14 +165,19 @@ def pixel_normalisation(preprocessor: JsonObject, mean: list[float], std: list[f
     return values
 
 
-def special_token(tokenizer_config: dict, key: str, default: str) -> str:
+def special_token(tokenizer_config: JsonObject, key: str, default: str) -> str:
     """A named token of tokenizer_config.json (a string, or an AddedToken's dict; at the top
-    level or under extra_special_tokens), or `default` where the folder names none."""
+    level or under extra_special_tokens), or `default` where the folder names none (absent,
+    null or ""). Anything else (a number, a list, a dict without a string `content`) is a
+    broken folder: a ModelError naming the file and the key, as transformers refuses it too."""
     extra = tokenizer_config.get("extra_special_tokens")
-    value = tokenizer_config.get(key, extra.get(key) if isinstance(extra, dict) else None)
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) and value else default
+    where, value = key, tokenizer_config.get(key)
+    if value is None and isinstance(extra, dict):  # a list there names no token by key
+        where, value = f"extra_special_tokens.{key}", extra.get(key)
+    token = value.get("content") if isinstance(value, dict) else value
+    if not isinstance(token, str) and (token is not None or isinstance(value, dict)):
+        raise tokenizer_config.refuse(where, "a string or an object with a string content", value)
+    return token or default
 
 
 def eos_token_ids(*configs: JsonObject) -> list[int]:

@@ -7,6 +7,7 @@ model folder by hand knows where to look.
 """
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import yaml
 
 from edgemm.errors import ModelError
 from edgemm.files import load_yaml, read_model_file
-from edgemm.model.hf_folder import MAX_IMAGE_SIDE, load_hf_manifest
+from edgemm.model.hf_folder import FLOAT16_MAX, MAX_IMAGE_SIDE, load_hf_manifest
 # The dataclasses live in manifest_types (hf_folder and the families use them too); they
 # are named here as well because this is where callers have always imported them from.
 from edgemm.model.manifest_types import (COMPONENTS, PRECISIONS, ModelManifest, Preprocessing, ResolutionTier,
@@ -48,6 +49,33 @@ def _tiers(raw: dict, where: str) -> dict[str, ResolutionTier]:
     return dict(sorted(tiers.items(), key=lambda kv: kv[1].pixels))
 
 
+def _finite(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _normalisation(pre: dict, where: str) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """preprocessing.mean and .std: 3 finite numbers each, the std above 0 (YAML's .nan and .inf
+    are floats, and `std <= 0` is false for NaN), and together within float16's range for
+    every pixel value (x / 255 - mean) / std, as a Hugging Face folder's image_mean and image_std."""
+    mean, std = pre.get("mean", [0.5] * 3), pre.get("std", [0.5] * 3)
+    if not all(isinstance(v, list) and len(v) == 3 and all(_finite(x) for x in v) for v in (mean, std)) \
+            or min(std) <= 0:
+        raise ModelError(f"{where}: preprocessing.mean and .std must be lists of 3 finite numbers, std > 0")
+    widest = max(max(abs(m), abs(1 - m)) / s for m, s in zip(mean, std))
+    if widest > FLOAT16_MAX:
+        raise ModelError(f"{where}: preprocessing.mean and .std make a pixel {widest:.3g}, beyond float16's "
+                         f"±{FLOAT16_MAX:g}")
+    return tuple(float(m) for m in mean), tuple(float(s) for s in std)
+
+
+def _strings(data: dict, key: str, default: list[str], where: str) -> list[str]:
+    """A list of strings that are not empty (a token, a precision): `default` where absent."""
+    value = data.get(key, default)
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise ModelError(f"{where}: '{key}' must be a list of strings")
+    return value
+
+
 def load_manifest(model_dir: str | Path) -> ModelManifest:
     """model.yaml, else a Hugging Face folder (config.json + preprocessor_config.json + onnx/)."""
     path = Path(model_dir)
@@ -73,22 +101,25 @@ def load_manifest(model_dir: str | Path) -> ModelManifest:
         _require(files, component, str, f"{where}: files")
     tiers = _tiers(_require(data, "tiers", dict, where), where)
     default_tier = data.get("default_tier", list(tiers)[-1])
-    if default_tier not in tiers:
+    if not isinstance(default_tier, str) or default_tier not in tiers:
         raise ModelError(f"{where}: default_tier {default_tier!r} is not one of {', '.join(tiers)}")
     pre = data.get("preprocessing", {}) or {}
-    mean, std = pre.get("mean", [0.5] * 3), pre.get("std", [0.5] * 3)
-    if not all(isinstance(v, list) and len(v) == 3 and all(isinstance(x, (int, float)) for x in v)
-               for v in (mean, std)) or min(std) <= 0:
-        raise ModelError(f"{where}: preprocessing.mean and .std must be lists of 3 numbers, std > 0")
-    mean, std = tuple(mean), tuple(std)
+    if not isinstance(pre, dict):
+        raise ModelError(f"{where}: 'preprocessing' must be a mapping")
+    mean, std = _normalisation(pre, where)
+    for key in ("color", "resize"):
+        if not isinstance(pre.get(key, ""), str):
+            raise ModelError(f"{where}: preprocessing.{key} must be str, got {type(pre[key]).__name__}")
     special = _require(data, "special_tokens", dict, where)
     for key in ("bos", "eos"):
+        _require(special, key, str, f"{where}: special_tokens")
+    for key in special:  # each is looked up in the tokenizer: a number there was a TypeError at load
         _require(special, key, str, f"{where}: special_tokens")
     prompt_format = _require(data, "prompt_format", str, where)
     image_token = _require(data, "image_token", str, where)
     if "{prompt}" not in prompt_format or image_token not in prompt_format:
         raise ModelError(f"{where}: prompt_format must contain {{prompt}} and the image token {image_token}")
-    declared = list(data.get("precisions", ["fp32"]))
+    declared = _strings(data, "precisions", ["fp32"], where)
     unknown = [p for p in declared if p not in PRECISIONS]
     if unknown:
         raise ModelError(f"{where}: unknown precision(s) {unknown} (known: {', '.join(PRECISIONS)})")
@@ -100,6 +131,6 @@ def load_manifest(model_dir: str | Path) -> ModelManifest:
         files=files, tiers=tiers, default_tier=default_tier,
         preprocessing=Preprocessing(mean, std, pre.get("color", "rgb"), pre.get("resize", "stretch")),
         special_tokens=special, image_token=image_token, prompt_format=prompt_format,
-        stop_tokens=list(data.get("stop_tokens", [special["eos"]])),
+        stop_tokens=_strings(data, "stop_tokens", [special["eos"]], where),
         max_context=_require(data, "max_context", int, where),
-        precisions=precisions, decoder=dict(data.get("decoder", {}) or {}))
+        precisions=precisions, decoder=dict(_require(data, "decoder", dict, where) if data.get("decoder") else {}))

@@ -35,7 +35,7 @@ import numpy as np
 
 from edgemm.errors import ModelError
 from edgemm.model.chat_template import ChatTemplate
-from edgemm.model.family import FamilyFields, Prompt, TokenizedFamily, one_tier, register
+from edgemm.model.family import FamilyFields, GraphInputs, Prompt, TokenizedFamily, one_tier, register
 from edgemm.model.hf_folder import (JsonObject, eos_token_ids, optional_json, pixel_normalisation, read_json,
                                     special_token)
 from edgemm.model.manifest_types import ModelManifest, ResolutionTier
@@ -104,6 +104,9 @@ class Gemma3Adapter(TokenizedFamily):
             self.id_of(self.cfg[key])
         self.stop_ids = {self.id_of(END_OF_TURN), *self.cfg["eos_token_ids"]}
         self.template = ChatTemplate.compile(manifest.chat_template or "", manifest.path)
+        # one square image at preprocessor_config.json's size: an encoder sized otherwise is refused at load
+        self.graph_inputs = GraphInputs(pixel_values=(None, 3, self.cfg["height"], self.cfg["width"]),
+                                        pixel_values_from="preprocessor_config.json: 3 channels x size")
 
     def pixels(self, rgb: np.ndarray, tier: ResolutionTier) -> np.ndarray:
         """RGB8 → float32 [1, 3, H, W]: the whole image stretched to the tier's size."""

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 from edgemm.errors import ModelError
 from edgemm.model.chat_template import ChatTemplate
-from edgemm.model.family import FamilyFields, Prompt, TokenizedFamily, register
+from edgemm.model.family import FamilyFields, GraphInputs, Prompt, TokenizedFamily, register
 from edgemm.model.hf_folder import JsonObject, eos_token_ids, optional_json, pixel_normalisation, read_json
 from edgemm.model.manifest_types import ModelManifest, ResolutionTier
 from edgemm.model.tiling import tile_layout, tile_pixels
@@ -102,6 +102,9 @@ class Idefics3Adapter(TokenizedFamily):
             self.id_of(token)
         self.stop_ids = {self.id_of(END_OF_UTTERANCE), *self.cfg["eos_token_ids"]}
         self.template = ChatTemplate.compile(manifest.chat_template or "", manifest.path)
+        tile = self.cfg["tile"]  # [batch, tiles, 3, tile, tile]: the tile's side is the encoder's
+        self.graph_inputs = GraphInputs(pixel_values=(None, None, 3, tile, tile),
+                                        pixel_values_from="preprocessor_config.json: 3 channels x max_image_size")
 
     def pixels(self, rgb: np.ndarray, tier: ResolutionTier) -> np.ndarray:
         """RGB8 → float32 [1, tiles, 3, tile, tile] at this tier's longest edge."""

@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 from edgemm.errors import ModelError
 from edgemm.model.chat_template import ChatTemplate
-from edgemm.model.family import FamilyFields, Prompt, TokenizedFamily, register
+from edgemm.model.family import FamilyFields, GraphInputs, Prompt, TokenizedFamily, register
 from edgemm.model.hf_folder import (MAX_IMAGE_PIXELS, MAX_IMAGE_SIDE, JsonObject, eos_token_ids, optional_json,
                                     pixel_normalisation, read_json)
 from edgemm.model.manifest_types import ModelManifest, ResolutionTier
@@ -188,6 +188,9 @@ class InternVLAdapter(TokenizedFamily):
         self.stop_ids = {self.id_of(END_OF_TURN), *self.cfg["eos_token_ids"]}
         self.template = ChatTemplate.compile(manifest.chat_template or "", manifest.path)
         self._normalise = normalisation(self.cfg["image_mean"], self.cfg["image_std"], self.cfg["rescale_factor"])
+        tile = self.cfg["tile"]  # [batch, tiles, 3, tile, tile]: the tile's side is the encoder's
+        self.graph_inputs = GraphInputs(pixel_values=(None, None, 3, tile, tile),
+                                        pixel_values_from="preprocessor_config.json: 3 channels x size")
 
     def budget(self, tier: ResolutionTier) -> int:
         """The tier's max_patches (tier names are `tiles<N>`)."""

@@ -35,7 +35,7 @@ import numpy as np
 
 from edgemm.errors import InputError, ModelError
 from edgemm.model.chat_template import ChatTemplate
-from edgemm.model.family import FamilyFields, Prompt, TokenizedFamily, one_tier, register
+from edgemm.model.family import FamilyFields, GraphInputs, Prompt, TokenizedFamily, one_tier, register
 from edgemm.model.hf_folder import (JsonObject, eos_token_ids, optional_json, pixel_normalisation, read_json,
                                     special_token)
 from edgemm.model.image import DEFAULT_MAX_PIXELS
@@ -180,6 +180,9 @@ class LlavaAdapter(TokenizedFamily):
                              "tokenizer_config.json eos_token)")
         source = GENERATION_TAG.sub("", manifest.chat_template or "")
         self.template = ChatTemplate.compile(source, manifest.path)
+        # one image at preprocessor_config.json's crop (or size): an encoder sized otherwise is refused at load
+        self.graph_inputs = GraphInputs(pixel_values=(None, 3, self.cfg["height"], self.cfg["width"]),
+                                        pixel_values_from="preprocessor_config.json: 3 channels x crop_size")
 
     def pixels(self, rgb: np.ndarray, tier: ResolutionTier) -> np.ndarray:
         """RGB8 → float32 [1, 3, crop h, crop w]. Of the resize only the crop is computed: a

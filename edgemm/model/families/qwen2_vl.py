@@ -193,9 +193,14 @@ class Qwen2VLAdapter(TokenizedFamily):
         self.stop_ids = {self.id_of(IM_END), *self.cfg["eos_token_ids"]}
         self.template = ChatTemplate.compile(manifest.chat_template or "", manifest.path)
         self.unit = self.cfg["patch_size"] * self.cfg["merge_size"]
+        patch, temporal = self.cfg["patch_size"], self.cfg["temporal_patch_size"]
         self.graph_inputs = GraphInputs(encoder=(self.cfg["grid_input"],), position_axes=3,
                                         encoder_feeds=self.encoder_feeds,
-                                        split_encoder_feeds=self.split_encoder_feeds)
+                                        split_encoder_feeds=self.split_encoder_feeds,
+                                        # a flat row per patch: what the encoder's first layer is sized for
+                                        pixel_values=(None, 3 * temporal * patch * patch),
+                                        pixel_values_from=f"preprocessor_config.json: 3 channels x temporal_patch_size "
+                                                          f"{temporal} x patch_size {patch}²")
 
     def use_static_shapes(self) -> None:
         """From now on every image is resized to its tier's square (tier.height x tier.width), the
