@@ -716,3 +716,16 @@ def test_events_at_a_rate_thin_a_fast_stream_and_keep_its_latest(runtime):
     assert frames == sorted(frames) and len(set(frames)) == len(frames)
     assert len(frames) <= 4 * elapsed + 2  # at most rate per second (the first goes at once)
     assert answered > 2 * len(frames)  # the stream answered more than were sent: they were thinned
+
+
+def test_page_traffic_asks_what_the_page_asks():
+    """tools/page_traffic.py (bench_alerts' page on another computer) reads the page's rate, and
+    the page asks the daemon for that rate."""
+    from page_traffic import page_rate
+
+    from edgemm.liveview import page
+    text = page().decode()
+    assert page_rate(text) == 5.0
+    assert "new EventSource(`/v1/events?rate=${FRAMES_PER_S}`)" in text
+    with pytest.raises(SystemExit, match="FRAMES_PER_S"):
+        page_rate("<html></html>")

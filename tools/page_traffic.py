@@ -24,9 +24,9 @@ import time
 import httpx
 
 
-def page_rate(base: str) -> float:
-    """FRAMES_PER_S of the page the daemon serves."""
-    found = re.search(r"const FRAMES_PER_S = ([0-9.]+)", httpx.get(base, timeout=10).text)
+def page_rate(page: str) -> float:
+    """FRAMES_PER_S of the page's text."""
+    found = re.search(r"const FRAMES_PER_S = ([0-9.]+)", page)
     if found is None:
         raise SystemExit("page_traffic: the page has no FRAMES_PER_S: keep this tool in step with it")
     return float(found.group(1))
@@ -35,7 +35,7 @@ def page_rate(base: str) -> float:
 class PageTraffic:
     def __init__(self, base: str):
         self.base = base.rstrip("/")
-        self.rate = page_rate(base)
+        self.rate = page_rate(httpx.get(base, timeout=10).text)  # the page the daemon serves
         self.stop = threading.Event()
         self.fresh: set[str] = set()  # streams with a result whose frame is not fetched yet
         self.lock = threading.Lock()
