@@ -67,7 +67,7 @@ from edgemm.config import AlertConfig, WebhookConfig
 from edgemm.metrics import Gauge, Registry
 from edgemm.offload import CredentialsError, read_key_file
 from edgemm.pipeline import Overloaded, Pipeline, Request
-from edgemm.sources import Frame
+from edgemm.sources import Frame, redact_uri
 
 log = logging.getLogger("edgemm")
 
@@ -366,13 +366,14 @@ def read_token(cfg: WebhookConfig, where: str, environ: Mapping[str, str] = os.e
 
 def without_secrets(spec: dict) -> dict:
     """A stream's config as GET /v1/streams shows it: a webhook URL is shown as its scheme and
-    host only (a webhook's path often is its secret, as Slack's and Teams' are)."""
+    host only (a webhook's path often is its secret, as Slack's and Teams' are), a source's
+    user:password@ as ***@ (an RTSP camera's credentials)."""
     def hidden(hook: dict | None) -> dict | None:
         if hook is None:
             return None
         parts = urllib.parse.urlsplit(hook["url"])
         return {**hook, "url": f"{parts.scheme}://{parts.hostname or ''}/…"}
-    return {**spec, "webhook": hidden(spec.get("webhook")),
+    return {**spec, "source": redact_uri(spec["source"]), "webhook": hidden(spec.get("webhook")),
             "alerts": {name: {**alert, "webhook": hidden(alert.get("webhook"))}
                        for name, alert in spec.get("alerts", {}).items()}}
 

@@ -330,6 +330,7 @@ class ServerConfig:
     header_timeout_s: float = 10.0  # a request line and headers not complete this long after their first byte: 408, connection closed
     idle_timeout_s: float = 5.0  # a connection without a request in progress (new, or kept alive) is closed after this long
     max_header_bytes: int = 65536  # a request line and headers larger than this: 431, connection closed
+    send_timeout_s: float = 30.0  # a client that takes none of what the daemon sends it this long (its buffers full) is cut off: an SSE listener that never reads, a response nobody reads
     image_dirs: list[str] = field(default_factory=list)  # folders that file:// image URLs may name (relative: to this file)
     remote_images: bool = False  # fetch http(s) image URLs; off = refused with 400
     remote_timeout_s: float = 10.0  # time allowed to fetch one http(s) image
@@ -354,7 +355,7 @@ class ServerConfig:
                      "max_streams", "max_stream_listeners"):
             _require(getattr(self, name) >= 1, f"{path}.{name}", "be >= 1", getattr(self, name))
         for name in ("request_timeout_s", "remote_timeout_s", "stall_s", "header_timeout_s", "idle_timeout_s",
-                     "body_timeout_s"):
+                     "body_timeout_s", "send_timeout_s"):
             _require(getattr(self, name) > 0, f"{path}.{name}", "be > 0", getattr(self, name))
         for name in ("batch_timeout_ms", "grace_period_s"):
             _require(getattr(self, name) >= 0, f"{path}.{name}", "be >= 0", getattr(self, name))

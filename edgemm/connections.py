@@ -23,6 +23,9 @@ head is complete. Every refusal is OpenAI's error shape, malformed requests incl
 (400: uvicorn answers those in plain text), and a request line over
 server.max_header_bytes is 431.
 
+A client that takes none of what is sent to it for server.send_timeout_s (the transport's
+buffer full all that time) is cut off: its socket is closed at once, whatever it holds.
+
 A route that keeps its connection for long (a stream's SSE listeners, bounded by
 server.max_stream_listeners in edgemm.server) marks it long-lived through the scope's
 LONG_LIVED callable; such connections are not counted in server.max_connections, so
@@ -65,13 +68,25 @@ class ConnectionLimits:
     max_header_bytes: int
     retry_after_s: int
     # called with the reason each time the limits close or refuse a connection: idle_timeout,
-    # header_timeout, header_too_large, evicted, body_evicted, over_capacity, malformed
+    # header_timeout, header_too_large, evicted, body_evicted, over_capacity, malformed, send_timeout
     on_limit: Callable[[str], None] = field(default=lambda reason: None)
+    send_timeout_s: float = 30.0
 
 
 def limited_protocol(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
     """The protocol class to give uvicorn (`http=`), bound to these limits."""
     return type("EdgemmHttpProtocol", (LimitedHttpProtocol,), {"limits": limits})
+
+
+def cut_off_stalled(connections) -> int:
+    """Cut off now every connection whose client takes nothing (its writes paused): when the
+    daemon drains, an SSE listener that never reads would otherwise hold the drain until the
+    grace period ends and uvicorn cancels it (a traceback each). Returns how many."""
+    stalled = [c for c in list(connections) if getattr(c, "send_deadline", None) is not None]
+    for connection in stalled:
+        connection._cancel_send_deadline()
+        connection._send_expired()
+    return len(stalled)
 
 
 def response_bytes(status: int, body: dict, headers: dict[str, str]) -> bytes:
@@ -99,6 +114,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self.over_capacity = False  # opened while every other connection was busy; looked at again at its head's end
         self.refused = False  # answered by the limits: whatever else arrives is ignored
         self.refusal_after: tuple[int, str, str] | None = None  # for a malformed head behind pipelined requests
+        self.send_deadline: asyncio.TimerHandle | None = None  # armed while the transport's buffer is full
 
     # -- the connection --
 
@@ -112,7 +128,32 @@ class LimitedHttpProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_deadline()
+        self._cancel_send_deadline()
         super().connection_lost(exc)
+
+    # A client that takes nothing: the kernel's buffer and then the transport's fill, and the
+    # transport pauses our writes. If it has not resumed them within send_timeout_s the client
+    # is cut off (abort: close() would wait for the buffer to drain, which it never does), so a
+    # listener that never reads, or a response nobody reads, cannot hold its socket for ever.
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self.send_deadline is None:
+            self.send_deadline = self.loop.call_later(self.limits.send_timeout_s, self._send_expired)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._cancel_send_deadline()
+
+    def _cancel_send_deadline(self) -> None:
+        if self.send_deadline is not None:
+            self.send_deadline.cancel()
+            self.send_deadline = None
+
+    def _send_expired(self) -> None:
+        self.send_deadline = None
+        self.limits.on_limit("send_timeout")
+        self.refused = True
+        self.transport.abort()
 
     def data_received(self, data: bytes) -> None:
         if self.refused or self.refusal_after:

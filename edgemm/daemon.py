@@ -273,7 +273,8 @@ class Daemon:
                     "h11_max_incomplete_event_size": cfg.max_header_bytes}
         from edgemm.connections import ConnectionLimits, limited_protocol  # it needs httptools
         limits = ConnectionLimits(cfg.max_connections, cfg.header_timeout_s, cfg.idle_timeout_s, cfg.max_header_bytes,
-                                  cfg.retry_after_s, on_limit=self.service.metrics.connection_limited)
+                                  cfg.retry_after_s, on_limit=self.service.metrics.connection_limited,
+                                  send_timeout_s=cfg.send_timeout_s)
         return {"http": limited_protocol(limits), "timeout_keep_alive": cfg.idle_timeout_s}
 
     def _on_signal(self, name: str) -> None:
@@ -288,6 +289,10 @@ class Daemon:
         self.service.draining = True
         self._server.should_exit = True  # uvicorn stops accepting, then waits for responses in flight
         self.service.streams.stop_all()  # their listeners get the results in flight, then the end
+        if HTTPTOOLS:  # ... but not those that read nothing: their end would wait out the grace period
+            from edgemm.connections import cut_off_stalled
+            if stalled := cut_off_stalled(self._server.server_state.connections):
+                log.info("%s: cut off %d clients that were taking nothing", reason, stalled)
         in_flight = self.service.admission.count
         self.notifier.stopping(f"draining: {in_flight} requests in flight")
         log.info("%s: finishing %d requests in flight (up to %g s)", reason, in_flight,

@@ -154,7 +154,8 @@ class ServiceMetrics:
                                       ("stage",), LATENCY_BUCKETS))
         self.connections_limited = r.add(Counter(
             "edgemm_http_connections_limited_total", "Connections the HTTP limits closed or refused, by reason "
-            "(idle_timeout, header_timeout, header_too_large, evicted, over_capacity).", ("reason",)))
+            "(idle_timeout, header_timeout, header_too_large, evicted, body_evicted, over_capacity, malformed, "
+            "send_timeout).", ("reason",)))
         self.tiers = r.add(Counter("edgemm_answers_total", "Answers, by the resolution tier chosen.", ("tier",)))
         self.tokens = r.add(Counter("edgemm_generated_tokens_total", "Tokens generated."))
         r.add(Gauge("edgemm_requests_in_flight", "Requests admitted and not finished (queued or running).",

@@ -158,7 +158,7 @@ class Routes:
         # a listener stays for as long as the stream runs: out of server.max_connections (edgemm.connections)
         if callable(mark := http.scope.get(LONG_LIVED)):
             mark()
-        queue = stream.listen()
+        queue = self.service.streams.listen(stream)
 
         async def events():
             try:
@@ -166,7 +166,7 @@ class Routes:
                     event_id, record, event = item  # event: None for a result, "alert" for an alert's change
                     yield f"id: {event_id}\n" + (f"event: {event}\n" if event else "") + sse(record)
             finally:
-                stream.listeners.discard(queue)
+                self.service.streams.unlisten(stream, queue)
 
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 

@@ -184,7 +184,7 @@ def network_address(uri: str) -> tuple[str, int] | None:
     try:
         port = parts.port
     except ValueError as e:  # _rtsp_spec checked the port; this is the same check, never a crash
-        raise SourceError(f"{_redact(uri)}: not a valid rtsp:// address ({str(e).lower()})") from None
+        raise SourceError(f"{redact_uri(uri)}: not a valid rtsp:// address ({str(e).lower()})") from None
     return (parts.hostname or "").lower(), port or RTSP_PORTS[parts.scheme.lower()]
 
 
@@ -203,7 +203,7 @@ def _check_synthetic_size(uri: str, size: int, max_pixels: int, max_synthetic_pi
     # refused before a frame is made: a frame is size² × 3 bytes, several in flight per stream
     for limit, name in ((max_pixels, "limits.max_pixels"), (max_synthetic_pixels, "limits.max_synthetic_pixels")):
         if size * size > limit:
-            raise SourceUnusable(f"{_redact(uri)}: size {size} makes {size * size} pixels per frame, "
+            raise SourceUnusable(f"{redact_uri(uri)}: size {size} makes {size * size} pixels per frame, "
                                  f"above {name} ({limit})")
 
 
@@ -274,7 +274,7 @@ def parse_uri(uri: str) -> SourceSpec:
         return _path_spec(rest, from_file_uri=True)
     if scheme == "synthetic":
         return _synthetic_spec(uri, rest)
-    raise SourceError(f"unknown source scheme {scheme}:// in {_redact(uri)} "
+    raise SourceError(f"unknown source scheme {scheme}:// in {redact_uri(uri)} "
                       f"(supported: {SUPPORTED})")
 
 
@@ -299,26 +299,26 @@ def _rtsp_spec(uri: str, rest: str) -> SourceSpec:
     if not uri.isprintable() or any(c in uri for c in ' "\\'):
         # a URL percent-encodes these; a quote would end rtspsrc's location="…" in the GStreamer
         # pipeline, and what follows it would be pipeline elements of the client's choosing
-        raise SourceError(f"{_redact(uri)}: an rtsp:// URI has no spaces, quotes, backslashes or control "
+        raise SourceError(f"{redact_uri(uri)}: an rtsp:// URI has no spaces, quotes, backslashes or control "
                           "characters (percent-encode them)")
     authority = address.split("/", 1)[0]
     if "#" in uri or authority.count("@") > 1:
         # GStreamer's RTSP URL parser takes the first @ and reads past a #, Python's and FFmpeg's
         # the last @ and stop at #: the host checked (server.source_hosts) must be the one reached
-        raise SourceError(f"{_redact(uri)}: an rtsp:// URI has at most one @ (user:password@host) and no #")
+        raise SourceError(f"{redact_uri(uri)}: an rtsp:// URI has at most one @ (user:password@host) and no #")
     host = authority.rpartition("@")[2]
     if not host:
-        raise SourceError(f"{_redact(uri)}: rtsp:// needs a host, e.g. rtsp://192.168.1.10/stream")
+        raise SourceError(f"{redact_uri(uri)}: rtsp:// needs a host, e.g. rtsp://192.168.1.10/stream")
     try:  # a port out of 1..65535 or not a number, a bracket left open: refused now, not retried for ever
         port = urllib.parse.urlsplit("rtsp://" + host).port
     except ValueError as e:
-        raise SourceError(f"{_redact(uri)}: not a valid rtsp:// address ({str(e).lower()})") from None
+        raise SourceError(f"{redact_uri(uri)}: not a valid rtsp:// address ({str(e).lower()})") from None
     if port == 0:
-        raise SourceError(f"{_redact(uri)}: not a valid rtsp:// address (port 0)")
+        raise SourceError(f"{redact_uri(uri)}: not a valid rtsp:// address (port 0)")
     ours = [p for p in query.split("&") if p.split("=", 1)[0] in _KIND_OPTIONS["rtsp"]]
     theirs = [p for p in query.split("&") if p and p not in ours]
     location = uri[:len(uri) - len(rest)] + address + ("?" + "&".join(theirs) if theirs else "")
-    return SourceSpec("rtsp", location, _parse_options(_redact(uri), "rtsp", "&".join(ours)))
+    return SourceSpec("rtsp", location, _parse_options(redact_uri(uri), "rtsp", "&".join(ours)))
 
 
 def _synthetic_spec(uri: str, rest: str) -> SourceSpec:
@@ -393,7 +393,7 @@ def _option_value(uri: str, name: str, text: str) -> Any:
     return value
 
 
-def _redact(uri: str) -> str:
+def redact_uri(uri: str) -> str:
     """rtsp://user:secret@cam/ → rtsp://***@cam/: URIs end up in logs and JSON output."""
     return re.sub(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^/?#@]*@", r"\1***@", uri)
 
@@ -500,7 +500,7 @@ def rtsp_capture_args(location: str, latency_ms: int, backend: str,
     """(target, OpenCV backend, open params) for cv2.VideoCapture on an RTSP URL."""
     if backend == "gstreamer" or (backend == "auto" and gstreamer):
         if not gstreamer:
-            raise SourceUnusable(_needs_gstreamer(_redact(location)))
+            raise SourceUnusable(_needs_gstreamer(redact_uri(location)))
         return rtsp_pipeline(location, latency_ms), cv2.CAP_GSTREAMER, []
     return location, cv2.CAP_FFMPEG, _ffmpeg_timeouts()
 
@@ -544,7 +544,7 @@ class Source:
         self.uri = uri
         self.live = live
         self.stats = SourceStats()
-        self._shown = _redact(uri)
+        self._shown = redact_uri(uri)
         self._closed = threading.Event()
         # Default wait: an Event, so close() wakes a reader sleeping in a backoff.
         self._sleep = sleep if sleep is not None else self._closed.wait

@@ -456,6 +456,7 @@ class StreamManager:
         # first): they hold a thread and a connection each, so they count toward max_streams
         self.stopping: list[ManagedStream] = []
         self.all_listeners: set[AllStreamsListener] = set()  # GET /v1/events
+        self.connected: set[ListenerQueue] = set()  # every SSE listener whose connection is open (event loop only)
         self.loop: asyncio.AbstractEventLoop | None = None
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -537,21 +538,34 @@ class StreamManager:
             raise StreamSpecError(str(e), "source") from None
 
     def listener_count(self) -> int:
-        """SSE listeners of every stream, and of all streams at once, each counted once
-        (server.max_stream_listeners bounds them)."""
-        return len(self.all_listeners) + sum(len(s.listeners - self.all_listeners) for s in self.streams.values())
+        """SSE listeners connected: of one stream (running, or deleted and not yet hung up on)
+        or of all streams at once (server.max_stream_listeners bounds them)."""
+        return len(self.connected)
+
+    def listen(self, stream: ManagedStream) -> ListenerQueue:
+        """A listener on one stream (from the event loop), counted until unlisten()."""
+        queue = stream.listen()
+        self.connected.add(queue)
+        return queue
+
+    def unlisten(self, stream: ManagedStream, queue: ListenerQueue) -> None:
+        """Its connection ended."""
+        stream.listeners.discard(queue)
+        self.connected.discard(queue)
 
     def listen_all(self, listener: AllStreamsListener | None = None) -> AllStreamsListener:
         """A listener on every stream, those running and those added later (from the event loop):
         `listener`, or a plain one."""
         listener = AllStreamsListener() if listener is None else listener
         self.all_listeners.add(listener)
+        self.connected.add(listener)
         for stream in self.streams.values():
             stream.listeners.add(listener)
         return listener
 
     def unlisten_all(self, listener: AllStreamsListener) -> None:
         self.all_listeners.discard(listener)
+        self.connected.discard(listener)
         for stream in self.streams.values():
             stream.listeners.discard(listener)
 

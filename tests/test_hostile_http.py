@@ -776,3 +776,77 @@ def test_requests_pipelined_before_bad_framing_are_answered_first(daemon, png, n
     assert b'"code":"malformed"' in data.replace(b" ", b"")
     time.sleep(0.2)  # a cycle's error, if any, is logged once its task ends
     assert_answering(sock_path(daemon), png)
+
+
+# ---- clients that take nothing -------------------------------------------------------------
+
+def stalled_listener(d, path: str, route: str) -> socket.socket:
+    """An SSE listener on `route` that reads its response head and then nothing: its buffers
+    (made small on both ends, so that a few events fill them) full, the daemon's writes to it
+    paused (edgemm.connections' send deadline armed)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.settimeout(WAIT_S)
+    s.connect(path)
+    before = set(map(id, protocols(d)))
+    s.sendall(f"GET {route} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    assert s.recv(1024).startswith(b"HTTP/1.1 200")
+    wait_until(lambda: [c for c in protocols(d) if id(c) not in before and c.long_lived], WAIT_S, "the listener")
+    ours = next(c for c in protocols(d) if id(c) not in before and c.long_lived)
+
+    def shrink() -> None:
+        ours.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        ours.transport.set_write_buffer_limits(high=2048)
+    d._loop.call_soon_threadsafe(shrink)
+    wait_until(lambda: ours.send_deadline is not None or ours.transport.is_closing(), WAIT_S, "its writes paused")
+    return s
+
+
+FAST = {"id": "cam", "source": "synthetic://?size=64", "prompt": "describe the image", "max_new_tokens": 8}
+
+
+@pytest.mark.parametrize("route", ["/v1/streams/cam/events", "/v1/events"])
+def test_a_listener_that_reads_nothing_is_cut_off_after_send_timeout(runtime, png, route, no_tracebacks):
+    with running(runtime, {"streams": [FAST]}, send_timeout_s=0.5) as d:
+        path = sock_path(d)
+        s = stalled_listener(d, path, route)
+        try:
+            wait_until(lambda: limited(path, "send_timeout") >= 1, WAIT_S, "the listener cut off")
+            wait_until(lambda: d.service.streams.listener_count() == 0, WAIT_S, "its place back")
+            assert not [c for c in protocols(d) if c.long_lived]  # its socket is closed, not closing
+            assert_answering(path, png)
+        finally:
+            s.close()
+
+
+def test_a_deleted_streams_listener_counts_until_its_connection_closes(runtime, no_tracebacks):
+    """The stream's end cannot reach a listener that reads nothing: until the send timeout cuts it
+    off (or it hangs up) it holds one of max_stream_listeners, though its stream is gone."""
+    with running(runtime, {"streams": [FAST]}, send_timeout_s=60, max_stream_listeners=1) as d:
+        path = sock_path(d)
+        s = stalled_listener(d, path, "/v1/streams/cam/events")
+        with raw_client(path) as http:
+            assert http.delete("/v1/streams/cam").status_code in (200, 204)
+            assert "cam" not in d.service.streams.streams
+            assert d.service.streams.listener_count() == 1
+            assert_error(http.get("/v1/events"), 503)  # its place is still taken
+            s.close()  # it hangs up: its place is free
+            wait_until(lambda: d.service.streams.listener_count() == 0, WAIT_S, "its place back")
+            with http.stream("GET", "/v1/events") as events:
+                assert events.status_code == 200
+
+
+def test_draining_cuts_off_listeners_that_read_nothing_at_once(runtime, caplog):
+    """SIGTERM with a listener that reads nothing: the daemon does not wait the grace period out
+    for it (nor does uvicorn then cancel it with a traceback)."""
+    caplog.set_level(logging.INFO)
+    with running(runtime, {"streams": [FAST]}, send_timeout_s=60, grace_period_s=20) as d:
+        s = stalled_listener(d, sock_path(d), "/v1/events")
+        began = time.monotonic()
+        d.stop()
+        wait_until(lambda: not protocols(d), 15, "every connection closed")
+        took = time.monotonic() - began
+        s.close()
+    assert took < 15  # the grace period is 20 s: not waited out
+    assert any("cut off 1 clients that were taking nothing" in r.getMessage() for r in caplog.records)
+    assert not [r for r in caplog.records if r.exc_info or "Exception in ASGI" in r.getMessage()]

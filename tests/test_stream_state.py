@@ -339,3 +339,19 @@ def test_an_rtsp_uri_whose_host_gstreamer_reads_differently_is_400(runtime):
 def test_source_hosts_entries_are_checked_as_webhook_hosts_are():
     with pytest.raises(ConfigError, match=r"server.source_hosts\[0\]' must be a host name or address"):
         load_config({"server": {"source_hosts": ["rtsp://cam/x"]}})
+
+
+def test_a_sources_credentials_are_never_shown(runtime):
+    """rtsp://user:password@… is the camera's secret: the API and the page show ***@ instead (the
+    stream still opens the camera with them)."""
+    from test_server import raw_client, running, sock_path
+    secret = "hunter2"
+    spec = {"id": "cam", "source": f"rtsp://admin:{secret}@127.0.0.1:1/s", "prompt": "describe the image"}
+    with running(runtime, {"streams": [{**spec, "id": "configured"}]}, source_hosts=["127.0.0.1"]) as d, \
+            raw_client(sock_path(d)) as http:
+        created = http.post("/v1/streams", json=spec)
+        assert created.status_code == 201 and secret not in created.text
+        assert created.json()["source"] == "rtsp://***@127.0.0.1:1/s"
+        for path in ("/v1/streams", "/v1/streams/cam", "/v1/streams/configured", "/v1/status"):
+            assert secret not in http.get(path).text, path
+        assert d.service.streams.get("cam").spec.source == spec["source"]  # what the camera is opened with
