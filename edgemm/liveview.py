@@ -75,19 +75,20 @@ async def shared_encode(latest: LatestFrame) -> tuple[int, bytes] | None:
 # ---- /v1/events?rate=R ---------------------------------------------------------------------------
 
 MAX_RATE = 1000.0  # results per stream per second a listener may ask for; more is every result anyway
+MIN_RATE = 0.01  # one result per 100 s: below, a result would wait longer than anyone watches
 _RATE = re.compile(r"[0-9]+(\.[0-9]*)?|\.[0-9]+")
 
 
 def parse_rate(values: list[str]) -> float | None:
-    """`?rate=R` of GET /v1/events: None when absent (every result), else a number in (0, MAX_RATE]."""
+    """`?rate=R` of GET /v1/events: None when absent (every result), else a number in [MIN_RATE, MAX_RATE]."""
     if not values:
         return None
     if len(values) > 1:
         raise ApiError("query parameter 'rate' is given more than once", param="rate")
     text = values[0]
     rate = float(text) if _RATE.fullmatch(text) else math.nan
-    if not 0 < rate <= MAX_RATE:
-        raise ApiError(f"'rate' is results per stream per second, a number above 0 and at most {MAX_RATE:g}, "
+    if not MIN_RATE <= rate <= MAX_RATE:
+        raise ApiError(f"'rate' is results per stream per second, a number from {MIN_RATE:g} to {MAX_RATE:g}, "
                        f"got {text[:40]!r}", param="rate")
     return rate
 
@@ -96,14 +97,14 @@ def parse_rate(values: list[str]) -> float | None:
 class Thinning:
     """One listener's results, at most `rate` per stream per second. A result that comes sooner
     after its stream's last one sent waits, and a newer one of that stream takes its place
-    (newest wins), so the result a page shows is never more than 1 / rate seconds behind the
-    stream's latest. Alert events and error records are never thinned: they go at once, after
+    (newest wins), and goes when its time comes: a stream's latest result reaches the page
+    within 1 / rate seconds of its answer. Alert events and error records are never thinned: they go at once, after
     the result of their stream that was waiting (the order of a stream's events is kept).
     Items are the listeners' (id, record, SSE event name).
 
     Why: the page draws at most a few times a second; a saturated stream answers ~90 times a
     second with the built-in model, and every event it cannot show costs the daemon a wake-up,
-    a JSON encode and a write, and the browser a parse (docs/BENCHMARKS.md, "the live view's cost")."""
+    a JSON encode and a write, and the browser a parse (docs/BENCHMARKS.md, "The live view thinned")."""
     rate: float
     clock: Callable[[], float] = time.monotonic
     waiting: dict[str, tuple] = field(default_factory=dict)  # stream → its newest result unsent
@@ -157,19 +158,21 @@ FORGET_ABOVE = 64  # streams a Thinning remembers before it forgets those free t
 class ThinnedListener(AllStreamsListener):
     """GET /v1/events?rate=R's listener. The streams offer it every result (on the event loop);
     only what Thinning lets through goes into the queue, at once or when its time comes (a timer
-    of the loop's), so a result that will not be sent never wakes the reader."""
+    of the loop's, armed for the first result due), so a result that will not be sent never
+    wakes the reader. An event the full queue loses to make room is counted in its stream's
+    `lagged` (on_lost), whichever path put the newer one in."""
 
     def __init__(self, rate: float, clock: Callable[[], float] = time.monotonic):
         super().__init__()
         self.thinning = Thinning(rate, clock)
         self._timer: asyncio.TimerHandle | None = None
+        self._timer_due = 0.0  # loop time the timer fires at
 
-    def offer(self, item: tuple) -> tuple | None:
-        if self.closed:
-            return None
-        lost = self._enqueue(self.thinning.offer(item))
-        self._schedule()
-        return lost
+    def offer(self, item: tuple) -> None:
+        if not self.closed:
+            self._enqueue(self.thinning.offer(item))
+            self._schedule()
+        return None  # what it lost is counted by _enqueue
 
     def close(self) -> None:
         if self._timer is not None:
@@ -179,16 +182,24 @@ class ThinnedListener(AllStreamsListener):
             self._enqueue(self.thinning.due_all())  # the daemon drains: what waited goes before END
         super().close()
 
-    def _enqueue(self, items: list[tuple]) -> tuple | None:
-        lost = None
+    def _enqueue(self, items: list[tuple]) -> None:
         for item in items:
-            lost = super().offer(item) or lost
-        return lost
+            lost = super().offer(item)
+            if lost is not None and self.on_lost is not None:
+                self.on_lost(lost)
 
     def _schedule(self) -> None:
         wait = self.thinning.wait_s()
-        if wait is not None and self._timer is None:
-            self._timer = asyncio.get_running_loop().call_later(wait, self._flush)
+        if wait is None:
+            return
+        loop = asyncio.get_running_loop()
+        due = loop.time() + wait
+        if self._timer is not None and self._timer_due <= due:
+            return  # armed for something due sooner (its _flush arms the next)
+        if self._timer is not None:
+            self._timer.cancel()
+        # (the due time is kept here: uvloop's timer handles have no when())
+        self._timer, self._timer_due = loop.call_later(wait, self._flush), due
 
     def _flush(self) -> None:
         self._timer = None

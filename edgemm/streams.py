@@ -131,6 +131,10 @@ class AllStreamsListener(ListenerQueue):
     in each stream's listeners, so it is bounded, and loses its oldest results, like any other
     listener. One stream's end is not its end: only close() is (the daemon drains)."""
 
+    # set by StreamManager.listen_all: counts an event lost to make room in the stream it came
+    # from, for a listener that loses events other than in offer()'s return (edgemm.liveview's)
+    on_lost: Callable[[tuple], None] | None = None
+
     def stream_ended(self) -> None:
         pass
 
@@ -213,8 +217,12 @@ class ManagedStream:
         for queue in self.listeners:
             lost = queue.offer((self.sent, record, event))
             if lost is not None:  # the oldest event made room
-                self.lagged += 1
-                self.alerts_lagged += lost[2] == "alert"
+                self.count_lost(lost)
+
+    def count_lost(self, item: tuple) -> None:
+        """A listener lost this event (id, record, event name) to make room (from the event loop)."""
+        self.lagged += 1
+        self.alerts_lagged += item[2] == "alert"
 
     # -- from any thread --
 
@@ -557,6 +565,7 @@ class StreamManager:
         """A listener on every stream, those running and those added later (from the event loop):
         `listener`, or a plain one."""
         listener = AllStreamsListener() if listener is None else listener
+        listener.on_lost = self._count_lost
         self.all_listeners.add(listener)
         self.connected.add(listener)
         for stream in self.streams.values():
@@ -566,8 +575,15 @@ class StreamManager:
     def unlisten_all(self, listener: AllStreamsListener) -> None:
         self.all_listeners.discard(listener)
         self.connected.discard(listener)
-        for stream in self.streams.values():
+        for stream in [*self.streams.values(), *self.stopping]:
             stream.listeners.discard(listener)
+
+    def _count_lost(self, item: tuple) -> None:
+        stream_id = item[1].get("stream") if isinstance(item[1], dict) else None
+        for stream in [self.streams.get(stream_id), *self.stopping]:
+            if stream is not None and stream.spec.id == stream_id:
+                stream.count_lost(item)
+                return
 
     def change_prompt(self, stream_id: str, prompt: object) -> ManagedStream:
         """A running stream's new prompt, checked as POST /v1/streams checks it (400 if wrong)."""

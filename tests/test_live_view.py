@@ -22,6 +22,7 @@ import edgemm.runtime
 import edgemm.streams
 import edgemm.view
 from edgemm.cli import main
+from edgemm.daemon import run_loop  # the daemon's loop (uvloop where installed): what the listener runs on
 from edgemm.opencv import cv2
 from edgemm.scenes import make_scene
 from edgemm.streams import EVENTS_BUFFER
@@ -139,6 +140,24 @@ def test_a_deleted_stream_whose_camera_call_hangs_shows_as_stopping_with_nothing
             assert http.get("/v1/streams").json()["data"] == []
     finally:
         camera.answer.set()
+
+
+@needs_browser
+def test_an_error_is_not_wiped_by_an_older_answer_drawn_after_it(runtime):
+    """The daemon sends a stream's waiting result, then its error: the result is drawn once its
+    frame has loaded, after the error, and must not blank it; a newer answer does."""
+    with running(runtime, tcp_port=0) as d, HeadlessBrowser(tcp_url(d)) as browser:
+        error = "document.querySelector('[data-stream=ghost] .error').textContent"
+        answer = "document.querySelector('[data-stream=ghost] .answer').textContent"
+        browser.evaluate("showResult(arrived({stream: 'ghost', frame: 1, answer: 'red', tier: 'low', latency_ms: 5,"
+                         " e2e_ms: 5, dropped: 0})); showResult(arrived({stream: 'ghost', frame: 2,"
+                         " error: 'internal error: boom'})); 1")
+        wait_until(lambda: browser.evaluate(answer) == "red", 10, "the older answer drawn (no frame: 404)")
+        assert browser.evaluate(error) == "internal error: boom"
+        browser.evaluate("showResult(arrived({stream: 'ghost', frame: 3, answer: 'blue', tier: 'low', latency_ms: 5,"
+                         " e2e_ms: 5, dropped: 0})); 1")
+        wait_until(lambda: browser.evaluate(answer) == "blue", 10, "the newer answer drawn")
+        assert browser.evaluate(error) == ""
 
 
 @needs_browser
@@ -660,34 +679,86 @@ def test_thinning_forgets_streams_that_are_free_to_send_again():
 
 def test_a_thinned_listener_queues_only_what_goes_and_the_rest_when_due():
     """The reader is woken for the results that are sent, each stream's newest, and at END for
-    what still waited."""
+    what still waited. (The loop's timer is not waited for: _flush is what it calls.)"""
     import asyncio
 
     from edgemm.liveview import ThinnedListener
     from edgemm.streams import END
 
-    async def run() -> tuple[list, list, list]:
-        listener = ThinnedListener(20.0)  # one per 50 ms
+    async def run() -> tuple[list, list, list, list]:
+        clock = FakeClock()
+        listener = ThinnedListener(4.0, clock)  # one per 0.25 s
         for frame in range(1, 6):  # five at once: the first goes, the newest waits
             listener.offer(result("a", frame))
         first = [listener.get_nowait() for _ in range(listener.qsize())]
-        await asyncio.sleep(0.2)  # its time comes: the loop's timer queues it
+        armed = listener._timer_due - asyncio.get_running_loop().time()
+        clock.now += 0.25  # its time comes
+        listener._flush()
         second = [listener.get_nowait() for _ in range(listener.qsize())]
-        listener.offer(result("a", 6))  # 0.15 s after 5 went: at once
+        clock.now += 0.25
+        listener.offer(result("a", 6))  # 0.25 s after 5 went: at once
         listener.offer(result("a", 7))  # waits
         listener.close()  # the daemon drains: what waited, then END
         third = [listener.get_nowait() for _ in range(listener.qsize())]
-        return first, second, third
+        return first, [armed], second, third
 
-    first, second, third = asyncio.run(run())
-    assert frames_of(first) == [("a", 1, None)]
+    first, (armed,), second, third = run_loop(run())
+    assert frames_of(first) == [("a", 1, None)] and 0 < armed <= 0.25
     assert frames_of(second) == [("a", 5, None)]
     assert [item[0] for item in third[:-1]] == [6, 7] and third[-1] is END
 
 
+def test_a_thinned_listeners_timer_is_armed_for_the_first_result_due():
+    """Stream b's result due in 0.0625 s after a's due in 0.1875 s: the timer moves to b's."""
+    import asyncio
+
+    from edgemm.liveview import ThinnedListener
+
+    async def run() -> list[float]:
+        clock, loop = FakeClock(), asyncio.get_running_loop()
+        listener = ThinnedListener(4.0, clock)
+        listener.offer(result("b", 1))
+        clock.now += 0.0625
+        listener.offer(result("a", 1))
+        listener.offer(result("a", 2))  # waits 0.25 s: a timer for it
+        first = listener._timer_due - loop.time()
+        clock.now += 0.125
+        listener.offer(result("b", 2))  # due 0.0625 s from now: sooner
+        second = listener._timer_due - loop.time()
+        listener.close()
+        return [first, second]
+
+    first, second = run_loop(run())
+    assert first == pytest.approx(0.25, abs=0.02) and second == pytest.approx(0.0625, abs=0.02)
+
+
+def test_events_a_thinned_listener_loses_are_counted_in_their_stream():
+    """A full queue loses its oldest event to make room, on every path a newer one takes in
+    (offer, the timer, the end): each lost one is counted once, in the stream it came from."""
+    from edgemm.liveview import ThinnedListener
+    from edgemm.streams import EVENTS_BUFFER
+
+    async def run() -> list[tuple]:
+        clock, lost = FakeClock(), []
+        listener = ThinnedListener(4.0, clock)
+        listener.on_lost = lost.append
+        for n in range(EVENTS_BUFFER):  # a full queue: one result each of many streams
+            listener.offer(result(f"s{n}", 1))
+        listener.offer(result("s0", 2))  # waits
+        alert = (99, {"stream": "s0", "alert": "red", "state": "true"}, "alert")
+        listener.offer(alert)  # the waiting result, then the alert: two in, two lost
+        listener.offer(result("s1", 2))  # waits
+        clock.now += 0.25
+        listener._flush()  # in by the timer: one more lost
+        return lost
+
+    lost = run_loop(run())
+    assert [item[1]["stream"] for item in lost] == ["s0", "s1", "s2"]
+
+
 @pytest.mark.parametrize("query, message", [
-    ("rate=0", "above 0"), ("rate=-1", "above 0"), ("rate=abc", "a number"), ("rate=nan", "a number"),
-    ("rate=inf", "a number"), ("rate=1e9", "at most 1000"), ("rate=2000", "at most 1000"),
+    ("rate=0", "from 0.01"), ("rate=-1", "from 0.01"), ("rate=abc", "a number"), ("rate=nan", "a number"),
+    ("rate=inf", "a number"), ("rate=1e9", "to 1000"), ("rate=2000", "to 1000"), ("rate=0.001", "from 0.01"),
     ("rate=", "a number"), ("rate=1&rate=2", "more than once")])
 def test_a_bad_events_rate_is_a_400_before_a_listener_place_is_taken(runtime, query, message):
     with running(runtime, max_stream_listeners=1) as d, raw_client(sock_path(d)) as http:

@@ -236,6 +236,8 @@ class PageTrafficProcess:
         return tree_cpu_s(self.process.pid)
 
     def close(self) -> None:
+        if self.process.poll() is not None:  # it failed during the window (it says why): no figure
+            raise SystemExit(f"page_traffic.py ended early (exit {self.process.returncode}): the window measured nothing")
         self.process.terminate()
         self.process.wait(WAIT_S)
 

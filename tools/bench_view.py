@@ -137,7 +137,7 @@ class PageRequests:
     def _run(self) -> None:
         last_frame = 0.0
         with client(self.sock, 30) as events, client(self.sock, 30) as frames, \
-                events.stream("GET", "/v1/events") as response:
+                events.stream("GET", f"/v1/events?rate={1 / FRAME_INTERVAL_S:g}") as response:  # as the page asks
             for line in response.iter_lines():
                 if self.stop.is_set():
                     return

@@ -8,7 +8,7 @@ Mirrors edgemm/web/index.html: one GET /v1/events?rate=R (R = the page's FRAMES_
 from the page the daemon serves), a stream's frame.jpg after each of its results, one at a
 time and at most R a second, GET /v1/streams every second, /v1/status and /v1/alerts every
 2 seconds. Nothing is drawn. Runs until killed (or `seconds`); prints the requests it made
-when it ends. bench_alerts.py runs it in a process of its own, so that its CPU is not the
+when it ends, and exits 1 saying why if a request failed (a refused /v1/events measures nothing). bench_alerts.py runs it in a process of its own, so that its CPU is not the
 daemon's.
 """
 from __future__ import annotations
@@ -40,10 +40,21 @@ class PageTraffic:
         self.fresh: set[str] = set()  # streams with a result whose frame is not fetched yet
         self.lock = threading.Lock()
         self.counts = {"events": 0, "frames": 0, "polls": 0}
+        self.failed: str | None = None
+
+    def run(self, job) -> None:
+        """A job of its own thread; its failure (a refused /v1/events, the daemon gone) ends the tool, said."""
+        try:
+            job()
+        except Exception as e:  # noqa: BLE001 - any of them: what failed is said, the tool stops
+            if not self.stop.is_set():
+                self.failed = f"page_traffic: {job.__name__}: {type(e).__name__}: {e}"
+                self.stop.set()
 
     def listen(self) -> None:
         with httpx.Client(timeout=httpx.Timeout(10, read=None)) as http, \
                 http.stream("GET", f"{self.base}/v1/events?rate={self.rate:g}") as events:
+            events.raise_for_status()  # a 503 (server.max_stream_listeners): the measure would be of nothing
             for line in events.iter_lines():
                 if self.stop.is_set():
                     return
@@ -61,7 +72,7 @@ class PageTraffic:
                 with self.lock:
                     streams, self.fresh = self.fresh, set()
                 for stream in streams:
-                    http.get(f"/v1/streams/{stream}/frame.jpg")
+                    http.get(f"/v1/streams/{stream}/frame.jpg")  # 404 once a stream is gone: as the page
                     self.counts["frames"] += 1
                 now = time.monotonic()
                 if now - last["streams"] >= 1.0:
@@ -83,9 +94,11 @@ def main() -> None:
     traffic = PageTraffic(args.base)
     signal.signal(signal.SIGTERM, lambda *_: traffic.stop.set())
     for job in (traffic.listen, traffic.poll):
-        threading.Thread(target=job, daemon=True).start()
+        threading.Thread(target=traffic.run, args=(job,), daemon=True).start()
     traffic.stop.wait(args.seconds or None)
     print(json.dumps(traffic.counts), file=sys.stderr, flush=True)
+    if traffic.failed:
+        raise SystemExit(traffic.failed)
 
 
 if __name__ == "__main__":
