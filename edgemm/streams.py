@@ -616,7 +616,11 @@ class StreamManager:
         raise StreamNotFound(f"no stream named {stream_id!r}")
 
     def remove(self, stream_id: str) -> ManagedStream:
-        stream = self.get(stream_id)
+        """DELETE /v1/streams/{id}: the stream stops. A deleted one still stopping is deleted already:
+        the same answer again (as GET lists it, DELETE agrees it is there)."""
+        stream = self.find(stream_id)
+        if stream.deleted_at is not None:
+            return stream
         del self.streams[stream_id]
         stream.deleted_at = time.monotonic()
         stream.stop()
