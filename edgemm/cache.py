@@ -1,8 +1,9 @@
 """Visual-feature cache: a second question about the same image skips the encoder.
 
 An LRU of encoder outputs, bounded in bytes. The key is a 128-bit XXH3 digest of the
-pixel values the encoder would see (so the same picture arriving as a path, as
-bytes or as an array hits the same entry), plus the tier, model and precision
+decoded image or of the pixel values the encoder would see, whichever is smaller
+(Preparation.image_key; so the same picture arriving as a path, as bytes or as an
+array hits the same entry), plus the tier, model and precision
 the features were computed with. One lock guards the table; hashing happens
 outside it, so concurrent callers only serialise on dictionary updates.
 """
@@ -37,7 +38,8 @@ class CacheStats:
 
 
 def feature_key(pixel_values: np.ndarray, tier: str, model: str, precision: str) -> bytes:
-    """Digest of one image's pixel values ([3,H,W] or [1,3,H,W]) and what encodes them."""
+    """Digest of one image's pixel values ([3,H,W] or [1,3,H,W]), or of the RGB8 image they
+    are made from ([H,W,3]), and what encodes them."""
     h = xxhash.xxh3_128(seed=_KEY_SEED)
     h.update(f"{model}\0{precision}\0{tier}\0{pixel_values.dtype.str}\0{pixel_values.shape[-3:]}\0".encode())
     h.update(np.ascontiguousarray(pixel_values).data)
