@@ -96,7 +96,8 @@ class FeatureCache:
         and then not fit either).
         """
         # one pass over the arrays, each looked at once: a put comes right after an encoder or
-        # decoder call, on cold caches, where each array looked at twice cost: ~5 µs for a prefix's 8 arrays, ~10 µs for image features
+        # decoder call, on cold caches, where a second look cost ~5 µs for a prefix's 8 arrays
+        # and ~10 µs for image features
         stored, size = [], 0
         for array in (value if isinstance(value, tuple) else (value,)):
             kept, keeps = _kept(array, copy)  # with copy, the caller may reuse its buffer
