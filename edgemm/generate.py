@@ -77,12 +77,15 @@ def image_positions(input_ids: np.ndarray, image: int | np.ndarray, features: in
 
     `image` is the start of one contiguous placeholder run (the built-in family) or the
     positions themselves (tiled families, whose placeholders come in runs per tile)."""
-    if np.ndim(image) == 0:
-        placeholders = _run_length(input_ids[0], int(image))
-        positions = np.arange(int(image), int(image) + placeholders)
+    if isinstance(image, np.ndarray) and image.ndim == 1:
+        # the positions themselves (Prompt.image_positions), as they are: this runs twice per
+        # request on the caches the encoder left cold, where np.ndim and np.asarray cost ~10 µs
+        positions = image
+    elif np.ndim(image) == 0:
+        positions = np.arange(int(image), int(image) + _run_length(input_ids[0], int(image)))
     else:
         positions = np.asarray(image)
-        placeholders = len(positions)
+    placeholders = len(positions)
     if placeholders != features:
         raise ModelError(f"the encoder gave {features} image tokens but the prompt has {placeholders} "
                          "image placeholders: the tier's image_tokens (model.yaml) or the family's "
@@ -245,7 +248,7 @@ class Generator:
         split = int(image_positions(input_ids, image_start, features.shape[1])[-1]) + 1
         if reuse is None or split >= input_ids.shape[1]:
             return split, None
-        return split, reuse.image_key + b"\0prefix\0" + input_ids[0, :split].astype(np.int64).tobytes()
+        return split, reuse.image_key + b"\0prefix\0" + input_ids[0, :split].astype(np.int64, copy=False).tobytes()
 
     def from_stored_prefix(self, input_ids: np.ndarray, split: int, key: bytes | None, mask: np.ndarray,
                            reuse: PrefixReuse | None,
