@@ -77,7 +77,7 @@ class DecodeFailure(RuntimeError):
 class BatchItem:
     features: np.ndarray  # [1,N,D]
     input_ids: np.ndarray  # [1,S]
-    image_start: int | np.ndarray  # first placeholder, or all of them (Prompt.image_positions)
+    image_start: int | np.ndarray | slice  # first placeholder, all of them, or their run (Prompt.image_span)
     options: GenerationOptions
     on_token: Callable[[int], None] | None = None  # each committed token id, as it comes
     reuse: PrefixReuse | None = None
