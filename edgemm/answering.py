@@ -105,7 +105,8 @@ class RequestBatch(DecodingBatch):
             reuse = PrefixReuse(cache, request.cache_key) if cache is not None and request.cache_key is not None \
                 and self.answering.reuses_prefix else None
             prompt = request.prompt
-            items.append(((key, request, stream), BatchItem(features, prompt.input_ids, prompt.image_positions,
+            image = prompt.image_positions if prompt.image_span is None else prompt.image_span
+            items.append(((key, request, stream), BatchItem(features, prompt.input_ids, image,
                                                             request.options, stream, reuse, cancelled,
                                                             prompt.position_ids, prompt.rope_delta)))
         DecodingBatch.join(self, items)

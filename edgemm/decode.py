@@ -77,7 +77,7 @@ class DecodeFailure(RuntimeError):
 class BatchItem:
     features: np.ndarray  # [1,N,D]
     input_ids: np.ndarray  # [1,S]
-    image_start: int | np.ndarray  # first placeholder, or all of them (Prompt.image_positions)
+    image_start: int | np.ndarray | slice  # first placeholder, all of them, or their run (Prompt.image_span)
     options: GenerationOptions
     on_token: Callable[[int], None] | None = None  # each committed token id, as it comes
     reuse: PrefixReuse | None = None
@@ -547,8 +547,7 @@ def _prefill(gen: Generator, items: list[tuple[Any, BatchItem]],
                 raise InputError(f"prompt is {length} tokens (image included); the model's "
                                  f"context is {gen.max_context}")
             split, prefix = gen.prefix_key(item.features, item.input_ids, item.image_start, item.reuse)
-            stored = gen.from_stored_prefix(item.input_ids, split, prefix, _ones(gen, 1, length), item.reuse,
-                                            item.positions)
+            stored = gen.from_stored_prefix(item.input_ids, split, prefix, item.reuse, item.positions)
             if stored is None:
                 fresh.setdefault(length, []).append(
                     (key, item, gen.embed_prompt(item.input_ids, item.features, item.image_start), split, prefix,

@@ -53,7 +53,7 @@ class PrefixReuse:
     those positions never see the question; a second question about the same image then
     skips their prefill as well as the encoder."""
     store: ArrayStore  # the feature cache: one byte-bounded LRU for features and prefixes
-    image_key: bytes  # the image's feature-cache key (pixels, tier, model, precision)
+    image_key: bytes  # the image's feature-cache key (its image or pixels, tier, model, precision)
 
 
 @dataclass
@@ -72,14 +72,21 @@ def _run_length(ids: np.ndarray, start: int) -> int:
     return int(different[0]) if len(different) else len(ids) - start
 
 
-def image_positions(input_ids: np.ndarray, image: int | np.ndarray, features: int) -> np.ndarray:
+def image_positions(input_ids: np.ndarray, image: int | np.ndarray | slice, features: int) -> np.ndarray | slice:
     """Indices in input_ids[0] that the `features` encoder tokens replace, in order.
 
-    `image` is the start of one contiguous placeholder run (the built-in family) or the
-    positions themselves (tiled families, whose placeholders come in runs per tile)."""
-    if np.ndim(image) == 0:
-        placeholders = _run_length(input_ids[0], int(image))
-        positions = np.arange(int(image), int(image) + placeholders)
+    `image` is the start of one contiguous placeholder run (the built-in family), the
+    positions themselves (tiled families, whose placeholders come in runs per tile), or
+    one run as a slice (Prompt.image_span), which is handed back as it is."""
+    if image.__class__ is slice:
+        positions, placeholders = image, image.stop - image.start
+    elif isinstance(image, np.ndarray) and image.ndim == 1:
+        # the positions themselves (Prompt.image_positions), as they are: this runs twice per
+        # request on the caches the encoder left cold, where np.ndim and np.asarray cost ~10 µs
+        positions, placeholders = image, len(image)
+    elif np.ndim(image) == 0:
+        positions = np.arange(int(image), int(image) + _run_length(input_ids[0], int(image)))
+        placeholders = len(positions)
     else:
         positions = np.asarray(image)
         placeholders = len(positions)
@@ -167,9 +174,10 @@ class Generator:
         empty = np.zeros((batch, self.kv_shape[0], 0, self.kv_shape[1]), self.kv_dtype)
         return dict.fromkeys(self.past_names, empty)
 
-    def embed_prompt(self, input_ids: np.ndarray, features: np.ndarray, image: int | np.ndarray) -> np.ndarray:
+    def embed_prompt(self, input_ids: np.ndarray, features: np.ndarray, image: int | np.ndarray | slice) -> np.ndarray:
         """Token embeddings with the image placeholders replaced by `features` [1,N,D], in order.
-        `image`: the first placeholder's index, or all their indices (see image_positions)."""
+        `image`: the first placeholder's index, all their indices, or their run as a slice
+        (see image_positions)."""
         positions = image_positions(input_ids, image, features.shape[1])
         embeds = self.embed.run({"input_ids": input_ids})["inputs_embeds"]
         embeds[:, positions] = features.astype(embeds.dtype, copy=False)
@@ -238,25 +246,29 @@ class Generator:
             feeds[past] = out[present]
         return out["logits"][:, -1]
 
-    def prefix_key(self, features: np.ndarray, input_ids: np.ndarray, image_start: int | np.ndarray,
+    def prefix_key(self, features: np.ndarray, input_ids: np.ndarray, image_start: int | np.ndarray | slice,
                    reuse: PrefixReuse | None) -> tuple[int, bytes | None]:
         """Where the question-independent prefix ends (after the last image placeholder)
         and its key in the store; no key without a store or without a question after it."""
-        split = int(image_positions(input_ids, image_start, features.shape[1])[-1]) + 1
+        positions = image_positions(input_ids, image_start, features.shape[1])
+        split = positions.stop if positions.__class__ is slice else int(positions[-1]) + 1
         if reuse is None or split >= input_ids.shape[1]:
             return split, None
-        return split, reuse.image_key + b"\0prefix\0" + input_ids[0, :split].astype(np.int64).tobytes()
+        return split, reuse.image_key + b"\0prefix\0" + input_ids[0, :split].astype(np.int64, copy=False).tobytes()
 
-    def from_stored_prefix(self, input_ids: np.ndarray, split: int, key: bytes | None, mask: np.ndarray,
+    def from_stored_prefix(self, input_ids: np.ndarray, split: int, key: bytes | None,
                            reuse: PrefixReuse | None,
                            positions: np.ndarray | None = None) -> tuple[np.ndarray, dict] | None:
-        """Logits and cache from a stored prefix plus the rest of the prompt, if stored.
-        `positions`: the whole prompt's, if the family gives them (Prompt.position_ids)."""
+        """Logits and cache from a stored prefix plus the rest of the prompt (one row, no
+        padding), if stored. `positions`: the whole prompt's, if the family gives them
+        (Prompt.position_ids). The mask is made here, only for a prefix found: on a miss,
+        right after the encoder call, even a view of a shared one cost ~15 µs."""
         stored = reuse.store.get(key) if key is not None else None
         if stored is None:
             return None
         past = {name: np.ascontiguousarray(kv) for name, kv in zip(self.past_names, stored)}
         rest = self.embed.run({"input_ids": input_ids[:, split:]})["inputs_embeds"]
+        mask = np.ones((1, input_ids.shape[1]), self.mask_dtype)
         return self.step(rest.astype(self.embed_dtype, copy=False), mask, past,
                          positions[..., split:] if positions is not None else None)
 

@@ -135,6 +135,33 @@ def test_second_question_about_an_image_skips_the_encoder(make_runtime):
     assert second.text  # answered from cached features
 
 
+def test_prepared_keys_hash_the_smaller_of_image_and_pixels(make_runtime, tmp_path):
+    """A prepared request's key is the digest of the decoded RGB when it has fewer bytes
+    than the tier's pixel values (else of the pixels): the same picture as an array, as PNG
+    bytes or as a file gets one key, another picture or another tier another one."""
+    from edgemm.opencv import cv2
+    rt = make_runtime()
+    prep = rt.preparation
+    image = make_scene(401_050).image  # 256 px RGB8: a quarter of the top tier's float32 pixels
+    as_png = cv2.imencode(".png", image[:, :, ::-1])[1].tobytes()
+    (tmp_path / "scene.png").write_bytes(as_png)
+    keys = {prep.prepare(source, "describe the image", tier="high").cache_key
+            for source in (image, image.copy(), as_png, str(tmp_path / "scene.png"))}
+    assert keys == {prep.feature_key(image, "high")}
+    assert prep.prepare(image, "describe the image", tier="mid").cache_key == prep.feature_key(image, "mid")
+    changed = image.copy()
+    changed[0, 0, 0] ^= 1
+    assert prep.prepare(changed, "describe the image", tier="high").cache_key not in keys
+    large = cv2.resize(image, (640, 640))  # more bytes than the low tier's pixels: those are hashed
+    request = prep.prepare(large, "describe the image", tier="low")
+    assert request.cache_key == prep.feature_key(request.pixel_values[0], "low") != prep.feature_key(large, "low")
+    # a request keyed from its image and one keyed from its pixels find the same features
+    rt.infer(image, "describe the image", tier="high")
+    calls = rt.components.vision_encoder.stats.calls
+    assert rt.infer(as_png, "how many shapes are there ?", tier="high").prefix_reused
+    assert rt.components.vision_encoder.stats.calls == calls
+
+
 def test_batch_with_some_cached_images_equals_an_uncached_batch(make_runtime):
     cached, plain = make_runtime(), make_runtime(cache={"max_bytes": 0})
     assert plain.cache is None

@@ -319,3 +319,28 @@ def test_embed_next_matches_the_graph_and_runs_it_once_per_token(runtime, monkey
     monkeypatch.setattr(generate, "TOKEN_EMBED_BYTES", want[0].nbytes * 3)  # room for 3 tokens
     np.testing.assert_array_equal(g.embed_next([7]), g.embed.run({"input_ids": np.array([[7]])})["inputs_embeds"])
     assert len(g._token_embeds) == 1  # the table started afresh instead of growing past its bound
+
+
+def test_an_image_span_places_the_features_as_the_positions_do(runtime, sample):
+    """A prompt whose placeholders are one run carries them as a slice too (Prompt.image_span):
+    the embeddings, the prefix split and its key are the ones the index array gives, bit for
+    bit, and a run of the wrong length is refused like an index array of it."""
+    from edgemm.errors import ModelError
+    from edgemm.generate import PrefixReuse
+    pixels, tier = runtime.preprocess(sample)
+    prompt = runtime.adapter.build_prompt(PROMPT, runtime.manifest.tiers[tier])
+    gen = runtime.generator
+    features = gen.encode(pixels)
+    assert prompt.image_span == slice(prompt.image_start, prompt.image_start + prompt.image_tokens)
+    by_span = gen.embed_prompt(prompt.input_ids, features, prompt.image_span)
+    by_index = gen.embed_prompt(prompt.input_ids, features, prompt.image_positions)
+    assert by_span.dtype == by_index.dtype and np.array_equal(by_span, by_index)
+    assert not np.array_equal(by_span, gen.embed_prompt(prompt.input_ids, features[:, ::-1], prompt.image_span))
+    reuse = PrefixReuse(runtime.cache, b"image")
+    assert gen.prefix_key(features, prompt.input_ids, prompt.image_span, reuse) == \
+        gen.prefix_key(features, prompt.input_ids, prompt.image_positions, reuse)
+    short = slice(prompt.image_start, prompt.image_start + prompt.image_tokens - 1)
+    with pytest.raises(ModelError, match="image placeholders"):
+        gen.embed_prompt(prompt.input_ids, features, short)
+    with pytest.raises(ModelError, match="image placeholders"):
+        gen.embed_prompt(prompt.input_ids, features, prompt.image_positions[:-1])

@@ -23,7 +23,7 @@ import importlib
 import pkgutil
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, TypeVar, runtime_checkable
 
@@ -52,10 +52,14 @@ class Prompt:
     # the tokens the row holds so far. None: positions are 0 … S-1 (cumsum of the mask)
     position_ids: np.ndarray | None = None
     rope_delta: int = 0
+    # the positions as a slice when they are the one run made here (else None): the decode
+    # loop places the image features through it, at a third of an index array's cost
+    image_span: slice | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         if self.image_positions is None:
             self.image_positions = np.arange(self.image_start, self.image_start + self.image_tokens)
+            self.image_span = slice(self.image_start, self.image_start + self.image_tokens)
 
 
 @runtime_checkable

@@ -97,9 +97,9 @@ def load_image(source: ImageSource, max_pixels: int = DEFAULT_MAX_PIXELS,
     """
     if max_pixels < 1:
         raise ValueError(f"max_pixels must be positive, got {max_pixels}")
-    limits = _Limits(max_pixels, max_decoded_bytes, budget)
-    if isinstance(source, np.ndarray):
+    if isinstance(source, np.ndarray):  # (nothing to decode: no decode limits to build)
         return _from_array(source, max_pixels)
+    limits = _Limits(max_pixels, max_decoded_bytes, budget)
     if isinstance(source, (bytes, bytearray, memoryview)):
         return _from_bytes(bytes(source), limits)
     if isinstance(source, (str, os.PathLike)):
