@@ -21,6 +21,7 @@ from the last one processed with that frame's answer: it never reaches the model
 """
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -39,6 +40,9 @@ from edgemm.sources import Frame, Source
 _END = object()
 PENDING_EXTRA = 8  # reused frames and errors queued for emitting beyond the frames in flight
 SUBMIT_WAIT_S = 60.0  # bound on a submit that should never wait (the pipeline is sized for the shares)
+# bound on the wait for the stream's threads at its end: a reader in a native call (OpenCV
+# rendering or decoding a frame) returns within it once the source is closed
+THREADS_END_WAIT_S = 30.0
 
 
 @dataclass
@@ -355,11 +359,27 @@ def run_stream(pipeline: Pipeline, source: Source, options: StreamOptions,
     finally:
         stop.set()
         source.close()  # wakes a reader waiting on a camera or a paced source
+        _wait_for_threads(threads, pending)
         summary.dropped = slot.dropped if slot is not None else 0
         summary.seconds = time.perf_counter() - started
         stats = pipeline.stats  # the whole pipeline's (in the daemon: shared with the API and other streams)
         summary.stage_ms = {k: 1e3 * stats.busy_s[k] / max(1, stats.items[k]) for k in stats.busy_s}
     return summary
+
+
+def _wait_for_threads(threads: list[threading.Thread], pending: queue.Queue) -> None:
+    """The stream's own threads ended before run_stream returns, also when it ends by an error
+    (an emit that cannot write): a reader left inside OpenCV's native code at interpreter exit
+    can abort the process ("terminate called without an active exception"). What is still
+    pending is dropped, so that a reader or feeder waiting for room in it can reach its end;
+    the frames in flight are still answered by the pipeline, which gives their shares back."""
+    deadline = time.monotonic() + THREADS_END_WAIT_S
+    for t in threads:
+        while t.is_alive() and time.monotonic() < deadline:
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    pending.get_nowait()
+            t.join(0.05)
 
 
 def _answer(taken: _Taken, summary: StreamSummary) -> dict:
