@@ -1,7 +1,7 @@
 """The `edgemm` command line.
 
-Exit codes (every command): 0 ok · 2 bad input, usage, config or model folder
-(one-line message, no traceback) · 1 internal error · 3 `edgemm doctor` found a
+Exit codes (every command): 0 ok · 2 bad input, usage, config or model folder, a
+result that cannot be written (full disk) (one-line message, no traceback) · 1 internal error · 3 `edgemm doctor` found a
 failing check. EDGEMM_DEBUG=1 adds tracebacks (and, for infer, stream and serve,
 the image and video libraries' own messages, which are otherwise dropped).
 """
