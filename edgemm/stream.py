@@ -218,6 +218,7 @@ def run_stream(pipeline: Pipeline, source: Source, options: StreamOptions,
     taken = 0
     last: Future | None = None  # the last processed frame's answer: what a reused frame is given
     last_prompt = options.prompt  # what `last` answered: a new prompt (PATCH) is never answered with it
+    view_failed: list[Exception] = []  # the view's error in the reader (live): it ends the stream
     started = time.perf_counter()
 
     def take_share() -> float | None:
@@ -289,7 +290,11 @@ def run_stream(pipeline: Pipeline, source: Source, options: StreamOptions,
                 if frame is None:
                     break
                 if every_frame and slot is not None:
-                    view.frame(frame)  # live: shown as it comes, with the latest answer there is
+                    try:
+                        view.frame(frame)  # live: shown as it comes, with the latest answer there is
+                    except Exception as e:  # the view's failure (a full disk), not the source's:
+                        view_failed.append(e)  # raised by run_stream, as one in the emit loop is
+                        break
                 if not frame_filter.keep(frame):
                     summary.skipped += 1
                     if every_frame and slot is None:
@@ -356,6 +361,8 @@ def run_stream(pipeline: Pipeline, source: Source, options: StreamOptions,
                 if every_frame and slot is None:
                     view.frame(item.frame)
             emit(record)
+        if view_failed:
+            raise view_failed[0]
     finally:
         stop.set()
         source.close()  # wakes a reader waiting on a camera or a paced source

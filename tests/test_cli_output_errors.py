@@ -74,15 +74,19 @@ def test_a_stream_on_a_full_disk_ends_cleanly_every_time(config):
     assert all([stderr for _, stderr in pair] == expected for pair in outcomes), outcomes
 
 
-def test_a_stream_view_folder_on_a_full_disk_is_one_line_and_exit_2(config, tmp_path):
+@pytest.mark.parametrize("source", ["synthetic://?count=3&size=64", "synthetic://?count=3&size=64&fps=10"],
+                         ids=["files", "live"])  # paced synthetic is live: its frames go to the view in the reader
+def test_a_stream_view_folder_on_a_full_disk_is_one_line_and_exit_2(source, config, tmp_path):
     """A folder cannot be /dev/full: cv2.imwrite is made to fail as it does on a full disk
     (it returns False)."""
     folder = tmp_path / "frames"
     folder.mkdir()
-    code, stderr = run([*STREAM, "--config", config, "--view", f"{folder}/", "--out", tmp_path / "answers.jsonl"],
+    out = tmp_path / "answers.jsonl"
+    code, stderr = run(["stream", source, "--tier", "low", "--max-new-tokens", "1", "--config", config,
+                        "--view", f"{folder}/", "--out", out],
                        prelude="import cv2\ncv2.imwrite = lambda *args, **kwargs: False")
     assert (code, stderr) == (2, [f"edgemm: error: --view {folder}/: could not write frame_000000.jpg"])
-    assert not list(folder.iterdir())
+    assert not list(folder.iterdir()) and "error" not in out.read_text()  # not a source's failure
 
 
 def test_a_stream_that_can_write_still_ends_with_its_summary(config, tmp_path):
