@@ -200,6 +200,7 @@ def run_stream(pipeline: Pipeline, source: Source, options: StreamOptions,
     Every frame taken is answered and emitted, in frame order, also after a stop. The
     pipeline is the caller's and stays open: in the daemon the API and the other streams
     go on using it, and this stream's frames in flight are answered whatever happens here.
+    It returns, or raises what emit or the view raised, only once its own threads have ended.
     """
     stop = stop or threading.Event()
     summary = StreamSummary()

@@ -50,13 +50,15 @@ def run(args: list[str], stdout_to_full: bool = False, prelude: str = "") -> tup
 
 
 @pytest.mark.parametrize("args", [
-    ["infer", SAMPLE, "-q"],
-    ["infer", SAMPLE, "-q", "--json"],
-    ["status", "--json"],
-    ["status"],
-], ids=["infer", "infer-json", "status-json", "status"])
+    ["infer", SAMPLE, "-q", "--config"],
+    ["infer", SAMPLE, "-q", "--json", "--config"],
+    ["status", "--json", "--config"],
+    ["status", "--config"],
+    ["doctor", "--json", "--config"],
+    ["engines", "build", SAMPLE.parents[1], "--dry-run", "--tensorrt", "10.3"],
+], ids=["infer", "infer-json", "status-json", "status", "doctor-json", "engines-build-dry-run"])
 def test_a_result_on_a_full_stdout_is_one_line_and_exit_2(args, config):
-    code, stderr = run([*args, "--config", config], stdout_to_full=True)
+    code, stderr = run([*args, config] if args[-1] == "--config" else args, stdout_to_full=True)
     assert (code, stderr) == (2, ["edgemm: error: cannot write standard output: No space left on device"])
 
 
