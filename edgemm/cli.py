@@ -1,7 +1,7 @@
 """The `edgemm` command line.
 
-Exit codes (every command): 0 ok · 2 bad input, usage, config or model folder
-(one-line message, no traceback) · 1 internal error · 3 `edgemm doctor` found a
+Exit codes (every command): 0 ok · 2 bad input, usage, config or model folder, a
+result that cannot be written (full disk) (one-line message, no traceback) · 1 internal error · 3 `edgemm doctor` found a
 failing check. EDGEMM_DEBUG=1 adds tracebacks (and, for infer, stream and serve,
 the image and video libraries' own messages, which are otherwise dropped).
 """
@@ -262,12 +262,39 @@ def infer(image, prompt, tier, scheduler, beams, beam_gate, precision, model_dir
                                   num_beams=beams, beam_gate=beam_gate)
     result = runtime.answer(request, started=started)
     if as_json:
-        click.echo(json.dumps({"answer": result.text, "prompt": prompt,
+        echo_result(json.dumps({"answer": result.text, "prompt": prompt,
                                "image": image if image != "-" else "<stdin>", **result.to_dict()}))
     else:
-        click.echo(result.text)
+        echo_result(result.text)
         for warning in result.warnings:
             click.echo(f"edgemm: warning: {warning}", err=True)
+
+
+def silence_stdout() -> None:
+    """stdout to /dev/null: what is still buffered for it goes nowhere, so the interpreter's
+    last flush cannot fail again (a second message, and exit code 120) after the error is said."""
+    with contextlib.suppress(OSError, ValueError):  # not a real descriptor (a test's capture)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+
+
+def cannot_write(where: str, error: OSError) -> InputError:
+    """A full disk (ENOSPC, /dev/full), EIO, …: exit 2 like an --out that cannot be opened."""
+    return InputError(f"cannot write {where}: {error.strerror or error}")
+
+
+def echo_result(text: str) -> None:
+    """A command's result on stdout. One that cannot be written is said as one line (exit 2).
+    A reader that closed the pipe (BrokenPipeError) is not this: it goes on as before."""
+    try:
+        click.echo(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        silence_stdout()
+        raise cannot_write("standard output", e) from None
 
 
 class JsonLines:
@@ -275,6 +302,7 @@ class JsonLines:
 
     A reader that closes the pipe (`| head -1`) ends the output quietly: write() says
     False, and stdout goes to /dev/null so that the interpreter's last flush cannot fail.
+    Any other failure to write (a full disk) is an InputError: the stream ends, exit 2.
     """
 
     def __init__(self, path: str | None):
@@ -282,7 +310,8 @@ class JsonLines:
             self.file = open(path, "w", buffering=1) if path else sys.stdout
         except OSError as e:
             raise InputError(f"cannot write --out {path}: {e.strerror}") from None
-        self.path, self.closed_by_reader = path, False
+        self.path, self.closed_by_reader, self.failed = path, False, False
+        self.where = f"--out {path}" if path else "standard output"
 
     def write(self, record: dict) -> bool:
         if self.closed_by_reader:
@@ -293,15 +322,22 @@ class JsonLines:
         except BrokenPipeError:
             self.closed_by_reader = True
             if self.path is None:
-                with contextlib.suppress(OSError, ValueError):  # not a real descriptor (a test's capture)
-                    devnull = os.open(os.devnull, os.O_WRONLY)
-                    os.dup2(devnull, sys.stdout.fileno())
-                    os.close(devnull)
+                silence_stdout()
             return False
+        except OSError as e:
+            self.failed = True
+            if self.path is None:
+                silence_stdout()
+            raise cannot_write(self.where, e) from None
 
     def close(self) -> None:
-        if self.path:
+        if not self.path:
+            return
+        try:
             self.file.close()
+        except OSError as e:
+            if not self.failed:  # already said by write()
+                raise cannot_write(self.where, e) from None
 
 
 @main.command()
@@ -385,9 +421,11 @@ def stream(source_uri, prompt, fps, every, max_frames, out, change_threshold, ti
         pipeline.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        sink.close()
-        if view is not None:
-            view.close()
+        try:
+            if view is not None:
+                view.close()
+        finally:  # closed whatever the view's close raised
+            sink.close()
     click.echo("edgemm: summary: " + json.dumps(summary.to_dict()), err=True)
 
 
@@ -488,11 +526,11 @@ def engines_build(model_dir, out, device, precision, tiers, components, timing_c
             except EngineError as e:
                 raise EngineError(f"{e}; to plan without it: --dry-run --tensorrt VERSION") from None
         for line in describe_jobs(plan_jobs(request, model, platform), platform.tensorrt):
-            click.echo(line)
+            echo_result(line)
         return
     built = build_engines(request, model)
     total = sum(e.build_seconds for e in built)
-    click.echo(f"{len(built)} engine(s) in {request.out} ({total:.1f} s); manifest: {request.out / 'manifest.yaml'}")
+    echo_result(f"{len(built)} engine(s) in {request.out} ({total:.1f} s); manifest: {request.out / 'manifest.yaml'}")
 
 
 @main.command()
@@ -511,7 +549,7 @@ def status(config_path, socket_path, root, as_json) -> None:
     if root is not None:
         cfg.power.root = root
     report = collect(cfg, socket_path)
-    click.echo(json.dumps(report) if as_json else "\n".join(render(report)))
+    echo_result(json.dumps(report) if as_json else "\n".join(render(report)))
 
 
 @main.command()
@@ -535,7 +573,7 @@ def doctor(config_path, root, engines_dir, as_json) -> None:
     if root is not None:
         cfg.power.root = root
     checks = run_checks(cfg, Path(engines_dir) if engines_dir else None)
-    click.echo(json.dumps([c.to_dict() for c in checks]) if as_json else "\n".join(c.line() for c in checks))
+    echo_result(json.dumps([c.to_dict() for c in checks]) if as_json else "\n".join(c.line() for c in checks))
     if any(c.level == "fail" for c in checks):
         click.get_current_context().exit(FAILED_EXIT_CODE)
 

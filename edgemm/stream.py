@@ -21,6 +21,7 @@ from the last one processed with that frame's answer: it never reaches the model
 """
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -39,6 +40,9 @@ from edgemm.sources import Frame, Source
 _END = object()
 PENDING_EXTRA = 8  # reused frames and errors queued for emitting beyond the frames in flight
 SUBMIT_WAIT_S = 60.0  # bound on a submit that should never wait (the pipeline is sized for the shares)
+# bound on the wait for the stream's threads at its end: a reader in a native call (OpenCV
+# rendering or decoding a frame) returns within it once the source is closed
+THREADS_END_WAIT_S = 30.0
 
 
 @dataclass
@@ -196,6 +200,7 @@ def run_stream(pipeline: Pipeline, source: Source, options: StreamOptions,
     Every frame taken is answered and emitted, in frame order, also after a stop. The
     pipeline is the caller's and stays open: in the daemon the API and the other streams
     go on using it, and this stream's frames in flight are answered whatever happens here.
+    It returns, or raises what emit or the view raised, only once its own threads have ended.
     """
     stop = stop or threading.Event()
     summary = StreamSummary()
@@ -214,6 +219,7 @@ def run_stream(pipeline: Pipeline, source: Source, options: StreamOptions,
     taken = 0
     last: Future | None = None  # the last processed frame's answer: what a reused frame is given
     last_prompt = options.prompt  # what `last` answered: a new prompt (PATCH) is never answered with it
+    view_failed: list[Exception] = []  # the view's error in the reader (live): it ends the stream
     started = time.perf_counter()
 
     def take_share() -> float | None:
@@ -285,7 +291,11 @@ def run_stream(pipeline: Pipeline, source: Source, options: StreamOptions,
                 if frame is None:
                     break
                 if every_frame and slot is not None:
-                    view.frame(frame)  # live: shown as it comes, with the latest answer there is
+                    try:
+                        view.frame(frame)  # live: shown as it comes, with the latest answer there is
+                    except Exception as e:  # the view's failure (a full disk), not the source's:
+                        view_failed.append(e)  # raised by run_stream, as one in the emit loop is
+                        break
                 if not frame_filter.keep(frame):
                     summary.skipped += 1
                     if every_frame and slot is None:
@@ -352,14 +362,32 @@ def run_stream(pipeline: Pipeline, source: Source, options: StreamOptions,
                 if every_frame and slot is None:
                     view.frame(item.frame)
             emit(record)
+        if view_failed:
+            raise view_failed[0]
     finally:
         stop.set()
         source.close()  # wakes a reader waiting on a camera or a paced source
+        _wait_for_threads(threads, pending)
         summary.dropped = slot.dropped if slot is not None else 0
         summary.seconds = time.perf_counter() - started
         stats = pipeline.stats  # the whole pipeline's (in the daemon: shared with the API and other streams)
         summary.stage_ms = {k: 1e3 * stats.busy_s[k] / max(1, stats.items[k]) for k in stats.busy_s}
     return summary
+
+
+def _wait_for_threads(threads: list[threading.Thread], pending: queue.Queue) -> None:
+    """The stream's own threads ended before run_stream returns, also when it ends by an error
+    (an emit that cannot write): a reader left inside OpenCV's native code at interpreter exit
+    can abort the process ("terminate called without an active exception"). What is still
+    pending is dropped, so that a reader or feeder waiting for room in it can reach its end;
+    the frames in flight are still answered by the pipeline, which gives their shares back."""
+    deadline = time.monotonic() + THREADS_END_WAIT_S
+    for t in threads:
+        while t.is_alive() and time.monotonic() < deadline:
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    pending.get_nowait()
+            t.join(0.05)
 
 
 def _answer(taken: _Taken, summary: StreamSummary) -> dict:

@@ -731,3 +731,31 @@ def test_cli_csi_camera_that_does_not_open_exits_2(cli, monkeypatch):
     assert result.exit_code == 2
     assert stderr_lines(result) == ["edgemm: error: could not open camera csi://1 (no camera on sensor 1, "
                                     "a mode it lacks, or nvargus-daemon is not running)"]
+
+
+class SlowFiles(Source):
+    """A lossless (or live) source whose every read takes a while, as OpenCV decoding a frame
+    does: a reader is inside read() when the stream ends."""
+
+    def __init__(self, live: bool):
+        super().__init__("fake://slow", live=live)
+
+    def _next_frame(self):
+        time.sleep(0.1)
+        return self._frame(np.full((32, 32, 3), self._next_index % 256, np.uint8))
+
+
+@pytest.mark.parametrize("live", [False, True], ids=["files", "live"])
+def test_an_emit_that_fails_ends_the_streams_threads_before_run_stream_returns(runtime, live):
+    """`edgemm stream --out /dev/full`: emit raises; run_stream raises that error only once its
+    reader (and feeder, stopper) have ended — one left inside a native call at interpreter exit
+    could abort the process."""
+    def emit(record):
+        raise OSError(28, "No space left on device")
+
+    before = set(threading.enumerate())
+    with pytest.raises(OSError, match="No space left"):
+        run_in_thread(runtime, SlowFiles(live), StreamOptions("describe the image", generation=FAST), emit)
+    left = [t.name for t in set(threading.enumerate()) - before
+            if t.name in ("edgemm-reader", "edgemm-feeder", "edgemm-stopper")]
+    assert left == []
