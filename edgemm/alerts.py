@@ -41,10 +41,12 @@ and is sent only in the Authorization header.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import os
 import re
+import select
 import socket
 import threading
 import time
@@ -61,6 +63,7 @@ from typing import Any
 
 import httpcore
 import httpx
+from httpcore._backends.sync import SyncStream  # httpcore's socket stream; its package does not export it
 
 from edgemm.backoff import Backoff
 from edgemm.config import AlertConfig, WebhookConfig
@@ -443,13 +446,15 @@ class DeadlineBackend(httpcore.NetworkBackend):
     until `deadline` (time.monotonic()), whatever its own timeout: a whole attempt within
     timeout_s, even against a resolver that hangs or a server that drips its reply a byte
     at a time. `abandon()` (any thread) shuts the open connections, which wakes a read in
-    progress."""
+    progress, and the sockets still connecting, which wakes their connect: a host that
+    drops the SYNs (firewalled, or its accept queue full) holds no thread past abandon()."""
 
     def __init__(self) -> None:
         self.deadline = math.inf
         self._inner = httpcore.SyncBackend()
         self._lock = threading.Lock()
         self._open: set["DeadlineStream"] = set()
+        self._connecting: set[socket.socket] = set()
 
     def left(self, timeout: float | None) -> float | None:
         remaining = self.deadline - time.monotonic()
@@ -465,16 +470,64 @@ class DeadlineBackend(httpcore.NetworkBackend):
 
     def connect_tcp(self, host, port, timeout=None, local_address=None, socket_options=None):
         """The name resolved within the deadline (NameLookups), then its addresses tried in
-        the resolver's order, as socket.create_connection tries them. TLS still checks the
-        host name: httpcore gives start_tls the URL's host, not the address."""
+        the resolver's order, as socket.create_connection tries them (IPv6 with its scope).
+        TLS still checks the host name: httpcore gives start_tls the URL's host, not the address."""
         failure: Exception = httpcore.ConnectError(f"{host} has no address")
-        for *_, address in NAME_LOOKUPS.resolve(host, port, self.left(timeout)):
+        for family, kind, proto, _, address in NAME_LOOKUPS.resolve(host, port, self.left(timeout)):
             try:
-                return self._track(self._inner.connect_tcp(address[0], port, self.left(timeout),
-                                                           local_address, socket_options))
+                sock = self._connect(family, kind, proto, address, timeout, local_address, socket_options)
             except httpcore.ConnectError as e:  # a timeout is the deadline's: no next address
                 failure = e
+                continue
+            # httpcore's own stream on it, as SyncBackend.connect_tcp returns (reads, writes, TLS)
+            return self._track(SyncStream(sock))
         raise failure
+
+    def _connect(self, family: int, kind: int, proto: int, address: tuple, timeout: float | None,
+                 local_address: str | None, socket_options: Iterable[tuple] | None) -> socket.socket:
+        """One address connected within the deadline, as httpcore's SyncBackend connects (its
+        socket options, then TCP_NODELAY), but on a socket abandon() can reach: it is
+        registered once the connect has begun (a SYN sent, so a shutdown wakes it; one
+        registered later is caught by the deadline check after it) and until it ends."""
+        self.left(timeout)  # abandoned, or out of time, after a failed address: no next one
+        try:
+            sock = socket.socket(family, kind, proto)
+        except OSError as e:  # out of fds, or no IPv6 here: the next address may do
+            raise httpcore.ConnectError(f"cannot make a socket: {e}") from e
+        try:
+            for option in socket_options or ():
+                sock.setsockopt(*option)
+            if local_address is not None:
+                sock.bind((local_address, 0))
+            sock.setblocking(False)
+            started = sock.connect_ex(address)
+            with self._lock:
+                self._connecting.add(sock)
+            try:
+                if started not in (0, errno.EINPROGRESS):
+                    raise OSError(started, os.strerror(started))
+                wait = self.left(timeout)  # after registering: an abandon() before it is seen here
+                if started == errno.EINPROGRESS:
+                    poll = select.poll()  # not select(): fds above 1024 are a busy daemon's ordinary case
+                    poll.register(sock, select.POLLOUT)
+                    if not poll.poll(None if wait is None else math.ceil(wait * 1000)):
+                        raise httpcore.ConnectTimeout(f"no connection to {address[0]} within the attempt's deadline")
+                error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                if error:
+                    raise OSError(error, os.strerror(error))
+                self.left(None)  # abandoned while connecting: a shut socket is no connection
+            finally:
+                with self._lock:
+                    self._connecting.discard(sock)
+            sock.setblocking(True)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return sock
+        except OSError as e:
+            sock.close()
+            raise httpcore.ConnectError(str(e)) from e
+        except BaseException:
+            sock.close()
+            raise
 
     def connect_unix_socket(self, path, timeout=None, socket_options=None):
         return self._track(self._inner.connect_unix_socket(path, self.left(timeout), socket_options))
@@ -487,11 +540,12 @@ class DeadlineBackend(httpcore.NetworkBackend):
             self._open.discard(stream)
 
     def abandon(self) -> None:
+        """Shut, not close: the thread using a socket closes it (a closed fd could be reused
+        by then). A connect in progress wakes with ECONNRESET, a read with end of stream."""
         self.deadline = -math.inf
         with self._lock:
-            streams = list(self._open)
-        for stream in streams:
-            sock = stream.get_extra_info("socket")
+            sockets = [stream.get_extra_info("socket") for stream in self._open] + list(self._connecting)
+        for sock in sockets:
             if sock is not None:
                 try:
                     sock.shutdown(socket.SHUT_RDWR)
