@@ -35,9 +35,10 @@ waits for it. Each attempt has a deadline of timeout_s as a whole (every connect
 read of it gets what is left, DeadlineBackend), and only the reply's status and at most
 REPLY_BYTES of its body are read. A closed webhook delivers what it holds for at most one
 timeout_s more, then drops the rest; at most MAX_DRAINING closed webhooks drain at once
-(another is abandoned at once: its connection shut, its queue dropped). Its token comes
-from an environment variable or an owner-only file, as the offload client's key does,
-and is sent only in the Authorization header.
+(another is abandoned at once: its connection, or its connect in progress, shut and its
+queue dropped, so its thread ends within moments even against a host that drops SYNs).
+Its token comes from an environment variable or an owner-only file, as the offload
+client's key does, and is sent only in the Authorization header.
 """
 from __future__ import annotations
 

@@ -432,6 +432,8 @@ def test_synthetic_hold_keeps_each_scene_for_n_frames_with_fresh_noise():
     ({"p": {"prompt": "x", "max_every": 0}}, "'streams[0].alerts.p.max_every' must be in 1..1000, got 0"),
     ({"p": {"prompt": "x", "webhook": {"url": "http://x", "token_env": "A", "token_file": "f"}}},
      "'streams[0].alerts.p.webhook.token_file' must not be given with token_env (one token), got 'f'"),
+    ({"p": {"prompt": "x", "webhook": {"url": "http://x", "timeout_s": 61}}},
+     "'streams[0].alerts.p.webhook.timeout_s' must be in (0, 60], got 61.0"),
 ])
 def test_bad_alerts_are_one_line_config_errors(alerts, message):
     with pytest.raises(ConfigError) as info:
@@ -456,6 +458,9 @@ def test_the_api_checks_alerts_and_never_lets_a_client_name_a_token(runtime):
         error = assert_error(http.post("/v1/streams", json=body), 400, param="alerts.p.every")
         assert error["message"] == "'alerts.p.every' must be in 1..1000, got 0"
         body["alerts"] = {"p": "is there a person ?"}
+        body["webhook"] = {"url": "http://127.0.0.1:1/", "timeout_s": 300}  # an ended stream's drain is bounded by it
+        error = assert_error(http.post("/v1/streams", json=body), 400, param="webhook.timeout_s")
+        assert error["message"] == "'webhook.timeout_s' must be in (0, 60], got 300.0"
         body["webhook"] = {"url": "http://127.0.0.1:1/", "token_env": "HOME"}
         error = assert_error(http.post("/v1/streams", json=body), 403)
         assert "token_env or token_file can only be configured in the config file" in error["message"]
