@@ -577,7 +577,7 @@ class Hook:
     """A real HTTP server taking POSTed events; answers each with the next status of `script`
     (the last one repeats)."""
 
-    def __init__(self, script: list[int] | None = None):
+    def __init__(self, script: list[int] | None = None, host: str = "127.0.0.1"):
         self.script, self.received = list(script or [200]), []
         hook = self
 
@@ -593,9 +593,13 @@ class Hook:
                 self.send_header("Content-Length", "0")
                 self.end_headers()
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        class Server(ThreadingHTTPServer):
+            address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+        self.server = Server((host, 0), Handler)
         self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/edgemm"
+        self.port = self.server.server_address[1]
+        self.url = f"http://{f'[{host}]' if ':' in host else host}:{self.port}/edgemm"
         threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()
 
     def close(self) -> None:
@@ -1112,6 +1116,35 @@ def test_ended_streams_webhooks_to_a_host_that_drops_syns_leave_only_max_drainin
         assert time.monotonic() - closed < 2
         wait_until(lambda: webhook_threads() == baseline_threads and sockets_to(port) == baseline_sockets,
                    timeout=8, what="the draining ones to end at their timeout_s")
+
+
+def test_a_webhook_tries_its_hosts_addresses_in_turn_ipv6_included_with_tcp_nodelay(monkeypatch):
+    """The backend makes its sockets itself: each address the resolver gives, in its order and
+    family (the first refused, the second IPv6), with httpcore's TCP_NODELAY on the one used."""
+    server = Hook(host="::1")
+    used: list[tuple[int, int]] = []  # (family, TCP_NODELAY) of each socket handed to httpcore
+
+    class Recorded(edgemm.alerts.SyncStream):
+        def __init__(self, sock: socket.socket) -> None:
+            used.append((sock.family, sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)))
+            super().__init__(sock)
+
+    def resolve(host: str, port: int, wait: float) -> list[tuple]:
+        assert (host, port) == ("hook.test", server.port)
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", server.port)),  # nobody there
+                (socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", server.port, 0, 0))]
+
+    monkeypatch.setattr(edgemm.alerts, "SyncStream", Recorded)
+    monkeypatch.setattr(edgemm.alerts.NAME_LOOKUPS, "resolve", resolve)
+    try:
+        sender = WebhookSender(WebhookConfig(url=f"http://hook.test:{server.port}/edgemm", retries=0), "w")
+        sender.send(EVENT)
+        wait_until(lambda: sender.figures.delivered == 1, what="the event to be delivered over IPv6")
+        assert [body for _, body in server.received] == [EVENT]
+        assert used == [(socket.AF_INET6, 1)]
+        sender.close()
+    finally:
+        server.close()
 
 
 def test_daemon_alerts_post_their_changes_to_the_webhook(runtime, hook, monkeypatch):
