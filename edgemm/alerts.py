@@ -35,16 +35,19 @@ waits for it. Each attempt has a deadline of timeout_s as a whole (every connect
 read of it gets what is left, DeadlineBackend), and only the reply's status and at most
 REPLY_BYTES of its body are read. A closed webhook delivers what it holds for at most one
 timeout_s more, then drops the rest; at most MAX_DRAINING closed webhooks drain at once
-(another is abandoned at once: its connection shut, its queue dropped). Its token comes
-from an environment variable or an owner-only file, as the offload client's key does,
-and is sent only in the Authorization header.
+(another is abandoned at once: its connection, or its connect in progress, shut and its
+queue dropped, so its thread ends within moments even against a host that drops SYNs).
+Its token comes from an environment variable or an owner-only file, as the offload
+client's key does, and is sent only in the Authorization header.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import os
 import re
+import select
 import socket
 import threading
 import time
@@ -55,12 +58,13 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 from typing import Any
 
 import httpcore
 import httpx
+from httpcore._backends.sync import SyncStream  # httpcore's socket stream; its package does not export it
 
 from edgemm.backoff import Backoff
 from edgemm.config import AlertConfig, WebhookConfig
@@ -444,13 +448,15 @@ class DeadlineBackend(httpcore.NetworkBackend):
     until `deadline` (time.monotonic()), whatever its own timeout: a whole attempt within
     timeout_s, even against a resolver that hangs or a server that drips its reply a byte
     at a time. `abandon()` (any thread) shuts the open connections, which wakes a read in
-    progress."""
+    progress, and the sockets still connecting, which wakes their connect: a host that
+    drops the SYNs (firewalled, or its accept queue full) holds no thread past abandon()."""
 
     def __init__(self) -> None:
         self.deadline = math.inf
         self._inner = httpcore.SyncBackend()
         self._lock = threading.Lock()
         self._open: set["DeadlineStream"] = set()
+        self._connecting: set[socket.socket] = set()
 
     def left(self, timeout: float | None) -> float | None:
         remaining = self.deadline - time.monotonic()
@@ -466,16 +472,64 @@ class DeadlineBackend(httpcore.NetworkBackend):
 
     def connect_tcp(self, host, port, timeout=None, local_address=None, socket_options=None):
         """The name resolved within the deadline (NameLookups), then its addresses tried in
-        the resolver's order, as socket.create_connection tries them. TLS still checks the
-        host name: httpcore gives start_tls the URL's host, not the address."""
+        the resolver's order, as socket.create_connection tries them (IPv6 with its scope).
+        TLS still checks the host name: httpcore gives start_tls the URL's host, not the address."""
         failure: Exception = httpcore.ConnectError(f"{host} has no address")
-        for *_, address in NAME_LOOKUPS.resolve(host, port, self.left(timeout)):
+        for family, kind, proto, _, address in NAME_LOOKUPS.resolve(host, port, self.left(timeout)):
             try:
-                return self._track(self._inner.connect_tcp(address[0], port, self.left(timeout),
-                                                           local_address, socket_options))
+                sock = self._connect(family, kind, proto, address, timeout, local_address, socket_options)
             except httpcore.ConnectError as e:  # a timeout is the deadline's: no next address
                 failure = e
+                continue
+            # httpcore's own stream on it, as SyncBackend.connect_tcp returns (reads, writes, TLS)
+            return self._track(SyncStream(sock))
         raise failure
+
+    def _connect(self, family: int, kind: int, proto: int, address: tuple, timeout: float | None,
+                 local_address: str | None, socket_options: Iterable[tuple] | None) -> socket.socket:
+        """One address connected within the deadline, as httpcore's SyncBackend connects (its
+        socket options, then TCP_NODELAY), but on a socket abandon() can reach: it is
+        registered once the connect has begun (a SYN sent, so a shutdown wakes it; one
+        registered later is caught by the deadline check after it) and until it ends."""
+        self.left(timeout)  # abandoned, or out of time, after a failed address: no next one
+        try:
+            sock = socket.socket(family, kind, proto)
+        except OSError as e:  # out of fds, or no IPv6 here: the next address may do
+            raise httpcore.ConnectError(f"cannot make a socket: {e}") from e
+        try:
+            for option in socket_options or ():
+                sock.setsockopt(*option)
+            if local_address is not None:
+                sock.bind((local_address, 0))
+            sock.setblocking(False)
+            started = sock.connect_ex(address)
+            with self._lock:
+                self._connecting.add(sock)
+            try:
+                if started not in (0, errno.EINPROGRESS):
+                    raise OSError(started, os.strerror(started))
+                wait = self.left(timeout)  # after registering: an abandon() before it is seen here
+                if started == errno.EINPROGRESS:
+                    poll = select.poll()  # not select(): fds above 1024 are a busy daemon's ordinary case
+                    poll.register(sock, select.POLLOUT)
+                    if not poll.poll(None if wait is None else math.ceil(wait * 1000)):
+                        raise httpcore.ConnectTimeout(f"no connection to {address[0]} within the attempt's deadline")
+                error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                if error:
+                    raise OSError(error, os.strerror(error))
+                self.left(None)  # abandoned while connecting: a shut socket is no connection
+            finally:
+                with self._lock:
+                    self._connecting.discard(sock)
+            sock.setblocking(True)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return sock
+        except OSError as e:
+            sock.close()
+            raise httpcore.ConnectError(str(e)) from e
+        except BaseException:
+            sock.close()
+            raise
 
     def connect_unix_socket(self, path, timeout=None, socket_options=None):
         return self._track(self._inner.connect_unix_socket(path, self.left(timeout), socket_options))
@@ -488,11 +542,12 @@ class DeadlineBackend(httpcore.NetworkBackend):
             self._open.discard(stream)
 
     def abandon(self) -> None:
+        """Shut, not close: the thread using a socket closes it (a closed fd could be reused
+        by then). A connect in progress wakes with ECONNRESET, a read with end of stream."""
         self.deadline = -math.inf
         with self._lock:
-            streams = list(self._open)
-        for stream in streams:
-            sock = stream.get_extra_info("socket")
+            sockets = [stream.get_extra_info("socket") for stream in self._open] + list(self._connecting)
+        for sock in sockets:
             if sock is not None:
                 try:
                     sock.shutdown(socket.SHUT_RDWR)
@@ -523,6 +578,13 @@ class DeadlineStream(httpcore.NetworkStream):
         return self._inner.get_extra_info(info)
 
 
+@cache
+def webhook_ssl_context() -> Any:
+    """One TLS context for every webhook: loading the CA bundle takes ~85 ms and ~0.85 MB each
+    time, and a context is safe to share between threads (each connection has its own state)."""
+    return httpx.create_ssl_context()
+
+
 class DeadlineTransport(httpx.BaseTransport):
     """httpx's transport on `backend`'s sockets (httpx has no total timeout of its own): one
     httpcore connection pool, as httpx.HTTPTransport has, with httpcore's errors raised as
@@ -531,7 +593,7 @@ class DeadlineTransport(httpx.BaseTransport):
     connection is on `backend` too, so the deadline covers it)."""
 
     def __init__(self, backend: DeadlineBackend, proxy_url: str | None = None) -> None:
-        ssl_context = httpx.create_ssl_context()
+        ssl_context = webhook_ssl_context()
         self._refusal: str | None = None  # a proxy it cannot use: each attempt fails, saying so
         self._pool: httpcore.ConnectionPool | httpcore.HTTPProxy | None = None
         scheme = urllib.parse.urlsplit(proxy_url).scheme if proxy_url else None

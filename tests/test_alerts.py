@@ -432,6 +432,8 @@ def test_synthetic_hold_keeps_each_scene_for_n_frames_with_fresh_noise():
     ({"p": {"prompt": "x", "max_every": 0}}, "'streams[0].alerts.p.max_every' must be in 1..1000, got 0"),
     ({"p": {"prompt": "x", "webhook": {"url": "http://x", "token_env": "A", "token_file": "f"}}},
      "'streams[0].alerts.p.webhook.token_file' must not be given with token_env (one token), got 'f'"),
+    ({"p": {"prompt": "x", "webhook": {"url": "http://x", "timeout_s": 61}}},
+     "'streams[0].alerts.p.webhook.timeout_s' must be in (0, 60], got 61.0"),
 ])
 def test_bad_alerts_are_one_line_config_errors(alerts, message):
     with pytest.raises(ConfigError) as info:
@@ -456,6 +458,9 @@ def test_the_api_checks_alerts_and_never_lets_a_client_name_a_token(runtime):
         error = assert_error(http.post("/v1/streams", json=body), 400, param="alerts.p.every")
         assert error["message"] == "'alerts.p.every' must be in 1..1000, got 0"
         body["alerts"] = {"p": "is there a person ?"}
+        body["webhook"] = {"url": "http://127.0.0.1:1/", "timeout_s": 300}  # an ended stream's drain is bounded by it
+        error = assert_error(http.post("/v1/streams", json=body), 400, param="webhook.timeout_s")
+        assert error["message"] == "'webhook.timeout_s' must be in (0, 60], got 300.0"
         body["webhook"] = {"url": "http://127.0.0.1:1/", "token_env": "HOME"}
         error = assert_error(http.post("/v1/streams", json=body), 403)
         assert "token_env or token_file can only be configured in the config file" in error["message"]
@@ -572,7 +577,7 @@ class Hook:
     """A real HTTP server taking POSTed events; answers each with the next status of `script`
     (the last one repeats)."""
 
-    def __init__(self, script: list[int] | None = None):
+    def __init__(self, script: list[int] | None = None, host: str = "127.0.0.1"):
         self.script, self.received = list(script or [200]), []
         hook = self
 
@@ -588,9 +593,13 @@ class Hook:
                 self.send_header("Content-Length", "0")
                 self.end_headers()
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        class Server(ThreadingHTTPServer):
+            address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+        self.server = Server((host, 0), Handler)
         self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/edgemm"
+        self.port = self.server.server_address[1]
+        self.url = f"http://{f'[{host}]' if ':' in host else host}:{self.port}/edgemm"
         threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()
 
     def close(self) -> None:
@@ -983,17 +992,159 @@ def test_a_closed_webhook_gives_up_what_it_holds_after_one_timeout_s():
 
 def test_beyond_max_draining_a_closed_webhook_is_abandoned_at_once(monkeypatch):
     """With MAX_DRAINING closed webhooks draining already, close() shuts the connection in
-    flight and drops the queue: the thread ends now, not after its 300 s timeout."""
+    flight and drops the queue: the thread ends now, not after its 60 s timeout."""
     monkeypatch.setattr(edgemm.alerts, "MAX_DRAINING", 0)
     with hanging() as url:
-        sender = WebhookSender(WebhookConfig(url=url, timeout_s=300, retries=3), "w")
+        sender = WebhookSender(WebhookConfig(url=url, timeout_s=60, retries=3), "w")
         sender.send({**EVENT, "frame": 0})
         wait_until(lambda: sender.queued() == 0, what="the first event to be sent (it hangs)")
         sender.send({**EVENT, "frame": 1})
         sender.close()
-        sender.thread.join(30)  # 30 of its 300 s: it is not waiting for the endpoint
+        sender.thread.join(30)  # 30 of its 60 s: it is not waiting for the endpoint
         assert not sender.thread.is_alive()
         assert (sender.figures.failed, sender.figures.dropped, sender.figures.retries) == (1, 1, 0)
+
+
+@contextlib.contextmanager
+def blackhole() -> Iterator[tuple[str, int]]:
+    """A URL whose host drops the connection attempts (as a firewalled one does): a listener
+    with listen(0) whose accept queue is filled and never accepted, so the kernel drops
+    every further SYN and a connect() to it waits until its own timeout."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    fillers = []
+    try:
+        for _ in range(3):
+            filler = socket.socket()
+            filler.setblocking(False)
+            filler.connect_ex(("127.0.0.1", port))
+            fillers.append(filler)
+        probe = socket.socket()
+        probe.settimeout(0.3)
+        with pytest.raises(TimeoutError):  # the queue is full: a connect hangs
+            probe.connect(("127.0.0.1", port))
+        probe.close()
+        yield f"http://127.0.0.1:{port}/hook", port
+    finally:
+        for filler in fillers:
+            filler.close()
+        listener.close()
+
+
+def sockets_to(port: int) -> int:
+    """This process's sockets (its fds) to or connecting to 127.0.0.1:`port`, by the kernel's
+    table: the ones a webhook leaves open, whatever Python still refers to."""
+    ours = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            ours.add(target[len("socket:["):-1])
+    with open("/proc/net/tcp") as table:
+        rows = [line.split() for line in table.readlines()[1:]]
+    return sum(1 for row in rows if row[2] == f"0100007F:{port:04X}" and row[9] in ours)
+
+
+def webhook_threads() -> int:
+    return sum(1 for t in threading.enumerate() if t.name == "edgemm-webhook" and t.is_alive())
+
+
+def test_an_abandoned_webhook_connecting_to_a_host_that_drops_syns_ends_within_1_s(monkeypatch):
+    """A connect in progress is shut by abandon(), as a connection is: the thread ends within
+    1 s, not after its 60 s timeout, and its socket is closed."""
+    monkeypatch.setattr(edgemm.alerts, "MAX_DRAINING", 0)
+    with blackhole() as (url, port):
+        baseline = sockets_to(port)  # the fillers'
+        sender = WebhookSender(WebhookConfig(url=url, timeout_s=60, retries=3), "w")
+        sender.send({**EVENT, "frame": 0})
+        sender.send({**EVENT, "frame": 1})
+        wait_until(lambda: sockets_to(port) == baseline + 1, what="the webhook's connect to be in progress")
+        time.sleep(0.2)  # well inside connect(), not before it
+        assert sender.thread.is_alive() and sender.figures.failed == 0
+        closed = time.monotonic()
+        sender.close()
+        sender.thread.join(1)
+        assert not sender.thread.is_alive() and time.monotonic() - closed < 1
+        assert sockets_to(port) == baseline
+        assert (sender.figures.failed, sender.figures.dropped, sender.figures.retries) == (1, 1, 0)
+        assert sender.figures.last_error == "cannot reach 127.0.0.1: ConnectError"
+
+
+def test_a_connect_to_a_host_that_drops_syns_fails_at_the_deadline_and_frees_its_socket():
+    """Not abandoned: the connect waits for what is left of timeout_s, then fails as a timeout."""
+    with blackhole() as (url, port):
+        baseline = sockets_to(port)
+        sender = WebhookSender(WebhookConfig(url=url, timeout_s=0.5, retries=0), "w")
+        sender.send(EVENT)
+        wait_until(lambda: sender.figures.failed == 1, what="the attempt to time out")
+        assert sender.figures.last_error == "no reply from 127.0.0.1 within 0.5 s (timeout_s)"
+        assert sockets_to(port) == baseline
+        sender.close()
+        sender.thread.join(5)
+        assert not sender.thread.is_alive()
+
+
+def test_ended_streams_webhooks_to_a_host_that_drops_syns_leave_only_max_draining_behind():
+    """The hostile scenario, smaller: 12 streams of 4 alerts, each with its own webhook to a
+    host that drops SYNs, each stream closed with its webhooks mid-connect. At most
+    MAX_DRAINING keep draining (each for at most its timeout_s); the others end within
+    about a second, their sockets closed; after timeout_s every one is gone."""
+    draining = edgemm.alerts.MAX_DRAINING
+    with blackhole() as (url, port):
+        baseline_sockets, baseline_threads = sockets_to(port), webhook_threads()
+        hook = {"url": url, "timeout_s": 5, "retries": 0}
+        alerts = {f"a{k}": {"prompt": "what color is the circle ?", "match": "red", "webhook": hook}
+                  for k in range(4)}
+        for i in range(12):
+            cfg = config_from_dict({"streams": [{"id": f"w{i}", "source": "synthetic://",
+                                                 "alerts": alerts}]}).streams[0]
+            stream = StreamAlerts(f"w{i}", cfg.alerts, None, ScriptedPipeline(), lambda event: None)
+            for sender in stream.senders.values():
+                sender.send(EVENT)
+            # this stream's 4 connecting, besides the draining ones before it
+            wait_until(lambda: sockets_to(port) >= baseline_sockets + min(4 * (i + 1), draining + 4),
+                       what="this stream's webhooks to be connecting")
+            stream.close()
+        closed = time.monotonic()
+        wait_until(lambda: webhook_threads() <= baseline_threads + draining
+                   and sockets_to(port) <= baseline_sockets + draining, timeout=2,
+                   what="the abandoned webhooks to end")
+        assert time.monotonic() - closed < 2
+        wait_until(lambda: webhook_threads() == baseline_threads and sockets_to(port) == baseline_sockets,
+                   timeout=8, what="the draining ones to end at their timeout_s")
+
+
+def test_a_webhook_tries_its_hosts_addresses_in_turn_ipv6_included_with_tcp_nodelay(monkeypatch):
+    """The backend makes its sockets itself: each address the resolver gives, in its order and
+    family (the first refused, the second IPv6), with httpcore's TCP_NODELAY on the one used."""
+    server = Hook(host="::1")
+    used: list[tuple[int, int]] = []  # (family, TCP_NODELAY) of each socket handed to httpcore
+
+    class Recorded(edgemm.alerts.SyncStream):
+        def __init__(self, sock: socket.socket) -> None:
+            used.append((sock.family, sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)))
+            super().__init__(sock)
+
+    def resolve(host: str, port: int, wait: float) -> list[tuple]:
+        assert (host, port) == ("hook.test", server.port)
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", server.port)),  # nobody there
+                (socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", server.port, 0, 0))]
+
+    monkeypatch.setattr(edgemm.alerts, "SyncStream", Recorded)
+    monkeypatch.setattr(edgemm.alerts.NAME_LOOKUPS, "resolve", resolve)
+    try:
+        sender = WebhookSender(WebhookConfig(url=f"http://hook.test:{server.port}/edgemm", retries=0), "w")
+        sender.send(EVENT)
+        wait_until(lambda: sender.figures.delivered == 1, what="the event to be delivered over IPv6")
+        assert [body for _, body in server.received] == [EVENT]
+        assert used == [(socket.AF_INET6, 1)]
+        sender.close()
+    finally:
+        server.close()
 
 
 def test_daemon_alerts_post_their_changes_to_the_webhook(runtime, hook, monkeypatch):
