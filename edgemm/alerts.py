@@ -49,6 +49,7 @@ import os
 import re
 import select
 import socket
+import ssl
 import threading
 import time
 import urllib.parse
@@ -58,7 +59,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import cache, partial
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -570,19 +571,40 @@ class DeadlineStream(httpcore.NetworkStream):
         self._inner.close()
 
     def start_tls(self, ssl_context, server_hostname=None, timeout=None) -> httpcore.NetworkStream:
-        tls = self._inner.start_tls(ssl_context, server_hostname, self._backend.left(timeout))
-        self._backend.forget(self)
-        return self._backend._track(tls)
+        """The TLS handshake within the deadline, on a socket abandon() can reach all along (httpcore's
+        own start_tls wraps the socket, which takes the fd from the one abandon() would shut)."""
+        raw = self._inner.get_extra_info("socket")
+        if raw is None or not isinstance(self._inner, SyncStream):  # not a socket of ours (a proxy's TLS-in-TLS)
+            tls_stream = self._inner.start_tls(ssl_context, server_hostname, self._backend.left(timeout))
+            self._backend.forget(self)
+            return self._backend._track(tls_stream)
+        try:
+            tls = ssl_context.wrap_socket(raw, server_hostname=server_hostname, do_handshake_on_connect=False)
+        except (OSError, ssl.SSLError) as e:
+            raise httpcore.ConnectError(str(e)) from e
+        self._backend.forget(self)  # the plain stream is the TLS one's now
+        with self._backend._lock:
+            self._backend._connecting.add(tls)
+        try:
+            tls.settimeout(self._backend.left(timeout))
+            tls.do_handshake()
+            self._backend.left(None)  # abandoned during the handshake: no connection
+        except socket.timeout as e:
+            tls.close()
+            raise httpcore.ConnectTimeout(f"TLS handshake: {e}") from e
+        except (OSError, ssl.SSLError) as e:
+            tls.close()
+            raise httpcore.ConnectError(f"TLS handshake: {e}") from e
+        except BaseException:
+            tls.close()
+            raise
+        finally:
+            with self._backend._lock:
+                self._backend._connecting.discard(tls)
+        return self._backend._track(SyncStream(tls))
 
     def get_extra_info(self, info: str) -> Any:
         return self._inner.get_extra_info(info)
-
-
-@cache
-def webhook_ssl_context() -> Any:
-    """One TLS context for every webhook: loading the CA bundle takes ~85 ms and ~0.85 MB each
-    time, and a context is safe to share between threads (each connection has its own state)."""
-    return httpx.create_ssl_context()
 
 
 class DeadlineTransport(httpx.BaseTransport):
@@ -593,7 +615,9 @@ class DeadlineTransport(httpx.BaseTransport):
     connection is on `backend` too, so the deadline covers it)."""
 
     def __init__(self, backend: DeadlineBackend, proxy_url: str | None = None) -> None:
-        ssl_context = webhook_ssl_context()
+        # a context of its own: httpcore sets its ALPN protocols on every connect, which is not safe
+        # on a context another webhook's thread is making a connection from
+        ssl_context = httpx.create_ssl_context()
         self._refusal: str | None = None  # a proxy it cannot use: each attempt fails, saying so
         self._pool: httpcore.ConnectionPool | httpcore.HTTPProxy | None = None
         scheme = urllib.parse.urlsplit(proxy_url).scheme if proxy_url else None

@@ -24,7 +24,8 @@ head is complete. Every refusal is OpenAI's error shape, malformed requests incl
 server.max_header_bytes is 431.
 
 A client that takes none of what is sent to it for server.send_timeout_s (the transport's
-buffer full all that time) is cut off: its socket is closed at once, whatever it holds.
+buffer full, and no smaller, all that time) is cut off: its socket is closed at once,
+whatever it holds. A slow reader is not: any progress arms the deadline again.
 
 A route that keeps its connection for long (a stream's SSE listeners, bounded by
 server.max_stream_listeners in edgemm.server) marks it long-lived through the scope's
@@ -37,8 +38,12 @@ uvicorn's own limit_concurrency is not used: it counts idle connections too, and
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import json
+import struct
 import sys
+import termios
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -54,6 +59,7 @@ LINGER_S = 2.0  # after a refusal: how long the rest of the client's request is 
 # enough that a body sent at once is in, short enough that a trickler goes soon
 BODY_GRACE_S = 1.0
 LONG_LIVED = "edgemm.long_lived"  # scope key: call it to take the connection out of the count
+DRAIN_SEND_S = 1.0  # while the daemon drains: how long an event stream's client may take nothing
 # scope key: call it to close the slowest body upload of another connection (True if one was
 # closed), for edgemm.server's body-byte pool, which stalled uploads could otherwise fill
 EVICT_BODY = "edgemm.evict_body"
@@ -71,6 +77,7 @@ class ConnectionLimits:
     # header_timeout, header_too_large, evicted, body_evicted, over_capacity, malformed, send_timeout
     on_limit: Callable[[str], None] = field(default=lambda reason: None)
     send_timeout_s: float = 30.0
+    draining: bool = False  # set by cut_off_stalled: the daemon is draining
 
 
 def limited_protocol(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
@@ -78,11 +85,14 @@ def limited_protocol(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
     return type("EdgemmHttpProtocol", (LimitedHttpProtocol,), {"limits": limits})
 
 
-def cut_off_stalled(connections) -> int:
-    """Cut off now every connection whose client takes nothing (its writes paused): when the
-    daemon drains, an SSE listener that never reads would otherwise hold the drain until the
-    grace period ends and uvicorn cancels it (a traceback each). Returns how many."""
-    stalled = [c for c in list(connections) if getattr(c, "send_deadline", None) is not None]
+def cut_off_stalled(limits: ConnectionLimits, connections) -> int:
+    """The daemon drains: cut off now every event stream whose client takes nothing (its writes
+    paused), and from now on one that pauses for DRAIN_SEND_S, so that their end does not wait
+    the grace period out (uvicorn would then cancel each with a traceback). A response in
+    flight to a slow client is left to finish (its send timeout as ever). Returns how many."""
+    limits.draining = True
+    stalled = [c for c in list(connections)
+               if getattr(c, "send_deadline", None) is not None and getattr(c, "long_lived", False)]
     for connection in stalled:
         connection._cancel_send_deadline()
         connection._send_expired()
@@ -115,6 +125,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self.refused = False  # answered by the limits: whatever else arrives is ignored
         self.refusal_after: tuple[int, str, str] | None = None  # for a malformed head behind pipelined requests
         self.send_deadline: asyncio.TimerHandle | None = None  # armed while the transport's buffer is full
+        self.send_buffered = 0  # the buffer's size when the deadline was armed
 
     # -- the connection --
 
@@ -132,17 +143,36 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     # A client that takes nothing: the kernel's buffer and then the transport's fill, and the
-    # transport pauses our writes. If it has not resumed them within send_timeout_s the client
-    # is cut off (abort: close() would wait for the buffer to drain, which it never does), so a
-    # listener that never reads, or a response nobody reads, cannot hold its socket for ever.
+    # transport pauses our writes (uvicorn writes nothing more until it resumes them). If the
+    # client has taken none of what is buffered within send_timeout_s it is cut off (abort:
+    # close() would wait for the buffer to drain, which it never does), so a listener that never
+    # reads, or a response nobody reads, cannot hold its socket for ever. A client that reads,
+    # however slowly, keeps its connection: each deadline that finds the buffer smaller is
+    # armed again. While the daemon drains, an event stream gets DRAIN_SEND_S instead.
     def pause_writing(self) -> None:
         super().pause_writing()
         if self.send_deadline is None:
-            self.send_deadline = self.loop.call_later(self.limits.send_timeout_s, self._send_expired)
+            self._arm_send_deadline()
 
     def resume_writing(self) -> None:
         super().resume_writing()
         self._cancel_send_deadline()
+
+    def _unsent(self) -> int:
+        """Bytes written and not yet taken by the client: the transport's buffer and the
+        kernel's send queue (Linux's TIOCOUTQ; the kernel wakes a writer only once most of its
+        queue is gone, so the transport's buffer alone would not show a slow reader's progress)."""
+        queued = 0
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError, ValueError):
+                queued = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+        return self.transport.get_write_buffer_size() + queued
+
+    def _arm_send_deadline(self) -> None:
+        self.send_buffered = self._unsent()
+        wait = DRAIN_SEND_S if self.limits.draining and self.long_lived else self.limits.send_timeout_s
+        self.send_deadline = self.loop.call_later(min(wait, self.limits.send_timeout_s), self._send_expired)
 
     def _cancel_send_deadline(self) -> None:
         if self.send_deadline is not None:
@@ -151,6 +181,12 @@ class LimitedHttpProtocol(HttpToolsProtocol):
 
     def _send_expired(self) -> None:
         self.send_deadline = None
+        if self.transport.is_closing() and self.refused:
+            return
+        draining_stream = self.limits.draining and self.long_lived
+        if not draining_stream and self._unsent() < self.send_buffered:
+            self._arm_send_deadline()  # it took some: a slow reader, not a dead one
+            return
         self.limits.on_limit("send_timeout")
         self.refused = True
         self.transport.abort()

@@ -275,6 +275,7 @@ class Daemon:
         limits = ConnectionLimits(cfg.max_connections, cfg.header_timeout_s, cfg.idle_timeout_s, cfg.max_header_bytes,
                                   cfg.retry_after_s, on_limit=self.service.metrics.connection_limited,
                                   send_timeout_s=cfg.send_timeout_s)
+        self._limits = limits
         return {"http": limited_protocol(limits), "timeout_keep_alive": cfg.idle_timeout_s}
 
     def _on_signal(self, name: str) -> None:
@@ -291,7 +292,7 @@ class Daemon:
         self.service.streams.stop_all()  # their listeners get the results in flight, then the end
         if HTTPTOOLS:  # ... but not those that read nothing: their end would wait out the grace period
             from edgemm.connections import cut_off_stalled
-            if stalled := cut_off_stalled(self._server.server_state.connections):
+            if stalled := cut_off_stalled(self._limits, self._server.server_state.connections):
                 log.info("%s: cut off %d clients that were taking nothing", reason, stalled)
         in_flight = self.service.admission.count
         self.notifier.stopping(f"draining: {in_flight} requests in flight")

@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import socket
 import threading
 import time
@@ -1269,3 +1270,77 @@ def test_a_webhook_token_file_is_relative_to_the_config_file(tmp_path):
     stream = load_config(config).streams[0]
     assert stream.alerts["p"].webhook.token_file == str(tmp_path / "hook-token")
     assert stream.webhook.token_file == "/etc/edgemm/token"
+
+
+def test_an_abandoned_https_webhook_in_its_tls_handshake_ends_within_1_s(monkeypatch):
+    """A host that accepts the connection and never answers the TLS hello: abandon() shuts the
+    socket the handshake waits on (httpcore's own start_tls took its fd from the one registered)."""
+    monkeypatch.setattr(edgemm.alerts, "MAX_DRAINING", 0)
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    port = server.getsockname()[1]
+    accepted: list[socket.socket] = []
+    acceptor = threading.Thread(target=lambda: accepted.append(server.accept()[0]), daemon=True)
+    acceptor.start()
+    try:
+        sender = WebhookSender(WebhookConfig(url=f"https://127.0.0.1:{port}/h", timeout_s=60, retries=3), "w")
+        sender.send({**EVENT, "frame": 0})
+        acceptor.join(10)
+        assert accepted, "the webhook did not connect"
+        time.sleep(0.3)  # in the handshake: the hello sent, no answer
+        assert sender.thread.is_alive() and sender.figures.failed == 0
+        closed = time.monotonic()
+        sender.close()
+        sender.thread.join(1)
+        assert not sender.thread.is_alive() and time.monotonic() - closed < 1
+        assert sockets_to(port) == 0  # the webhook's socket to it is closed
+        assert sender.figures.failed == 1
+    finally:
+        for s in accepted:
+            s.close()
+        server.close()
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="no openssl command to make a test certificate")
+def test_an_https_webhook_delivers_over_its_own_handshake_and_checks_the_certificate(tmp_path, monkeypatch):
+    """DeadlineStream.start_tls does the handshake itself: a trusted certificate for the host
+    delivers, by address and by name; an untrusted one does not."""
+    import http.server
+    import ssl
+    import subprocess
+    key, cert = tmp_path / "k.pem", tmp_path / "c.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "2", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+                   check=True, capture_output=True)
+
+    class Hook(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(204)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+    server = http.server.HTTPServer(("127.0.0.1", 0), Hook)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(str(cert), str(key))
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+
+    def deliver(host: str) -> WebhookSender:
+        sender = WebhookSender(WebhookConfig(url=f"https://{host}:{port}/h", timeout_s=5, retries=0), "w")
+        sender.send(EVENT)
+        wait_until(lambda: sender.figures.delivered + sender.figures.failed == 1, what="the attempt")
+        sender.close()
+        return sender
+    try:
+        monkeypatch.setenv("SSL_CERT_FILE", str(cert))  # httpx's context trusts it
+        assert deliver("127.0.0.1").figures.delivered == 1
+        assert deliver("localhost").figures.delivered == 1
+        monkeypatch.delenv("SSL_CERT_FILE")
+        assert deliver("127.0.0.1").figures.failed == 1  # not trusted: refused in the handshake
+    finally:
+        server.shutdown()
+        server.server_close()

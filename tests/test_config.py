@@ -80,6 +80,7 @@ server:
   header_timeout_s: 3.0
   idle_timeout_s: 2.0
   max_header_bytes: 8192
+  send_timeout_s: 12.0
   image_dirs: [/srv/edgemm/images]
   remote_images: true
   remote_timeout_s: 2.0
@@ -231,6 +232,7 @@ def test_full_yaml_file_loads_every_field(tmp_path):
                             continuous_batching="off",
                             request_timeout_s=5.0, body_timeout_s=4.0, stall_s=30.0, retry_after_s=3, grace_period_s=1.0, max_body_bytes=1000,
                             max_connections=7, header_timeout_s=3.0, idle_timeout_s=2.0, max_header_bytes=8192,
+                            send_timeout_s=12.0,
                             image_dirs=["/srv/edgemm/images"], remote_images=True,
                             remote_timeout_s=2.0, max_streams=2, max_stream_listeners=5,
                             webhook_hosts=["hooks.example", "10.0.0.9:8080"], source_hosts=["10.0.0.5", "cam.lan:8554"]),

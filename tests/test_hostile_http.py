@@ -784,15 +784,15 @@ def stalled_listener(d, path: str, route: str) -> socket.socket:
     """An SSE listener on `route` that reads its response head and then nothing: its buffers
     (made small on both ends, so that a few events fill them) full, the daemon's writes to it
     paused (edgemm.connections' send deadline armed)."""
+    before = set(protocols(d))  # before connecting: the daemon may accept it at once (kept: no id reused)
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     s.settimeout(WAIT_S)
     s.connect(path)
-    before = set(map(id, protocols(d)))
     s.sendall(f"GET {route} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
     assert s.recv(1024).startswith(b"HTTP/1.1 200")
-    wait_until(lambda: [c for c in protocols(d) if id(c) not in before and c.long_lived], WAIT_S, "the listener")
-    ours = next(c for c in protocols(d) if id(c) not in before and c.long_lived)
+    wait_until(lambda: [c for c in protocols(d) if c not in before and c.long_lived], WAIT_S, "the listener")
+    ours = next(c for c in protocols(d) if c not in before and c.long_lived)
 
     def shrink() -> None:
         ours.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
@@ -815,6 +815,24 @@ def test_a_listener_that_reads_nothing_is_cut_off_after_send_timeout(runtime, pn
             wait_until(lambda: d.service.streams.listener_count() == 0, WAIT_S, "its place back")
             assert not [c for c in protocols(d) if c.long_lived]  # its socket is closed, not closing
             assert_answering(path, png)
+        finally:
+            s.close()
+
+
+def test_a_listener_that_reads_slowly_keeps_its_connection(runtime, png, no_tracebacks):
+    """Its buffer full, but some of it taken before each deadline: a slow reader, not a dead one."""
+    with running(runtime, {"streams": [FAST]}, send_timeout_s=0.5) as d:
+        path = sock_path(d)
+        s = stalled_listener(d, path, "/v1/streams/cam/events")
+        try:
+            read, until = 0, time.monotonic() + 3.0  # six deadlines
+            while time.monotonic() < until:
+                read += len(s.recv(512))  # ~5 KB a second
+                time.sleep(0.1)
+            assert limited(path, "send_timeout") == 0 and read > 0
+            assert d.service.streams.listener_count() == 1
+            # it stops reading: now it is cut off
+            wait_until(lambda: limited(path, "send_timeout") >= 1, WAIT_S, "the listener cut off")
         finally:
             s.close()
 
