@@ -216,8 +216,8 @@ class ManagedStream:
         self.sent += 1  # numbered in order, so a listener that lagged sees the gap
         for queue in self.listeners:
             lost = queue.offer((self.sent, record, event))
-            if lost is not None:  # the oldest event made room
-                self.count_lost(lost)
+            if lost is not None:  # the oldest event made room: counted in the stream it came from
+                (getattr(queue, "on_lost", None) or self.count_lost)(lost)
 
     def count_lost(self, item: tuple) -> None:
         """A listener lost this event (id, record, event name) to make room (from the event loop)."""

@@ -800,3 +800,22 @@ def test_page_traffic_asks_what_the_page_asks():
     assert "new EventSource(`/v1/events?rate=${FRAMES_PER_S}`)" in text
     with pytest.raises(SystemExit, match="FRAMES_PER_S"):
         page_rate("<html></html>")
+
+
+def test_a_thinned_listener_gets_a_streams_last_result_when_its_time_comes(runtime):
+    """The stream ends right after a result that had to wait: the loop's timer sends it (the
+    page shows the stream's last answer, not one up to 1/rate older)."""
+    stream = {"id": "short", "source": "synthetic://?count=40&size=64", "prompt": COLOUR, "tier": "low",
+              "max_new_tokens": 1}
+    with running(runtime) as d, raw_client(sock_path(d)) as http:
+        frames = []
+        with http.stream("GET", "/v1/events?rate=1") as events:
+            lines = events.iter_lines()
+            next(lines)  # the opening comment: listening by now
+            assert http.post("/v1/streams", json=stream).status_code == 201
+            for line in lines:
+                if line.startswith("data: "):
+                    frames.append(json.loads(line[6:])["frame"])
+                    if frames[-1] == 39:
+                        break
+        assert frames[-1] == 39 and len(frames) < 40  # thinned, and the last one came
