@@ -143,21 +143,32 @@ def test_a_deleted_stream_whose_camera_call_hangs_shows_as_stopping_with_nothing
 
 
 @needs_browser
-def test_an_error_is_not_wiped_by_an_older_answer_drawn_after_it(runtime):
+def test_an_error_is_not_wiped_by_an_older_answer_drawn_after_it(runtime, monkeypatch):
     """The daemon sends a stream's waiting result, then its error: the result is drawn once its
-    frame has loaded, after the error, and must not blank it; a newer answer does."""
-    with running(runtime, tcp_port=0) as d, HeadlessBrowser(tcp_url(d)) as browser:
-        error = "document.querySelector('[data-stream=ghost] .error').textContent"
-        answer = "document.querySelector('[data-stream=ghost] .answer').textContent"
-        browser.evaluate("showResult(arrived({stream: 'ghost', frame: 1, answer: 'red', tier: 'low', latency_ms: 5,"
-                         " e2e_ms: 5, dropped: 0})); showResult(arrived({stream: 'ghost', frame: 2,"
-                         " error: 'internal error: boom'})); 1")
-        wait_until(lambda: browser.evaluate(answer) == "red", 10, "the older answer drawn (no frame: 404)")
-        assert browser.evaluate(error) == "internal error: boom"
-        browser.evaluate("showResult(arrived({stream: 'ghost', frame: 3, answer: 'blue', tier: 'low', latency_ms: 5,"
-                         " e2e_ms: 5, dropped: 0})); 1")
-        wait_until(lambda: browser.evaluate(answer) == "blue", 10, "the newer answer drawn")
-        assert browser.evaluate(error) == ""
+    frame has loaded, after the error, and must not blank it; a newer answer does. (The stream is
+    real, so the page keeps its card, and its camera hangs from the start, so the daemon sends
+    nothing of its own; the results are handed to the page's own showResult.)"""
+    camera = HangingCamera()
+    camera.hang.set()
+    monkeypatch.setattr(edgemm.streams, "open_source", lambda uri, **kw: camera)
+    stream = {"id": "ghost", "source": "rtsp://hanging/x", "prompt": COLOUR, "tier": "low", "max_new_tokens": 2}
+    try:
+        with running(runtime, {"streams": [stream]}, tcp_port=0) as d, HeadlessBrowser(tcp_url(d)) as browser:
+            error = "document.querySelector('[data-stream=ghost] .error').textContent"
+            answer = "document.querySelector('[data-stream=ghost] .answer').textContent"
+            wait_until(lambda: "ghost" in shown(browser), 30, "the stream's card")
+            browser.evaluate("showResult(arrived({stream: 'ghost', frame: 1, answer: 'red', tier: 'low', latency_ms: 5,"
+                             " e2e_ms: 5, dropped: 0})); showResult(arrived({stream: 'ghost', frame: 2,"
+                             " error: 'internal error: boom'})); 1")
+            wait_until(lambda: browser.evaluate(answer) == "red", 10, "the older answer drawn (no frame: 404)")
+            assert browser.evaluate(error) == "internal error: boom"
+            browser.evaluate("showResult(arrived({stream: 'ghost', frame: 3, answer: 'blue', tier: 'low', latency_ms: 5,"
+                             " e2e_ms: 5, dropped: 0})); 1")
+            wait_until(lambda: browser.evaluate(answer) == "blue", 10, "the newer answer drawn")
+            assert browser.evaluate(error) == ""
+            camera.answer.set()  # the daemon stops without waiting for it
+    finally:
+        camera.answer.set()
 
 
 @needs_browser
