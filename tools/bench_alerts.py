@@ -23,9 +23,9 @@ browser) on a temporary UNIX socket; everything is read through its HTTP API.
              onset frame's capture time), against the target on_after frames + one
              pipeline latency (on_after / FPS + the stream's median capture-to-answer
              time).
-  cost       the stream's answers per second, on the same daemon, in three set-ups
-             measured in turn, `seconds` each, order reversed every other round
-             (A B C, C B A, ...):
+  cost       the stream's answers per second, on the same daemon, in these set-ups,
+             `seconds` each, every one between two `none` windows (none A none B
+             none, then none B none A none, ...) and compared with their mean:
                none      no alerts, nothing watching
                watched   3 alerts (red, many and "what color is the square ?" match
                          blue) due on every frame (`every: 1`, max_every as the
@@ -305,18 +305,33 @@ def window(d: DaemonThread, source: str, setup: str, seconds: float, n: int, bro
 
 def cost(d: DaemonThread, source: str, seconds: float, rounds: int, browser: bool, counter: list[int],
          setups: tuple[str, ...] = SETUPS, max_every: tuple[int | None, ...] = (None,)) -> dict:
-    """`max_every`: one `watched` set-up for each (None: the config's default)."""
+    """`max_every`: one `watched` set-up for each (None: the config's default).
+
+    Every set-up's window runs between two `none` windows (none A none B none …, the set-ups'
+    order reversed every other round), and its ratio is taken to the mean of those two: a
+    neighbour's load that changes over a minute moves both sides of the ratio alike, where a
+    `none` window several set-ups away measured another machine."""
     floored = ("watched", "alerts", "remote watched")  # the set-ups with alerts
     runs = [(f"{setup}, max_every {n}" if setup in floored and n else setup, setup, n)
-            for setup in setups for n in (max_every if setup in floored else (None,))]
-    windows: dict[str, list[Window]] = {label: [] for label, _, _ in runs}
+            for setup in setups if setup != "none" for n in (max_every if setup in floored else (None,))]
+    windows: dict[str, list[Window]] = {"none": [], **{label: [] for label, _, _ in runs}}
+    bracketed: dict[str, list[float]] = {label: [] for label, _, _ in runs}  # window / mean of its two nones
+
+    def measure(label: str, setup: str, n: int | None, r: int) -> Window:
+        counter[0] += 1
+        windows[label].append(w := window(d, source, setup, seconds, counter[0], browser, n))
+        print(f"{source} round {r + 1} {label}: {w.answers_per_s:.2f} answers/s, {w.cpu_ms_per_answer:.2f} CPU "
+              f"ms/answer, {w.questions_per_answer:.2f} alert questions/answer, browser "
+              f"{100 * w.browser_cpu:.1f} % of a core", file=sys.stderr, flush=True)
+        return w
+
     for r in range(rounds):
+        before = measure("none", "none", None, r)
         for label, setup, n in (runs if r % 2 == 0 else runs[::-1]):
-            counter[0] += 1
-            windows[label].append(w := window(d, source, setup, seconds, counter[0], browser, n))
-            print(f"{source} round {r + 1} {label}: {w.answers_per_s:.2f} answers/s, {w.cpu_ms_per_answer:.2f} CPU "
-                  f"ms/answer, {w.questions_per_answer:.2f} alert questions/answer, browser "
-                  f"{100 * w.browser_cpu:.1f} % of a core", file=sys.stderr, flush=True)
+            w = measure(label, setup, n, r)
+            after = measure("none", "none", None, r)
+            bracketed[label].append(w.answers_per_s / ((before.answers_per_s + after.answers_per_s) / 2))
+            before = after
     out: dict = {"source": source, "browser": browser, "setups": {}}
     base = {k: statistics.median(getattr(w, k) for w in windows["none"]) for k in ("answers_per_s", "cpu_ms_per_answer")}
     for setup, ws in windows.items():
@@ -327,8 +342,7 @@ def cost(d: DaemonThread, source: str, seconds: float, rounds: int, browser: boo
                         "max": round(max(values), 3), "rounds": [round(v, 3) for v in values]}
         row["rate_ratio"] = round(row["answers_per_s"]["median"] / base["answers_per_s"], 3)
         row["cpu_ratio"] = round(row["cpu_ms_per_answer"]["median"] / base["cpu_ms_per_answer"], 3)
-        # per round, side by side: this set-up's window over the `none` window of the same round
-        row["rate_ratio_per_round"] = [round(w.answers_per_s / b.answers_per_s, 3) for w, b in zip(ws, windows["none"])]
+        row["rate_ratio_bracketed"] = [round(v, 3) for v in bracketed.get(setup, [1.0] * len(ws))]
         out["setups"][setup] = row
     return out
 
@@ -385,16 +399,16 @@ def markdown(out: dict, args) -> None:
                   f"{r['within_bound']}/{r['detected']} | {r['evaluations']:g} | {r['deferred']:g} | {r['skipped']:g} | "
                   f"{r['unknown']:g} |")
     if "cost" in out:
-        print("\n| source | set-up | answers/s median (min-max) | vs none | per-round ratio to none, median "
-              "(min-max) | CPU ms per answer median (min-max) | vs none | alert questions per answer | "
+        print("\n| source | set-up | windows | answers/s median (min-max) | vs none | ratio to the two none windows "
+              "around it, median (min-max) | CPU ms per answer median (min-max) | vs none | alert questions per answer | "
               "deferred per answer | browser (or page traffic) CPU, % of a core |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for c in out["cost"]:
             for setup, r in c["setups"].items():
                 label = setup if setup in ("none", "alerts", *REMOTE) or c["browser"] else f"{setup} (no browser)"
-                per_round = r["rate_ratio_per_round"]
+                per_round = r["rate_ratio_bracketed"]
                 rate, cpu = r["answers_per_s"], r["cpu_ms_per_answer"]
-                print(f"| `{c['source']}` | {label} | {rate['median']:.2f} ({rate['min']:.2f}-{rate['max']:.2f}) | "
+                print(f"| `{c['source']}` | {label} | {len(rate['rounds'])} | {rate['median']:.2f} ({rate['min']:.2f}-{rate['max']:.2f}) | "
                       f"{r['rate_ratio']:.3f} | {statistics.median(per_round):.3f} ({min(per_round):.3f}-{max(per_round):.3f}) | "
                       f"{cpu['median']:.2f} ({cpu['min']:.2f}-{cpu['max']:.2f}) | {r['cpu_ratio']:.3f} | "
                       f"{r['questions_per_answer']['median']:.2f} | {r['deferred_per_answer']['median']:.2f} | "
