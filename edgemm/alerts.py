@@ -69,6 +69,7 @@ from httpcore._backends.sync import SyncStream  # httpcore's socket stream; its 
 
 from edgemm.backoff import Backoff
 from edgemm.config import AlertConfig, WebhookConfig
+from edgemm.errors import one_line
 from edgemm.metrics import Gauge, Registry
 from edgemm.offload import CredentialsError, read_key_file
 from edgemm.pipeline import Overloaded, Pipeline, Request
@@ -733,13 +734,10 @@ class WebhookSender:
         self._closing = threading.Event()  # also cuts a backoff wait short
         self._close_deadline = math.inf  # after close(): deliver until then, drop the rest
         self._drains = False  # counted in WebhookSender._draining
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._backend = DeadlineBackend()
-        if transport is None:
-            transport = DeadlineTransport(self._backend, environment_proxy(cfg.url))
-        self._http = httpx.Client(timeout=httpx.Timeout(cfg.timeout_s), headers=headers, transport=transport,
-                                  trust_env=False,  # the proxy is the transport's already
-                                  follow_redirects=False)  # a redirect must not carry the token elsewhere
+        self._transport = transport
+        self._http: httpx.Client | None = None  # made by the sender's thread (_client)
         self._failing = False  # logged once when it starts failing, once when it works again
         self.thread = threading.Thread(target=self._run, name="edgemm-webhook", daemon=True)
         self.thread.start()
@@ -778,8 +776,26 @@ class WebhookSender:
         if not self._drains:
             self._backend.abandon()
 
+    def _client(self) -> httpx.Client:
+        """The sender's HTTP client, made on its own thread: a TLS context loads the system's CA
+        bundle (tens of ms), which on the event loop (where streams are created) would hold up
+        every client of the daemon."""
+        transport = self._transport or DeadlineTransport(self._backend, environment_proxy(self.cfg.url))
+        return httpx.Client(timeout=httpx.Timeout(self.cfg.timeout_s), headers=self._headers, transport=transport,
+                            trust_env=False,  # the proxy is the transport's already
+                            follow_redirects=False)  # a redirect must not carry the token elsewhere
+
     def _run(self) -> None:
         try:
+            try:
+                self._http = self._client()
+            except Exception as e:  # e.g. no CA bundle: nothing can be sent; what comes is dropped (counted)
+                log.error("%s: the webhook to %s cannot send anything: %s", self.where, self.host, one_line(f"{type(e).__name__}: {e}"))
+                with self._cond:
+                    self._closing.set()
+                    self.figures.dropped += len(self._queue)
+                    self._queue.clear()
+                return
             while True:
                 with self._cond:
                     while not self._queue and not self._closing.is_set():
@@ -793,7 +809,8 @@ class WebhookSender:
                     event = self._queue.popleft()
                 self._deliver(event)
         finally:
-            self._http.close()
+            if self._http is not None:
+                self._http.close()
             if self._drains:
                 with WebhookSender._draining_lock:
                     WebhookSender._draining -= 1

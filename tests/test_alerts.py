@@ -991,6 +991,33 @@ def test_a_closed_webhook_gives_up_what_it_holds_after_one_timeout_s():
         assert figures.failed + figures.dropped == 6 and figures.failed <= 2 and figures.delivered == 0
 
 
+def test_a_webhooks_tls_context_is_made_on_its_own_thread_not_the_callers(monkeypatch):
+    """Making a TLS context loads the CA bundle (tens of ms): a stream created on the event loop
+    must not hold every other client up for it."""
+    makers: list[str] = []
+    real = edgemm.alerts.httpx.create_ssl_context
+    monkeypatch.setattr(edgemm.alerts.httpx, "create_ssl_context",
+                        lambda *a, **k: makers.append(threading.current_thread().name) or real(*a, **k))
+    sender = WebhookSender(WebhookConfig(url="https://127.0.0.1:9/hook", timeout_s=1, retries=0), "w")
+    assert threading.current_thread().name not in makers
+    wait_until(lambda: makers, what="the sender's thread to make its client")
+    sender.close()
+    sender.thread.join(30)
+    assert makers == [sender.thread.name]
+
+
+def test_a_webhook_that_cannot_make_its_client_drops_its_events_counted(monkeypatch, caplog):
+    def no_bundle(*a, **k):
+        raise OSError("no CA bundle at /etc/ssl/certs")
+    monkeypatch.setattr(edgemm.alerts.httpx, "create_ssl_context", no_bundle)
+    sender = WebhookSender(WebhookConfig(url="https://127.0.0.1:9/hook", timeout_s=1, retries=0), "w")
+    sender.thread.join(30)
+    assert not sender.thread.is_alive()
+    sender.send(EVENT)
+    assert sender.figures.dropped == 1 and sender.figures.delivered == 0
+    assert "cannot send anything: OSError: no CA bundle" in caplog.text
+
+
 def test_beyond_max_draining_a_closed_webhook_is_abandoned_at_once(monkeypatch):
     """With MAX_DRAINING closed webhooks draining already, close() shuts the connection in
     flight and drops the queue: the thread ends now, not after its 60 s timeout."""
