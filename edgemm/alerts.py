@@ -3,8 +3,9 @@ unknown, debounced, and announced when they change.
 
     a frame the stream submits ─► StreamAlerts.ask: each alert that is due (every N frames,
         the stream not behind or the alert at its floor, fewer than ALERT_INFLIGHT of its
-        questions unanswered, a place free) ─► one more request into the daemon's pipeline,
-        same image (the feature cache spares the encoder)
+        questions unanswered, a place free) ─► a question riding with the frame's own request
+        (Request.followers: the frame decoded, scheduled and encoded once for all of them,
+        the questions decoded beside it, each reusing the image's prompt prefix)
     its answer (decode thread) ─► Rule.read: "true" | "false" | "unknown"
         ─► Debounce: on_after true / off_after false readings in a row change the state
         ─► an event {"stream", "alert", "state", "frame", "time"}: the stream's SSE
@@ -26,8 +27,11 @@ flight. An alert that is due when it has that many unanswered, or no place is fr
 asked on the next frame instead (counted as skipped); the alerts that waited longest go
 first. A reading about an older frame than one already read (overtaken) is left out.
 Nothing waits for a place: asking never slows the stream's own frames down beyond the
-pipeline work the questions are. The daemon's pipeline keeps max_streams × ALERT_SHARE
-inbox places for them (edgemm.streams.reserved_places), so they never crowd out the API.
+pipeline work the questions are. Riding with a frame, a question takes no inbox place of
+the pipeline's; asked without one (`ask` with no leader) it is a request of its own, for
+which the daemon's pipeline keeps max_streams × ALERT_SHARE inbox places
+(edgemm.streams.reserved_places), so they never crowd out the API. A frame the pipeline
+refuses takes its questions with it: never asked, they are counted as skipped.
 
 A webhook is a thread of its own with a bounded queue: when it falls behind (an endpoint
 that is slow, down or hangs), the oldest events are dropped and counted; the stream never
@@ -222,11 +226,13 @@ class StreamAlerts:
 
     # -- the stream's feeding thread --
 
-    def ask(self, frame: Frame, behind: bool = False) -> None:
-        """The alerts due on `frame` (just submitted by the stream) go into the pipeline, if
-        they can without waiting; the others are asked on a later frame. `behind`: the
-        stream is behind its source, so only alerts at their floor are asked (the others
-        are deferred)."""
+    def ask(self, frame: Frame, behind: bool = False, leader: Request | None = None) -> None:
+        """The alerts due on `frame` are asked, if they can be without waiting; the others
+        are asked on a later frame. `leader`: the stream's own request about the frame, not
+        submitted yet: the questions ride with it (Request.followers: one preparation and
+        one encoding of the frame for all, decoded beside it); without one they are
+        submitted into the pipeline on their own. `behind`: the stream is behind its
+        source, so only alerts at their floor are asked (the others are deferred)."""
         count = self.processed
         self.processed += 1
         self.keeping_up = 0 if behind else self.keeping_up + 1
@@ -247,12 +253,17 @@ class StreamAlerts:
                 options["tier"] = self.tier
             if self.route is not None:
                 options["route"] = self.route()
-            try:
-                future = self.pipeline.submit(Request(frame.image, alert.cfg.prompt, options, tag=frame), block=False)
-            except Overloaded:  # not expected (its places are reserved); closing: asked no more
-                self._give_place()
-                self._skipped(alert)
-                continue
+            question = Request(frame.image, alert.cfg.prompt, options, tag=frame)
+            if leader is not None:
+                leader.followers.append(question)  # refused with it, its future is cancelled
+                future = question.future
+            else:
+                try:
+                    future = self.pipeline.submit(question, block=False)
+                except Overloaded:  # not expected (its places are reserved); closing: asked no more
+                    self._give_place()
+                    self._skipped(alert)
+                    continue
             with self._lock:
                 alert.in_flight += 1
                 self._unanswered += 1
@@ -290,6 +301,12 @@ class StreamAlerts:
                 self._settled.notify_all()
 
     def _read(self, alert: Alert, frame: int, seq: int, future: Future) -> None:
+        if future.cancelled():  # the frame it rode with was refused: never asked
+            with self._lock:
+                alert.in_flight -= 1
+                alert.figures.asked -= 1
+                alert.figures.skipped += 1
+            return
         try:
             reading = alert.rule.read(future.result().text)
             failed = False

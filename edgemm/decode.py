@@ -533,10 +533,14 @@ def _prefill(gen: Generator, items: list[tuple[Any, BatchItem]],
     """Every item's prompt through the decoder. A stored prefix is reused item by item;
     the other prompts go through together, one decoder call per prompt length (the same
     question at the same tier has the same length), since a prefill of B short prompts
-    costs less than B prefills where one call's fixed cost dominates. Each answer comes
-    with its logits [1, V] and its cache."""
+    costs less than B prefills where one call's fixed cost dominates. An item whose prefix
+    an earlier item of these prefills (another question about the same image, asked with
+    it) waits for it to be stored, then reuses it. Each answer comes with its logits [1, V]
+    and its cache."""
     answers, logits, pasts = [], [], []
     fresh: dict[int, list[tuple[Any, BatchItem, np.ndarray, int, bytes | None, float]]] = {}  # length → prompts
+    coming: set[bytes] = set()  # prefixes these fresh prefills store
+    after: list[tuple[Any, BatchItem]] = []  # items waiting for one of them
     for key, item in items:
         started = time.perf_counter()
         try:
@@ -549,6 +553,11 @@ def _prefill(gen: Generator, items: list[tuple[Any, BatchItem]],
             split, prefix = gen.prefix_key(item.features, item.input_ids, item.image_start, item.reuse)
             stored = gen.from_stored_prefix(item.input_ids, split, prefix, item.reuse, item.positions)
             if stored is None:
+                if prefix in coming:
+                    after.append((key, item))
+                    continue
+                if prefix is not None:
+                    coming.add(prefix)
                 fresh.setdefault(length, []).append(
                     (key, item, gen.embed_prompt(item.input_ids, item.features, item.image_start), split, prefix,
                      started))
@@ -559,35 +568,45 @@ def _prefill(gen: Generator, items: list[tuple[Any, BatchItem]],
         answers.append(_answer(gen, key, item, started, reused=True))
         logits.append(stored[0])
         pasts.append(stored[1])
-    for length, group in fresh.items():
-        try:
-            embeds = group[0][2] if len(group) == 1 else np.concatenate([embeds for _, _, embeds, *_ in group])
-            # no padding: every row's positions are 0 … length - 1 (no cumsum of the mask), or the family's
-            positions = _shared("counting", gen.position_dtype, length)[:length, 0, 0][None]
-            if gen.position_axes:
-                positions = _prompt_positions(gen, [item for _, item, *_ in group], positions)
-            elif len(group) > 1:
-                positions = np.repeat(positions, len(group), axis=0)
-            out, past = gen.step(embeds, _ones(gen, len(group), length), gen.empty_past(len(group)), positions)
-            # rows whose logits are not finite, by the step's rule: argmax lands on a NaN or
-            # +inf (ndarray.argmax is all C; max() goes through numpy's Python wrappers, which
-            # cost tens of µs on the caches the decoder call left cold)
-            broken = [j for j, top in enumerate(out.argmax(1).tolist()) if not isfinite(out.item(j, top))]
-        except Exception as e:  # the shared call failed: so does each of its requests
-            for key, *_ in group:
-                failed(key, e)
-            continue
-        for j, (key, item, _, split, prefix, started) in enumerate(group):
-            own = past if len(group) == 1 else {name: value[j:j + 1] for name, value in past.items()}
-            if j not in broken:  # a broken prefix must not be served to the next request
-                try:
-                    gen.store_prefix(own, split, prefix, item.reuse)
-                except Exception:  # the cache is an optimisation: the answer goes on without it
-                    log.exception("keeping a prompt prefix in the cache failed")
-            answers.append(_answer(gen, key, item, started, reused=False))
-            logits.append(out if len(group) == 1 else out[j:j + 1])
-            pasts.append(own)
+    for group in fresh.values():
+        _prefill_fresh(gen, group, failed, answers, logits, pasts)
+    if after:  # their prefixes are stored now (unless a row broke or the store refused it)
+        more = _prefill(gen, after, failed)
+        for done, kept in zip((answers, logits, pasts), more):
+            done.extend(kept)
     return answers, logits, pasts
+
+
+def _prefill_fresh(gen: Generator, group: list, failed: Finished, answers: list, logits: list, pasts: list) -> None:
+    """Prompts of one length through one decoder call, each prefix stored for the next question."""
+    try:
+        embeds = group[0][2] if len(group) == 1 else np.concatenate([embeds for _, _, embeds, *_ in group])
+        length = embeds.shape[1]
+        # no padding: every row's positions are 0 … length - 1 (no cumsum of the mask), or the family's
+        positions = _shared("counting", gen.position_dtype, length)[:length, 0, 0][None]
+        if gen.position_axes:
+            positions = _prompt_positions(gen, [item for _, item, *_ in group], positions)
+        elif len(group) > 1:
+            positions = np.repeat(positions, len(group), axis=0)
+        out, past = gen.step(embeds, _ones(gen, len(group), length), gen.empty_past(len(group)), positions)
+        # rows whose logits are not finite, by the step's rule: argmax lands on a NaN or
+        # +inf (ndarray.argmax is all C; max() goes through numpy's Python wrappers, which
+        # cost tens of µs on the caches the decoder call left cold)
+        broken = [j for j, top in enumerate(out.argmax(1).tolist()) if not isfinite(out.item(j, top))]
+    except Exception as e:  # the shared call failed: so does each of its requests
+        for key, *_ in group:
+            failed(key, e)
+        return
+    for j, (key, item, _, split, prefix, started) in enumerate(group):
+        own = past if len(group) == 1 else {name: value[j:j + 1] for name, value in past.items()}
+        if j not in broken:  # a broken prefix must not be served to the next request
+            try:
+                gen.store_prefix(own, split, prefix, item.reuse)
+            except Exception:  # the cache is an optimisation: the answer goes on without it
+                log.exception("keeping a prompt prefix in the cache failed")
+        answers.append(_answer(gen, key, item, started, reused=False))
+        logits.append(out if len(group) == 1 else out[j:j + 1])
+        pasts.append(own)
 
 
 def _prompt_positions(gen: Generator, items: list[BatchItem], counting: np.ndarray) -> np.ndarray:

@@ -35,6 +35,15 @@ waits for a batch to fill. Each answer is handed back the moment it ends; reques
 arrive while a batch decodes join it between steps when JoinPolicy says they should
 (continuous batching), else they start the next batch. Results come back through
 `concurrent.futures.Future`s.
+
+A request may carry followers: other questions about the same image (a stream's alerts).
+They go where it goes without places of their own: prepared by its worker right after it
+(Runtime.follow: at its tier they take its pixel values and cache key, so nothing about
+the image is done again; at another tier they are prepared in full and go to the encoder
+apart, right behind it), given its features by its encoder call, and handed to the decoder
+with it, so that they join the same batch and their prefills reuse the image prefix its
+prefill stored. Until the decoder takes them they share its fate: refused, they are
+cancelled; failed or cancelled, they fail with it. From there each is its own request.
 """
 from __future__ import annotations
 
@@ -87,6 +96,10 @@ class Request:
     prepared: PreparedRequest | None = None
     features: np.ndarray | None = None
     marks: dict[str, float] = field(default_factory=dict)  # stage → perf_counter when it ended
+    # other questions about the same image, riding with this request (submitted with it, they
+    # take no place of the pipeline's: whoever attaches them bounds them): prepared with it,
+    # sharing its pixels and features where their tier is its own, then decoded beside it
+    followers: list["Request"] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -160,6 +173,7 @@ class Pipeline:
         self.stats = StageStats()
         self._held: deque = deque()  # taken from to_encode but not batchable with the current tier
         self._held_decode: deque = deque()  # taken from to_decode, can't join the running batch: goes next
+        self._following: deque = deque()  # followers of the request taken last from to_decode: they go next
         if prepare_workers < 1:
             raise ValueError(f"prepare_workers must be at least 1, got {prepare_workers}")
         self.prepare_workers = prepare_workers
@@ -196,14 +210,19 @@ class Pipeline:
     def submit(self, request: Request, block: bool = True, timeout: float | None = None) -> Future:
         """Queue a request. With block=False a full pipeline raises Overloaded at once."""
         with self._admission:
-            if self._closed:
-                raise Overloaded("the pipeline is shutting down")
             try:
-                self.inbox.put(request, block=block, timeout=timeout)
-            except queue.Full:
-                self.stats.rejected += 1
-                raise Overloaded(f"pipeline full ({self.inbox.maxsize} requests waiting); "
-                                 "retry shortly") from None
+                if self._closed:
+                    raise Overloaded("the pipeline is shutting down")
+                try:
+                    self.inbox.put(request, block=block, timeout=timeout)
+                except queue.Full:
+                    self.stats.rejected += 1
+                    raise Overloaded(f"pipeline full ({self.inbox.maxsize} requests waiting); "
+                                     "retry shortly") from None
+            except BaseException:
+                for follower in request.followers:  # never asked: their askers must hear so
+                    follower.future.cancel()
+                raise
         return request.future
 
     def infer(self, image, prompt: str, **options) -> InferenceResult:
@@ -212,7 +231,7 @@ class Pipeline:
 
     def depths(self) -> dict[str, int]:
         return {"prepare": self.inbox.qsize(), "encode": self.to_encode.qsize() + len(self._held),
-                "decode": self.to_decode.qsize() + len(self._held_decode)}
+                "decode": self.to_decode.qsize() + len(self._held_decode) + len(self._following)}
 
     def alive(self) -> bool:
         """All stage threads running (a watchdog pings only while this holds)."""
@@ -339,6 +358,11 @@ class Pipeline:
                 del self._open[ticket]
                 self._order.notify_all()
             self.to_encode.put(req)
+            apart = [f for f in req.followers if f.prepared.pixel_values is not req.prepared.pixel_values]
+            if apart:  # at a tier of their own: encoded apart, right behind it
+                req.followers = [f for f in req.followers if f not in apart]
+                for follower in apart:
+                    self.to_encode.put(follower)
 
     def _coming(self) -> bool:
         """Will another request reach the encoder soon? One is if it waits in the inbox, has
@@ -354,8 +378,9 @@ class Pipeline:
     def _prepare(self, req: Request) -> bool:
         """Decode the image, pick the tier, build the prompt; False if the request is done
         (cancelled, or failed alone)."""
-        if not req.future.set_running_or_notify_cancel():
-            return False  # cancelled while waiting (its client went away): costs nothing
+        if not req.future.set_running_or_notify_cancel():  # cancelled while waiting (its client went away)
+            self._fail_followers(req, Cancelled("the request it was asked with was cancelled"))
+            return False
         if req.cancelled.is_set():  # its client went away or it timed out while queued
             self._fail(req, Cancelled("cancelled before it was prepared: the client went away or "
                                       "the request timed out"))
@@ -363,14 +388,32 @@ class Pipeline:
         started = time.perf_counter()
         try:
             req.prepared = self.runtime.prepare(req.image, req.prompt, **req.options)
-            req.image = None  # the decoded pixels are all we need from here on
-        except Exception as e:  # a bad request fails alone; the pipeline goes on
+        except Exception as e:  # a bad request fails alone (with its followers); the pipeline goes on
             self._fail(req, e)
             return False
         finally:
             self._account("prepare", started)
         req.marks["prepare"] = time.perf_counter()
+        self._prepare_followers(req)
+        req.image = None  # the decoded pixels are all we need from here on
         return True
+
+    def _prepare_followers(self, req: Request) -> None:
+        """Each of `req`'s followers prepared from it; one that fails fails alone. Those at
+        another tier than `req` are prepared in full and go to the encoder apart, right
+        behind it (_hand_on)."""
+        for follower in req.followers:
+            if not follower.future.set_running_or_notify_cancel():
+                continue  # its asker cancelled it
+            try:
+                follower.prepared = self.runtime.follow(req.prepared, follower.image, follower.prompt,
+                                                        **follower.options)
+                follower.image = None
+            except Exception as e:
+                self._fail(follower, e)
+                continue
+            follower.marks["prepare"] = time.perf_counter()
+        req.followers = [f for f in req.followers if f.prepared is not None and not f.future.done()]
 
     def _encode_loop(self) -> None:
         while True:
@@ -421,6 +464,10 @@ class Pipeline:
         for r in done:
             r.prepared.timings_ms["encode"] = (now - started) * 1e3
             r.marks["encode"] = now
+            for follower in r.followers:  # its image's features are theirs
+                follower.features = r.features
+                follower.prepared.timings_ms["encode"] = 0.0
+                follower.marks["encode"] = now
         return done
 
     def _gather(self, first: Request, batch: list[Request]) -> bool:
@@ -451,7 +498,7 @@ class Pipeline:
 
     def _decode_loop(self) -> None:
         while True:
-            first = self._held_decode.popleft() if self._held_decode else self.to_decode.get()
+            first = self._held_decode.popleft() if self._held_decode else self._next_to_decode(block=True)
             if first is _STOP:
                 break
             held: list[Request] = [first]  # the requests not answered yet: the barrier fails those
@@ -490,6 +537,18 @@ class Pipeline:
             joining = self._joiners(devices, room, self._rows_free(batch.rows), held) \
                 if room and self.joins.now(batch.progress()) else []
 
+    def _next_to_decode(self, block: bool) -> Request:
+        """The next request for the decoder: a follower of the one taken before, else the next
+        from to_decode (queue.Empty if none and not `block`), whose followers then go next:
+        they reach the decoder together, so they are stepped together."""
+        if self._following:
+            return self._following.popleft()
+        nxt = self.to_decode.get(block=block)
+        if nxt is not _STOP and nxt.followers:
+            self._following.extend(nxt.followers)
+            nxt.followers = []  # on their own from here
+        return nxt
+
     def _rows_free(self, rows_used: int) -> int | None:
         return None if self.max_rows is None else self.max_rows - rows_used
 
@@ -502,7 +561,7 @@ class Pipeline:
         out: list[Request] = []
         while len(out) < room and not self._held_decode:
             try:
-                nxt = self.to_decode.get_nowait()
+                nxt = self._next_to_decode(block=False)
             except queue.Empty:
                 break
             if nxt is _STOP:
@@ -533,10 +592,18 @@ class Pipeline:
                 req.future.set_result(outcome)
 
     def _fail(self, req: Request, error: BaseException) -> None:
+        """`req` fails with `error`, and so do the followers still riding with it."""
         with self._accounting:  # from any stage's thread
             self.stats.failed += 1
         if not req.future.done():
             req.future.set_exception(error)
+        self._fail_followers(req, error)
+
+    def _fail_followers(self, req: Request, error: BaseException) -> None:
+        followers, req.followers = req.followers, []
+        for follower in followers:
+            if not follower.future.done():
+                self._fail(follower, error)
 
     def _account(self, stage: str, started: float, items: int = 1) -> None:
         with self._accounting:  # the prepare workers count into the same figures

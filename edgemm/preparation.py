@@ -40,6 +40,7 @@ class PreparedRequest:
     cache_key: bytes | None = None  # feature-cache key of the pixels (None with the cache off)
     route: Route | None = None  # where the power policy wants each stage (None: the first device loaded)
     warnings: list[str] = field(default_factory=list)  # one line each, handed on to the answer
+    image_size: tuple[int, int] = (0, 0)  # the decoded image's (height, width)
 
 
 def scheduler_policy(config: Config, manifest: ModelManifest) -> tuple[str, str]:
@@ -126,19 +127,7 @@ class Preparation:
         """
         t0 = time.perf_counter()
         gen = self.config.generation
-        if len(prompt) > self.config.limits.max_prompt_chars:
-            raise InputError(f"prompt is {len(prompt)} characters, above the "
-                             f"{self.config.limits.max_prompt_chars} limit (limits.max_prompt_chars)")
-        values = (max_new_tokens if max_new_tokens is not None else gen.max_new_tokens,
-                  temperature if temperature is not None else gen.temperature,
-                  top_p if top_p is not None else gen.top_p,
-                  seed if seed is not None else gen.seed,
-                  num_beams if num_beams is not None else gen.num_beams,
-                  beam_gate if beam_gate is not None else gen.beam_gate)  # GenerationOptions' order
-        try:
-            options = self._checked_options(*values)
-        except TypeError:  # a value that does not hash (a list …): GenerationOptions says what is wrong
-            options = GenerationOptions(*values)
+        options = self.options(prompt, max_new_tokens, temperature, top_p, seed, num_beams, beam_gate)
         rgb = self.load(image)
         pinned = tier or gen.tier
         decision = self.scheduler.decide(rgb, prompt, self.manifest.tier(pinned).name if pinned else None)
@@ -151,7 +140,51 @@ class Preparation:
         timings = {"preprocess": (time.perf_counter() - t0) * 1e3}
         if decision.stats is not None:
             timings["schedule"] = decision.stats.ms
-        return PreparedRequest(pixel_values, chosen, prompt_ids, options, timings, decision, key, route, warnings)
+        return PreparedRequest(pixel_values, chosen, prompt_ids, options, timings, decision, key, route, warnings,
+                               tuple(rgb.shape[:2]))
+
+    def follow(self, leader: PreparedRequest, image, prompt: str, **options) -> PreparedRequest:
+        """prepare() for another question about the image `leader` was prepared from (the
+        daemon's alerts ask theirs about the stream's frame). Where its tier comes out as the
+        leader's, its pixel values, cache key and image statistics are the leader's, not made
+        again (the encoder then gives it the leader's features too); at another tier it is
+        prepared as prepare() does. Options as prepare()'s."""
+        t0 = time.perf_counter()
+        gen = self.config.generation
+        pinned = options.get("tier") or gen.tier
+        stats = leader.decision.stats if leader.decision is not None else None
+        rgb = None
+        if not pinned and self.scheduler.policy is not None and stats is None \
+                and self.scheduler.policy.needs_statistics(prompt):
+            rgb = self.load(image)  # statistics the leader's prompt did not need
+        decision = self.scheduler.decide(rgb, prompt, self.manifest.tier(pinned).name if pinned else None, stats)
+        if decision.tier != leader.tier.name:
+            return self.prepare(image, prompt, **options)
+        generation = self.options(prompt, **{k: v for k, v in options.items() if k not in ("tier", "route")})
+        prompt_ids = self.prompt_ids(prompt, leader.tier, leader.image_size)
+        warnings = [self.unknown_words_message(prompt_ids.unknown_words)] if prompt_ids.unknown_words else []
+        timings = {"preprocess": (time.perf_counter() - t0) * 1e3}
+        return PreparedRequest(leader.pixel_values, leader.tier, prompt_ids, generation, timings, decision,
+                               leader.cache_key, options.get("route"), warnings, leader.image_size)
+
+    def options(self, prompt: str, max_new_tokens: int | None = None, temperature: float | None = None,
+                top_p: float | None = None, seed: int | None = None, num_beams: int | None = None,
+                beam_gate: float | None = None) -> GenerationOptions:
+        """The prompt's length checked, and the request's options over the config's, checked."""
+        gen = self.config.generation
+        if len(prompt) > self.config.limits.max_prompt_chars:
+            raise InputError(f"prompt is {len(prompt)} characters, above the "
+                             f"{self.config.limits.max_prompt_chars} limit (limits.max_prompt_chars)")
+        values = (max_new_tokens if max_new_tokens is not None else gen.max_new_tokens,
+                  temperature if temperature is not None else gen.temperature,
+                  top_p if top_p is not None else gen.top_p,
+                  seed if seed is not None else gen.seed,
+                  num_beams if num_beams is not None else gen.num_beams,
+                  beam_gate if beam_gate is not None else gen.beam_gate)  # GenerationOptions' order
+        try:
+            return self._checked_options(*values)
+        except TypeError:  # a value that does not hash (a list …): GenerationOptions says what is wrong
+            return GenerationOptions(*values)
 
     def unknown_words_message(self, words: tuple[str, ...]) -> str:
         """One line naming the words the model cannot read and the questions it knows; an

@@ -147,6 +147,11 @@ class Runtime:
         top_p, seed, num_beams, beam_gate and route."""
         return self.preparation.prepare(image, prompt, **options)
 
+    def follow(self, leader: PreparedRequest, image, prompt: str, **options) -> PreparedRequest:
+        """Stage 1 for another question about `leader`'s image: its pixels and features shared
+        where the tier is the same (edgemm/preparation.py)."""
+        return self.preparation.follow(leader, image, prompt, **options)
+
     def encode(self, pixel_values: np.ndarray, keys: list[bytes | None] | None = None,
                route: Route | None = None) -> np.ndarray:
         """Stage 2 (edgemm/encoding.py): features [B,N,D] of same-tier images."""

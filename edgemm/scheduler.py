@@ -332,12 +332,17 @@ class Scheduler:
         self._pinned = {tier: Decision(tier, "pinned", policy=self.name, policy_reason=why) for tier in self.tiers}
         self._top = Decision(default_tier, "policy top: the model's default tier", policy=self.name, policy_reason=why)
 
-    def decide(self, rgb: np.ndarray, prompt: str, pinned: str | None = None) -> Decision:
+    def decide(self, rgb: np.ndarray, prompt: str, pinned: str | None = None,
+               stats: SaliencyStats | None = None) -> Decision:
+        """`stats`: the image's statistics, if a decision for another prompt about it computed them."""
         if pinned is not None:
             made = self._pinned.get(pinned)
             return made if made is not None else Decision(pinned, "pinned", policy=self.name, policy_reason=self.why)
         if self.policy is None:
             return self._top
-        stats = saliency_stats(rgb) if self.policy.needs_statistics(prompt) else None
+        if stats is None and self.policy.needs_statistics(prompt):
+            stats = saliency_stats(rgb)
+        elif not self.policy.needs_statistics(prompt):
+            stats = None
         tier, reason = self.policy.choose(stats, prompt, self.tiers)
         return Decision(tier, reason, stats, self.name, self.why)

@@ -63,11 +63,12 @@ class StreamOptions:
     # edgemm.view's AnnotatedView (--view) or LatestFrame (the daemon's frame.jpg): given every
     # answer, and (when its every_frame says so) every source frame, once, in source order
     view: Any = None
-    # called with each frame that went into the pipeline (not a reused one), right after it, and
-    # whether the stream is behind (the frame waited for a place of the stream's: the source
-    # delivers faster than the stream answers): the daemon's alerts ask their questions about it
-    # only when it is not, but for a floor (edgemm.alerts); must not wait
-    also_ask: Callable[[Frame, bool], None] | None = None
+    # called with each frame that goes into the pipeline (not a reused one), whether the stream
+    # is behind (the frame waited for a place of the stream's: the source delivers faster than
+    # the stream answers), and the frame's request, right before it is submitted: the daemon's
+    # alerts attach their questions about it to that request (Request.followers), only when
+    # the stream is not behind, but for a floor (edgemm.alerts); must not wait
+    also_ask: Callable[[Frame, bool, Request], None] | None = None
 
     def share(self, live: bool) -> int:
         """Most frames of this stream in the pipeline at once."""
@@ -261,6 +262,8 @@ def run_stream(pipeline: Pipeline, source: Source, options: StreamOptions,
                 request = Request(frame.image, prompt, dict(options.generation), tag=frame)
                 if options.route is not None:
                     request.options["route"] = options.route()
+                if options.also_ask is not None:
+                    options.also_ask(frame, behind, request)
                 # The shares keep the pipeline's inbox from filling, so this does not wait in
                 # practice; it must not (a waiting submit holds the pipeline's admission lock).
                 future, reused = pipeline.submit(request, timeout=SUBMIT_WAIT_S), False
@@ -273,8 +276,6 @@ def run_stream(pipeline: Pipeline, source: Source, options: StreamOptions,
             future.add_done_callback(give_back)
             future.add_done_callback(forget_if_failed)
             last, last_prompt = future, prompt
-            if options.also_ask is not None:
-                options.also_ask(frame, behind)
         pending.put(_Taken(frame, future, reused))
         return True
 

@@ -224,8 +224,9 @@ def test_an_alert_is_deferred_while_the_stream_is_behind_but_asked_at_least_ever
 
 
 class AnsweringPipeline:
-    """Takes requests and answers them: the alerts' questions at once, the stream's own when the
-    test says (`answer_oldest`), or all at once from a thread when `answer_all`."""
+    """Takes requests and answers them: the alerts' questions (which ride with the stream's
+    frames, Request.followers) at once, the stream's own when the test says (`answer_oldest`),
+    or all at once from a thread when `answer_all`."""
 
     def __init__(self, answer_all: bool = False):
         self.requests: list = []
@@ -234,10 +235,11 @@ class AnsweringPipeline:
 
     def submit(self, request, block: bool = True, timeout: float | None = None) -> Future:
         with self.lock:
-            self.requests.append(request)
-        if self.answer_all or request.prompt != "describe":
-            threading.Thread(target=request.future.set_result, args=(SimpleNamespace(
-                text="no", tier="low", timings_ms={"total": 1.0}),), daemon=True).start()
+            self.requests += [request, *request.followers]
+        for asked in (request, *request.followers):
+            if self.answer_all or asked.prompt != "describe":
+                threading.Thread(target=asked.future.set_result, args=(SimpleNamespace(
+                    text="no", tier="low", timings_ms={"total": 1.0}),), daemon=True).start()
         return request.future
 
     def own(self) -> list:

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edgemm.errors import EdgemmError, InputError
+from edgemm.errors import Cancelled, EdgemmError, InputError
 from edgemm.pipeline import Overloaded, Pipeline, Request
 from edgemm.runtime import Runtime
 from edgemm.scenes import make_scene
@@ -651,3 +651,105 @@ def test_a_tiled_tier_is_batched_only_while_a_call_holds_at_most_max_batch_tiles
     assert encoder_batch_limits(tiled, 10, "on") == {"global": 10, "2x2": 2, "3x3": 1}
     assert encoder_batch_limits(tiled, 10, "auto") == {"global": 10, "2x2": 2, "3x3": 1}
     assert timed[1:] == [("global", 10), ("2x2", 2)]
+
+
+# ---- followers: other questions about the same image, asked with it ------------------------------
+
+QUESTIONS = ["what color is the circle ?", "what color is the square ?", "how many shapes are there ?"]
+
+
+class Counted:
+    """Wraps a runtime method, counting its calls."""
+
+    def __init__(self, runtime, name: str, monkeypatch):
+        self.calls = 0
+        original = getattr(runtime, name)
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return original(*args, **kwargs)
+        monkeypatch.setattr(runtime, name, counted)
+
+
+def with_followers(image, tier: str, prompts: list[str], follower_options: list[dict] | None = None) -> Request:
+    leader = Request(image, PROMPT, options(tier))
+    leader.followers = [Request(image, p, o) for p, o in zip(prompts, follower_options or [options(tier)] * len(prompts))]
+    return leader
+
+
+def test_followers_share_their_leaders_preparation_and_features_and_answer_as_asked_alone(runtime, images,
+                                                                                         recorded, monkeypatch):
+    prepared, encoded = Counted(runtime, "prepare", monkeypatch), Counted(runtime, "encode", monkeypatch)
+    with Pipeline(runtime, queue_size=2, max_batch=4) as pipeline:
+        leader = with_followers(images[3], "high", QUESTIONS)
+        got = [f.result(timeout=WAIT_S) for f in [pipeline.submit(leader)] + [q.future for q in leader.followers]]
+    assert prepared.calls == 1 and encoded.calls == 1  # the image decoded, scheduled and encoded once
+    assert recorded.joins == [(0, 4)]  # the four decoded together
+    for prompt, result in zip([PROMPT] + QUESTIONS, got):
+        alone = runtime.infer(images[3], prompt, **options("high"))
+        assert (result.tokens, result.text, result.tier) == (alone.tokens, alone.text, "high"), prompt
+    # each follower's prompt prefix (the image block) is the one its leader's prefill stored
+    assert [r.prefix_reused for r in got[1:]] == [True, True, True]
+    assert pipeline.stats.completed == 4 and pipeline.stats.items["prepare"] == 1
+
+
+def test_a_follower_at_another_tier_is_prepared_and_encoded_apart_right_behind_its_leader(runtime, images,
+                                                                                         monkeypatch):
+    encoded = Counted(runtime, "encode", monkeypatch)
+    with Pipeline(runtime, queue_size=2) as pipeline:
+        leader = with_followers(images[4], "low", QUESTIONS[:2], [options("high"), options("low")])
+        got = [f.result(timeout=WAIT_S) for f in [pipeline.submit(leader)] + [q.future for q in leader.followers]]
+    assert encoded.calls == 2
+    assert [r.tier for r in got] == ["low", "high", "low"]
+    assert got[1].tokens == runtime.infer(images[4], QUESTIONS[0], **options("high")).tokens
+
+
+def test_followers_fail_with_their_leaders_image_or_alone_with_their_own_options(runtime, images):
+    with Pipeline(runtime, queue_size=2) as pipeline:
+        broken = with_followers(b"not an image", "low", QUESTIONS[:1])
+        bad_option = with_followers(images[5], "low", QUESTIONS[:2], [{"tier": "no-such-tier"}, options("low")])
+        questions = [*broken.followers, *bad_option.followers]  # detached from their leaders once handed on
+        for leader in (broken, bad_option):
+            pipeline.submit(leader)
+        for future in (broken.future, questions[0].future, questions[1].future):
+            with pytest.raises(InputError):
+                future.result(timeout=WAIT_S)
+        assert "no-such-tier" in str(questions[1].future.exception())
+        assert bad_option.future.result(timeout=WAIT_S).tier == "low"
+        assert questions[2].future.result(timeout=WAIT_S).tier == "low"
+    assert pipeline.stats.completed == 2 and pipeline.stats.failed == 3
+
+
+def test_refused_or_cancelled_leaders_followers_are_cancelled_or_failed_never_left_waiting(runtime, images,
+                                                                                          blocked):
+    pipeline = Pipeline(runtime, queue_size=1, max_batch=1)
+    try:
+        first = pipeline.submit(Request(images[0], PROMPT, options("low")))  # held in the encoder
+        assert blocked.entered.wait(WAIT_S)
+        leaders, refused = [], None
+        for i in range(6):  # the stages' queues fill up behind the encoder; then one is refused
+            leader = with_followers(images[1 + i], "low", QUESTIONS[:2])
+            try:
+                pipeline.submit(leader, block=False)
+            except Overloaded:
+                refused = leader
+                break
+            leaders.append(leader)
+        assert refused is not None, "the pipeline never refused"
+        assert all(q.future.cancelled() for q in refused.followers)
+        waiting = leaders[-1]  # still in the inbox: cancelled there, its questions fail with it
+        asked = list(waiting.followers)
+        assert waiting.future.cancel()
+    finally:
+        blocked.release.set()
+        pipeline.close()
+    assert first.result(timeout=WAIT_S)
+    for q in asked:
+        with pytest.raises(Cancelled):
+            q.future.result(timeout=WAIT_S)
+    for leader in leaders[:-1]:
+        assert leader.future.result(timeout=WAIT_S).tier == "low"
+    late = with_followers(images[0], "low", QUESTIONS[:1])
+    with pytest.raises(Overloaded):
+        pipeline.submit(late)  # closed
+    assert late.followers[0].future.cancelled()
