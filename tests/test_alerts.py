@@ -195,6 +195,22 @@ def test_the_managers_pool_bounds_every_streams_questions_together():
     assert pool.acquire(blocking=False)  # given back once answered
 
 
+def test_questions_ride_with_the_frames_own_request_and_a_refused_frame_gives_their_places_back():
+    from edgemm.pipeline import Request
+    alerts, pipeline, _ = scripted({"a": "is there a cat ?", "b": "is there a dog ?"})
+    first = frame(0)
+    leader = Request(first.image, "describe", {}, tag=first)
+    alerts.ask(first, leader=leader)
+    assert not pipeline.requests  # nothing submitted on its own
+    assert [q.prompt for q in leader.followers] == ["is there a cat ?", "is there a dog ?"]
+    assert all(q.tag.index == 0 and q.image is leader.image for q in leader.followers)
+    for question in leader.followers:  # the pipeline refused the frame (Pipeline.submit cancels them)
+        question.future.cancel()
+    assert alerts.places.acquire(blocking=False) and alerts.settle(0)  # every place given back
+    assert [(a.figures.asked, a.figures.skipped, a.in_flight) for a in alerts.alerts] == [(0, 1, 0), (0, 1, 0)]
+    assert all(a.figures.readings == {} for a in alerts.alerts)  # never read as unknown
+
+
 # ---- spare capacity: the stream's own answers first ---------------------------------------------
 
 def test_an_alert_is_deferred_while_the_stream_is_behind_but_asked_at_least_every_max_every_frames():
@@ -523,6 +539,10 @@ def test_a_daemon_stream_sends_alert_events_lists_states_and_counts_them(runtime
         figures = http.get("/v1/streams/shapes").json()
         alerts = http.get("/v1/alerts").json()
         text = http.get("/metrics").text
+        stats = d.service.pipeline.stats
+    # the questions rode with their frames: each frame decoded, scheduled and encoded once for all
+    assert stats.items["prepare"] == stats.items["encode"] == 60
+    assert stats.completed == 60 + sum(row["evaluations"] for row in alerts["data"])
     results = {e["frame"]: e for name, e in events if name is None}
     alert_events = [e for name, e in events if name == "alert"]
     assert figures["state"] == "ended" and figures["frames"] == 60
