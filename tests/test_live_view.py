@@ -378,6 +378,34 @@ def test_latest_frame_is_encoded_once_per_answer_and_bounded():
     assert latest.jpeg()[0] == number + 1
 
 
+def test_latest_frame_keeps_the_last_answers_frames_by_number_each_encoded_once(monkeypatch):
+    """/v1/events?frames=jpeg: a result's own frame, found by its `frame` number while it is one of
+    the last KEPT_ANSWERED_FRAMES answered; encoded once however many ask; an error keeps none."""
+    from edgemm.view import KEPT_ANSWERED_FRAMES
+    encodes = []
+    real = edgemm.view.jpeg
+    monkeypatch.setattr(edgemm.view, "jpeg", lambda image: encodes.append(1) or real(image))
+    latest = LatestFrame()
+    scenes = [make_scene(seed) for seed in range(KEPT_ANSWERED_FRAMES + 2)]
+    for number, scene in enumerate(scenes):
+        latest.answer(type("F", (), {"image": scene.image})(), {"frame": number, "answer": "x"})
+    latest.answer(type("F", (), {"image": scenes[0].image})(), {"frame": 99, "error": "boom"})
+    assert latest.jpeg_of(0) is None and latest.jpeg_of(1) is None  # older than the kept ones
+    assert latest.jpeg_of(99) is None  # an error has no frame
+    kept = range(len(scenes) - KEPT_ANSWERED_FRAMES, len(scenes))
+    for number in kept:
+        image = cv2.imdecode(np.frombuffer(latest.jpeg_of(number), np.uint8), cv2.IMREAD_COLOR)
+        errors = [np.abs(image.astype(int) - scene.image.astype(int)).mean() for scene in scenes]
+        assert int(np.argmin(errors)) == number  # its own frame, not the latest
+    encodes.clear()
+    last = kept[-1]
+    assert latest.jpeg_of(last) is latest.jpeg_of(last) and encodes == []  # the last encode is kept
+    # a source that numbers its frames anew (a restarted camera): the newer frame of that number
+    latest.answer(type("F", (), {"image": scenes[0].image})(), {"frame": last, "answer": "y"})
+    image = cv2.imdecode(np.frombuffer(latest.jpeg_of(last), np.uint8), cv2.IMREAD_COLOR)
+    assert int(np.argmin([np.abs(image.astype(int) - scene.image.astype(int)).mean() for scene in scenes])) == 0
+
+
 def test_viewers_asking_at_once_share_one_encode_per_answer(monkeypatch):
     """8 viewers at once, from threads (LatestFrame.jpeg) and from the event loop (frame.jpg's
     shared_encode): one encode per answer, on the live view's own threads."""
@@ -798,6 +826,47 @@ def test_events_at_a_rate_thin_a_fast_stream_and_keep_its_latest(runtime):
     assert frames == sorted(frames) and len(set(frames)) == len(frames)
     assert len(frames) <= 4 * elapsed + 2  # at most rate per second (the first goes at once)
     assert answered > 2 * len(frames)  # the stream answered more than were sent: they were thinned
+
+
+@pytest.mark.parametrize("query, param, message", [
+    ("frames=jpeg", "rate", "needs a 'rate'"), ("rate=31&frames=jpeg", "rate", "at most 30"),
+    ("rate=5&frames=png", "frames", "'jpeg'"), ("rate=5&frames=jpeg&frames=jpeg", "frames", "given once"),
+    ("rate=5&frames=", "frames", "'jpeg'")])
+def test_a_bad_events_frames_is_a_400_before_a_listener_place_is_taken(runtime, query, param, message):
+    with running(runtime, max_stream_listeners=1) as d, raw_client(sock_path(d)) as http:
+        response = http.get(f"/v1/events?{query}")
+        assert_error(response, 400, param=param)
+        assert message in response.json()["error"]["message"]
+        assert d.service.streams.listener_count() == 0
+
+
+def test_events_with_frames_carry_each_results_own_frame(runtime):
+    """?rate=R&frames=jpeg: each result of a fast stream comes with a JPEG of its own frame
+    (synthetic frame i is make_scene(seed + i): the decoded JPEG is nearest that scene of those
+    around it), not the stream's latest; alert events carry none."""
+    stream = {"id": "fast", "source": "synthetic://?size=64", "prompt": COLOUR, "tier": "low", "max_new_tokens": 1}
+    with running(runtime, {"streams": [stream]}) as d, raw_client(sock_path(d)) as http:
+        wait_until(lambda: http.get("/v1/streams/fast").json()["frames"] >= 3, 30, "answers")
+        records = []
+        with http.stream("GET", "/v1/events?rate=10&frames=jpeg") as events:
+            for line in events.iter_lines():
+                if line.startswith("data: "):
+                    records.append(json.loads(line[6:]))
+                    if len(records) == 2:
+                        d.service.streams.get("fast")._post_alert({"stream": "fast", "alert": "a", "state": "true"})
+                if len(records) >= 12:
+                    break
+    results = [r for r in records if "answer" in r]
+    assert len(results) >= 10 and any("alert" in r for r in records)
+    assert all("jpeg" not in r for r in records if "alert" in r)
+    with_jpeg = [r for r in results if "jpeg" in r]
+    assert len(with_jpeg) >= len(results) - 1  # the frame of a result sent at once is still kept
+    import base64
+    for record in with_jpeg:
+        image = cv2.imdecode(np.frombuffer(base64.b64decode(record["jpeg"]), np.uint8), cv2.IMREAD_COLOR)
+        near = range(max(0, record["frame"] - 3), record["frame"] + 4)
+        errors = {n: np.abs(image.astype(int) - make_scene(n, size=64).image.astype(int)).mean() for n in near}
+        assert min(errors, key=errors.get) == record["frame"]
 
 
 def test_page_traffic_asks_what_the_page_asks():
