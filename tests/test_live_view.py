@@ -247,7 +247,7 @@ def test_the_page_and_its_endpoints_on_the_unix_socket(runtime):
         page = http.get("/")
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
         assert "<script>" in page.text and "https://" not in page.text and "http://" not in page.text  # offline
-        assert "new EventSource(`/v1/events?rate=${FRAMES_PER_S}`)" in page.text  # thinned to what it draws
+        assert "new EventSource(`/v1/events?rate=${FRAMES_PER_S}&frames=jpeg`)" in page.text  # thinned to what it draws
         # before its first answer a stream has no frame (this camera never opens); after it, a bounded
         # JPEG of the latest
         http.post("/v1/streams", json={**stream, "id": "down", "source": "rtsp://127.0.0.1:1/x"})
@@ -869,6 +869,52 @@ def test_events_with_frames_carry_each_results_own_frame(runtime):
         assert min(errors, key=errors.get) == record["frame"]
 
 
+@needs_browser
+def test_a_hidden_page_closes_its_event_stream_and_stops_polling_until_shown(runtime):
+    """Headless chromium keeps every page visible (the DevTools protocol's focus emulation and
+    lifecycle states leave document.visibilityState as it is): the page is hidden here as a
+    browser hides a background tab, by its visibilityState and a visibilitychange event. Hidden,
+    it holds no listener on the daemon and asks nothing; shown, it is live again."""
+    stream = {"id": "cam", "source": "synthetic://?fps=10", "prompt": COLOUR, "tier": "low", "max_new_tokens": 2}
+    answers = "document.querySelector('[data-stream=cam] .answer')?.textContent || ''"
+    with running(runtime, {"streams": [stream]}, tcp_port=0) as d, HeadlessBrowser(tcp_url(d)) as browser:
+        wait_until(lambda: shown(browser).get("cam", {}).get("frame_width"), 30, "the stream's frame")
+        assert d.service.streams.listener_count() == 1
+        browser.evaluate("""(() => { window.__asked = []; const real = window.fetch;
+            window.fetch = (url, ...rest) => { window.__asked.push(String(url)); return real(url, ...rest); };
+            window.__visibility = 'hidden';
+            Object.defineProperty(document, 'visibilityState', {configurable: true, get: () => window.__visibility});
+            Object.defineProperty(document, 'hidden', {configurable: true, get: () => window.__visibility === 'hidden'});
+            document.dispatchEvent(new Event('visibilitychange')); })()""")
+        wait_until(lambda: d.service.streams.listener_count() == 0, 10, "the hidden page's listener to go")
+        time.sleep(0.5)  # a draw under way as it was hidden ends (FRAME_INTERVAL_MS)
+        browser.evaluate("window.__asked = []; performance.clearResourceTimings(); 1")
+        answer = browser.evaluate(answers)
+        time.sleep(3.5)  # more than every poll's interval (1, 2 and 2 s)
+        assert browser.evaluate("window.__asked") == []
+        assert browser.evaluate("performance.getEntriesByType('resource').map(entry => entry.name)") == []  # nor a frame
+        assert browser.evaluate(answers) == answer  # nothing drawn
+        assert d.service.streams.listener_count() == 0
+        assert browser.evaluate("document.getElementById('connection').textContent").startswith("paused")
+        browser.evaluate("window.__visibility = 'visible'; document.dispatchEvent(new Event('visibilitychange')); 1")
+        wait_until(lambda: browser.evaluate("document.getElementById('connection').textContent") == "live", 10,
+                   "the page live again")
+        assert d.service.streams.listener_count() == 1
+        wait_until(lambda: {"/v1/streams", "/v1/status"} <= set(browser.evaluate("window.__asked")), 10,
+                   "the polls asked again")
+        wait_until(lambda: browser.evaluate(answers) != answer, 15, "a new answer drawn")
+        # hidden and shown again quickly: still one listener, the polls not doubled
+        browser.evaluate("""(() => { for (const state of ['hidden', 'visible', 'hidden', 'visible']) {
+            window.__visibility = state; document.dispatchEvent(new Event('visibilitychange')); } })()""")
+        wait_until(lambda: browser.evaluate("document.getElementById('connection').textContent") == "live", 10,
+                   "live after flickering")
+        browser.evaluate("window.__asked = []; 1")
+        time.sleep(4.2)
+        streams_asked = browser.evaluate("window.__asked.filter(url => url === '/v1/streams').length")
+        assert 3 <= streams_asked <= 5  # once a second: one poll, not two
+        assert d.service.streams.listener_count() == 1
+
+
 def test_page_traffic_asks_what_the_page_asks():
     """tools/page_traffic.py (bench_alerts' page on another computer) reads the page's rate, and
     the page asks the daemon for that rate."""
@@ -877,7 +923,7 @@ def test_page_traffic_asks_what_the_page_asks():
     from edgemm.liveview import page
     text = page().decode()
     assert page_rate(text) == 5.0
-    assert "new EventSource(`/v1/events?rate=${FRAMES_PER_S}`)" in text
+    assert "new EventSource(`/v1/events?rate=${FRAMES_PER_S}&frames=jpeg`)" in text
     with pytest.raises(SystemExit, match="FRAMES_PER_S"):
         page_rate("<html></html>")
 
