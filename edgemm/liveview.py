@@ -4,7 +4,9 @@
     GET /v1/events[?rate=R]            every stream's results (and alert events) as one SSE
                                        stream, so a page watching many streams holds one connection;
                                        with `rate`, at most R results per stream per second
-                                       (ThinnedListener)
+                                       (ThinnedListener); with `rate` and `frames=jpeg`, each result
+                                       carries its own frame as base64 JPEG in `jpeg` (what the page
+                                       draws: no frame.jpg request per draw)
     GET /v1/streams/{id}/frame.jpg     the latest answered frame, a JPEG of at most 640 px a side
                                        (edgemm.view.LatestFrame: encoded once per answer, on a pool of
                                        ENCODE_THREADS of its own); 404 before one
@@ -19,6 +21,7 @@ is queued for it. The page itself uses the existing API for the rest (GET/POST/D
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import math
 import re
@@ -72,6 +75,28 @@ async def shared_encode(latest: LatestFrame) -> tuple[int, bytes] | None:
     return await asyncio.shield(future)  # a viewer that leaves does not cancel it for the others
 
 
+async def shared_encode_of(latest: LatestFrame, frame_number: object) -> bytes | None:
+    """latest.jpeg_of(frame_number) on ENCODER, shared as shared_encode is (the page's listeners
+    ask for the same frame)."""
+    key = (latest, frame_number)
+    future = encoding.get(key)
+    if future is None:
+        future = asyncio.get_running_loop().run_in_executor(ENCODER, latest.jpeg_of, frame_number)
+        encoding[key] = future
+        future.add_done_callback(lambda _: encoding.pop(key, None))
+    return await asyncio.shield(future)
+
+
+async def with_frame(service: Service, record: dict) -> dict:
+    """A result with its own frame, base64 JPEG, as `jpeg` (GET /v1/events?frames=jpeg); without
+    it when the frame is no longer kept (KEPT_ANSWERED_FRAMES newer answers) or the stream is gone."""
+    stream = service.streams.streams.get(record.get("stream"))
+    if stream is None or "frame" not in record:
+        return record
+    data = await shared_encode_of(stream.latest, record["frame"])
+    return {**record, "jpeg": base64.b64encode(data).decode("ascii")} if data is not None else record
+
+
 # ---- /v1/events?rate=R ---------------------------------------------------------------------------
 
 MAX_RATE = 1000.0  # results per stream per second a listener may ask for; more is every result anyway
@@ -91,6 +116,22 @@ def parse_rate(values: list[str]) -> float | None:
         raise ApiError(f"'rate' is results per stream per second, a number from {MIN_RATE:g} to {MAX_RATE:g}, "
                        f"got {text[:40]!r}", param="rate")
     return rate
+
+
+MAX_FRAMES_RATE = 30.0  # ?frames=jpeg: each result sent is a JPEG encode (a few ms): so many a second per stream at most
+
+
+def parse_frames(values: list[str], rate: float | None) -> bool:
+    """`?frames=jpeg` of GET /v1/events: each result with its frame; only with a `rate` up to MAX_FRAMES_RATE."""
+    if not values:
+        return False
+    if len(values) > 1 or values[0] != "jpeg":
+        raise ApiError(f"'frames' is 'jpeg' (each result with its frame), given once, got {values[0][:40]!r}",
+                       param="frames")
+    if rate is None or rate > MAX_FRAMES_RATE:
+        raise ApiError(f"'frames=jpeg' needs a 'rate' of at most {MAX_FRAMES_RATE:g} results per stream per second "
+                       "(each result sent is a JPEG encode)", param="rate")
+    return True
 
 
 @dataclass
@@ -218,6 +259,7 @@ def live_view_routes(service: Service, read_json: Callable[..., Awaitable[object
     async def all_events(http: HttpRequest) -> Response:
         manager = service.streams
         rate = parse_rate(http.query_params.getlist("rate"))  # before the listener's place is taken
+        frames = parse_frames(http.query_params.getlist("frames"), rate)
         limit = service.server.max_stream_listeners
         if manager.listener_count() >= limit:
             raise Overloaded(f"server busy: {limit} stream listeners are connected (server.max_stream_listeners); "
@@ -238,6 +280,8 @@ def live_view_routes(service: Service, read_json: Callable[..., Awaitable[object
                     if item is END:
                         break
                     _, record, event = item
+                    if frames and event is None and "answer" in record:
+                        record = await with_frame(service, record)
                     yield event_text(record, event)
             finally:
                 manager.unlisten_all(listener)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import tempfile
 import threading
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from edgemm.sources import Frame, gstreamer_available, gstreamer_element_exists
 VIDEO_CODECS = {".mp4": "mp4v", ".avi": "MJPG"}  # fourccs every OpenCV build writes without extra codecs
 DEFAULT_FPS = 10.0  # the output's frame rate when the source does not say its own
 JPEG_MAX_SIDE = 640  # the daemon's frame.jpg: longest side, in pixels
+KEPT_ANSWERED_FRAMES = 3  # a stream's last answers' frames kept (references, no copies) for /v1/events?frames=jpeg
 JPEG_QUALITY = 80
 _FONT = cv2.FONT_HERSHEY_SIMPLEX
 
@@ -91,12 +93,17 @@ class LatestFrame:
         self._image: np.ndarray | None = None
         self._number = 0  # answers seen
         self._encoded: tuple[int, bytes] | None = None  # (answer number, its JPEG)
+        # the last few answers' frames by their source frame number, for GET /v1/events?frames=jpeg:
+        # the result sent is its stream's newest, but a newer answer may come while it is encoded
+        self._recent: deque[tuple[object, np.ndarray]] = deque(maxlen=KEPT_ANSWERED_FRAMES)
+        self._encoded_frame: tuple[np.ndarray, bytes] | None = None  # (a kept frame, its JPEG)
 
     def answer(self, frame: Frame, record: dict) -> None:
         if "error" in record:
             return
         with self._lock:
             self._image, self._number = frame.image, self._number + 1
+            self._recent.append((record.get("frame"), frame.image))
 
     def frame(self, frame: Frame) -> None:
         pass
@@ -122,6 +129,23 @@ class LatestFrame:
                 if self._encoded is None or self._encoded[0] < number:
                     self._encoded = encoded
             return encoded
+
+    def jpeg_of(self, frame_number: object) -> bytes | None:
+        """The JPEG of the answered frame with this source frame number (a result's `frame`), or None
+        once KEPT_ANSWERED_FRAMES newer answers came: each encoded once, however many ask."""
+        with self._encode_lock:
+            with self._lock:
+                # the newest of that number (a source that restarts numbers its frames anew)
+                image = next((kept for number, kept in reversed(self._recent) if number == frame_number), None)
+                encoded = self._encoded_frame
+            if image is None:
+                return None
+            if encoded is not None and encoded[0] is image:
+                return encoded[1]
+            data = jpeg(image)
+            with self._lock:
+                self._encoded_frame = (image, data)
+            return data
 
 
 # ---- --view OUT ----------------------------------------------------------------------------

@@ -247,7 +247,7 @@ def test_the_page_and_its_endpoints_on_the_unix_socket(runtime):
         page = http.get("/")
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
         assert "<script>" in page.text and "https://" not in page.text and "http://" not in page.text  # offline
-        assert "new EventSource(`/v1/events?rate=${FRAMES_PER_S}`)" in page.text  # thinned to what it draws
+        assert "new EventSource(`/v1/events?rate=${FRAMES_PER_S}&frames=jpeg`)" in page.text  # thinned to what it draws
         # before its first answer a stream has no frame (this camera never opens); after it, a bounded
         # JPEG of the latest
         http.post("/v1/streams", json={**stream, "id": "down", "source": "rtsp://127.0.0.1:1/x"})
@@ -376,6 +376,34 @@ def test_latest_frame_is_encoded_once_per_answer_and_bounded():
     latest.answer(frame, {"answer": "blue"})
     assert latest.cached() is None  # a new answer: the old JPEG is not served for it
     assert latest.jpeg()[0] == number + 1
+
+
+def test_latest_frame_keeps_the_last_answers_frames_by_number_each_encoded_once(monkeypatch):
+    """/v1/events?frames=jpeg: a result's own frame, found by its `frame` number while it is one of
+    the last KEPT_ANSWERED_FRAMES answered; encoded once however many ask; an error keeps none."""
+    from edgemm.view import KEPT_ANSWERED_FRAMES
+    encodes = []
+    real = edgemm.view.jpeg
+    monkeypatch.setattr(edgemm.view, "jpeg", lambda image: encodes.append(1) or real(image))
+    latest = LatestFrame()
+    scenes = [make_scene(seed) for seed in range(KEPT_ANSWERED_FRAMES + 2)]
+    for number, scene in enumerate(scenes):
+        latest.answer(type("F", (), {"image": scene.image})(), {"frame": number, "answer": "x"})
+    latest.answer(type("F", (), {"image": scenes[0].image})(), {"frame": 99, "error": "boom"})
+    assert latest.jpeg_of(0) is None and latest.jpeg_of(1) is None  # older than the kept ones
+    assert latest.jpeg_of(99) is None  # an error has no frame
+    kept = range(len(scenes) - KEPT_ANSWERED_FRAMES, len(scenes))
+    for number in kept:
+        image = cv2.imdecode(np.frombuffer(latest.jpeg_of(number), np.uint8), cv2.IMREAD_COLOR)
+        errors = [np.abs(image.astype(int) - scene.image.astype(int)).mean() for scene in scenes]
+        assert int(np.argmin(errors)) == number  # its own frame, not the latest
+    encodes.clear()
+    last = kept[-1]
+    assert latest.jpeg_of(last) is latest.jpeg_of(last) and encodes == []  # the last encode is kept
+    # a source that numbers its frames anew (a restarted camera): the newer frame of that number
+    latest.answer(type("F", (), {"image": scenes[0].image})(), {"frame": last, "answer": "y"})
+    image = cv2.imdecode(np.frombuffer(latest.jpeg_of(last), np.uint8), cv2.IMREAD_COLOR)
+    assert int(np.argmin([np.abs(image.astype(int) - scene.image.astype(int)).mean() for scene in scenes])) == 0
 
 
 def test_viewers_asking_at_once_share_one_encode_per_answer(monkeypatch):
@@ -800,6 +828,93 @@ def test_events_at_a_rate_thin_a_fast_stream_and_keep_its_latest(runtime):
     assert answered > 2 * len(frames)  # the stream answered more than were sent: they were thinned
 
 
+@pytest.mark.parametrize("query, param, message", [
+    ("frames=jpeg", "rate", "needs a 'rate'"), ("rate=31&frames=jpeg", "rate", "at most 30"),
+    ("rate=5&frames=png", "frames", "'jpeg'"), ("rate=5&frames=jpeg&frames=jpeg", "frames", "given once"),
+    ("rate=5&frames=", "frames", "'jpeg'")])
+def test_a_bad_events_frames_is_a_400_before_a_listener_place_is_taken(runtime, query, param, message):
+    with running(runtime, max_stream_listeners=1) as d, raw_client(sock_path(d)) as http:
+        response = http.get(f"/v1/events?{query}")
+        assert_error(response, 400, param=param)
+        assert message in response.json()["error"]["message"]
+        assert d.service.streams.listener_count() == 0
+
+
+def test_events_with_frames_carry_each_results_own_frame(runtime):
+    """?rate=R&frames=jpeg: each result of a fast stream comes with a JPEG of its own frame
+    (synthetic frame i is make_scene(seed + i): the decoded JPEG is nearest that scene of those
+    around it), not the stream's latest; alert events carry none."""
+    stream = {"id": "fast", "source": "synthetic://?size=64", "prompt": COLOUR, "tier": "low", "max_new_tokens": 1}
+    with running(runtime, {"streams": [stream]}) as d, raw_client(sock_path(d)) as http:
+        wait_until(lambda: http.get("/v1/streams/fast").json()["frames"] >= 3, 30, "answers")
+        records = []
+        with http.stream("GET", "/v1/events?rate=10&frames=jpeg") as events:
+            for line in events.iter_lines():
+                if line.startswith("data: "):
+                    records.append(json.loads(line[6:]))
+                    if len(records) == 2:
+                        d.service.streams.get("fast")._post_alert({"stream": "fast", "alert": "a", "state": "true"})
+                if len(records) >= 12:
+                    break
+    results = [r for r in records if "answer" in r]
+    assert len(results) >= 10 and any("alert" in r for r in records)
+    assert all("jpeg" not in r for r in records if "alert" in r)
+    with_jpeg = [r for r in results if "jpeg" in r]
+    assert len(with_jpeg) >= len(results) - 1  # the frame of a result sent at once is still kept
+    import base64
+    for record in with_jpeg:
+        image = cv2.imdecode(np.frombuffer(base64.b64decode(record["jpeg"]), np.uint8), cv2.IMREAD_COLOR)
+        near = range(max(0, record["frame"] - 3), record["frame"] + 4)
+        errors = {n: np.abs(image.astype(int) - make_scene(n, size=64).image.astype(int)).mean() for n in near}
+        assert min(errors, key=errors.get) == record["frame"]
+
+
+@needs_browser
+def test_a_hidden_page_closes_its_event_stream_and_stops_polling_until_shown(runtime):
+    """Headless chromium keeps every page visible (the DevTools protocol's focus emulation and
+    lifecycle states leave document.visibilityState as it is): the page is hidden here as a
+    browser hides a background tab, by its visibilityState and a visibilitychange event. Hidden,
+    it holds no listener on the daemon and asks nothing; shown, it is live again."""
+    stream = {"id": "cam", "source": "synthetic://?fps=10", "prompt": COLOUR, "tier": "low", "max_new_tokens": 2}
+    answers = "document.querySelector('[data-stream=cam] .answer')?.textContent || ''"
+    with running(runtime, {"streams": [stream]}, tcp_port=0) as d, HeadlessBrowser(tcp_url(d)) as browser:
+        wait_until(lambda: shown(browser).get("cam", {}).get("frame_width"), 30, "the stream's frame")
+        assert d.service.streams.listener_count() == 1
+        browser.evaluate("""(() => { window.__asked = []; const real = window.fetch;
+            window.fetch = (url, ...rest) => { window.__asked.push(String(url)); return real(url, ...rest); };
+            window.__visibility = 'hidden';
+            Object.defineProperty(document, 'visibilityState', {configurable: true, get: () => window.__visibility});
+            Object.defineProperty(document, 'hidden', {configurable: true, get: () => window.__visibility === 'hidden'});
+            document.dispatchEvent(new Event('visibilitychange')); })()""")
+        wait_until(lambda: d.service.streams.listener_count() == 0, 10, "the hidden page's listener to go")
+        time.sleep(0.5)  # a draw under way as it was hidden ends (FRAME_INTERVAL_MS)
+        browser.evaluate("window.__asked = []; performance.clearResourceTimings(); 1")
+        answer = browser.evaluate(answers)
+        time.sleep(3.5)  # more than every poll's interval (1, 2 and 2 s)
+        assert browser.evaluate("window.__asked") == []
+        assert browser.evaluate("performance.getEntriesByType('resource').map(entry => entry.name)") == []  # nor a frame
+        assert browser.evaluate(answers) == answer  # nothing drawn
+        assert d.service.streams.listener_count() == 0
+        assert browser.evaluate("document.getElementById('connection').textContent").startswith("paused")
+        browser.evaluate("window.__visibility = 'visible'; document.dispatchEvent(new Event('visibilitychange')); 1")
+        wait_until(lambda: browser.evaluate("document.getElementById('connection').textContent") == "live", 10,
+                   "the page live again")
+        assert d.service.streams.listener_count() == 1
+        wait_until(lambda: {"/v1/streams", "/v1/status"} <= set(browser.evaluate("window.__asked")), 10,
+                   "the polls asked again")
+        wait_until(lambda: browser.evaluate(answers) != answer, 15, "a new answer drawn")
+        # hidden and shown again quickly: still one listener, the polls not doubled
+        browser.evaluate("""(() => { for (const state of ['hidden', 'visible', 'hidden', 'visible']) {
+            window.__visibility = state; document.dispatchEvent(new Event('visibilitychange')); } })()""")
+        wait_until(lambda: browser.evaluate("document.getElementById('connection').textContent") == "live", 10,
+                   "live after flickering")
+        browser.evaluate("window.__asked = []; 1")
+        time.sleep(4.2)
+        streams_asked = browser.evaluate("window.__asked.filter(url => url === '/v1/streams').length")
+        assert 3 <= streams_asked <= 5  # once a second: one poll, not two
+        assert d.service.streams.listener_count() == 1
+
+
 def test_page_traffic_asks_what_the_page_asks():
     """tools/page_traffic.py (bench_alerts' page on another computer) reads the page's rate, and
     the page asks the daemon for that rate."""
@@ -808,7 +923,7 @@ def test_page_traffic_asks_what_the_page_asks():
     from edgemm.liveview import page
     text = page().decode()
     assert page_rate(text) == 5.0
-    assert "new EventSource(`/v1/events?rate=${FRAMES_PER_S}`)" in text
+    assert "new EventSource(`/v1/events?rate=${FRAMES_PER_S}&frames=jpeg`)" in text
     with pytest.raises(SystemExit, match="FRAMES_PER_S"):
         page_rate("<html></html>")
 

@@ -4,10 +4,10 @@
 
     python tools/page_traffic.py http://127.0.0.1:PORT/ [--seconds S]
 
-Mirrors edgemm/web/index.html: one GET /v1/events?rate=R (R = the page's FRAMES_PER_S, read
-from the page the daemon serves), a stream's frame.jpg after each of its results, one at a
-time and at most R a second, GET /v1/streams every second, /v1/status and /v1/alerts every
-2 seconds. Nothing is drawn. Runs until killed (or `seconds`); prints the requests it made
+Mirrors edgemm/web/index.html: one GET /v1/events?rate=R&frames=jpeg (R = the page's
+FRAMES_PER_S, read from the page the daemon serves; each result carries its frame), a stream's
+frame.jpg only after a result that came without one, at most R a second, GET /v1/streams every
+second, /v1/status and /v1/alerts every 2 seconds. Nothing is drawn. Runs until killed (or `seconds`); prints the requests it made
 when it ends, and exits 1 saying why if a request failed (a refused /v1/events measures nothing). bench_alerts.py runs it in a process of its own, so that its CPU is not the
 daemon's.
 """
@@ -53,7 +53,7 @@ class PageTraffic:
 
     def listen(self) -> None:
         with httpx.Client(timeout=httpx.Timeout(10, read=None)) as http, \
-                http.stream("GET", f"{self.base}/v1/events?rate={self.rate:g}") as events:
+                http.stream("GET", f"{self.base}/v1/events?rate={self.rate:g}&frames=jpeg") as events:
             events.raise_for_status()  # a 503 (server.max_stream_listeners): the measure would be of nothing
             for line in events.iter_lines():
                 if self.stop.is_set():
@@ -61,7 +61,7 @@ class PageTraffic:
                 if line.startswith("data: "):
                     record = json.loads(line[6:])
                     self.counts["events"] += 1
-                    if "stream" in record and "answer" in record:
+                    if "stream" in record and "answer" in record and "jpeg" not in record:
                         with self.lock:
                             self.fresh.add(record["stream"])
 
