@@ -894,7 +894,7 @@ def unpaused(d, s: socket.socket, before: set):
 
 
 def unread_pages(d, path: str, pages: int = 4) -> tuple[socket.socket, object]:
-    """A client that asks for the live-view page (16 KB) `pages` times in one go and reads none
+    """A client that asks for the live-view page (some 16 KB) `pages` times in one go and reads none
     of them; returned once every answer is written (the connection idle, its bytes unsent)."""
     before = set(protocols(d))
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
