@@ -25,7 +25,18 @@ server.max_header_bytes is 431.
 
 A client that takes none of what is sent to it for server.send_timeout_s (the transport's
 buffer full, and no smaller, all that time) is cut off: its socket is closed at once,
-whatever it holds. A slow reader is not: any progress arms the deadline again.
+whatever it holds. A slow reader is not: any progress arms the deadline again. A
+connection that is closed (idle timeout, eviction, shutdown, a response that closes) with
+bytes still unsent has the same deadline: a transport's close() waits for its buffer to
+drain, for ever if the client reads nothing, though the buffer never filled enough to
+pause our writes. Until it is gone it still holds its place under server.max_connections;
+making room aborts such a connection first (the one closing the longest).
+
+While the daemon drains (cut_off_stalled), a connection that only has bytes to flush (its
+response complete, or an event stream, which ends then) gets DRAIN_SEND_S from the drain's
+start, or from its response's end if that is later, to take them, progress or not; an
+event stream whose writes are paused is cut off at once. A response still being written
+keeps its send timeout as ever.
 
 A route that keeps its connection for long (a stream's SSE listeners, bounded by
 server.max_stream_listeners in edgemm.server) marks it long-lived through the scope's
@@ -59,7 +70,7 @@ LINGER_S = 2.0  # after a refusal: how long the rest of the client's request is 
 # enough that a body sent at once is in, short enough that a trickler goes soon
 BODY_GRACE_S = 1.0
 LONG_LIVED = "edgemm.long_lived"  # scope key: call it to take the connection out of the count
-DRAIN_SEND_S = 1.0  # while the daemon drains: how long an event stream's client may take nothing
+DRAIN_SEND_S = 1.0  # while the daemon drains: how long a client may take to flush what it was sent
 # scope key: call it to close the slowest body upload of another connection (True if one was
 # closed), for edgemm.server's body-byte pool, which stalled uploads could otherwise fill
 EVICT_BODY = "edgemm.evict_body"
@@ -87,15 +98,19 @@ def limited_protocol(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
 
 def cut_off_stalled(limits: ConnectionLimits, connections) -> int:
     """The daemon drains: cut off now every event stream whose client takes nothing (its writes
-    paused), and from now on one that pauses for DRAIN_SEND_S, so that their end does not wait
-    the grace period out (uvicorn would then cancel each with a traceback). A response in
-    flight to a slow client is left to finish (its send timeout as ever). Returns how many."""
+    paused), and give every connection that only has bytes to flush DRAIN_SEND_S to take them
+    (slow or not), so that their end does not wait the grace period out (uvicorn would then
+    cancel each with a traceback). A response in flight is left to finish (its send timeout
+    as ever). Returns how many were cut off now."""
     limits.draining = True
-    stalled = [c for c in list(connections)
-               if getattr(c, "send_deadline", None) is not None and getattr(c, "long_lived", False)]
+    protocols = [c for c in list(connections) if isinstance(c, LimitedHttpProtocol)]
+    stalled = [c for c in protocols if c.send_deadline is not None and c.long_lived]
     for connection in stalled:
         connection._cancel_send_deadline()
         connection._send_expired()
+    for connection in protocols:
+        if connection not in stalled:
+            connection._drain_deadline()
     return len(stalled)
 
 
@@ -124,8 +139,10 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self.over_capacity = False  # opened while every other connection was busy; looked at again at its head's end
         self.refused = False  # answered by the limits: whatever else arrives is ignored
         self.refusal_after: tuple[int, str, str] | None = None  # for a malformed head behind pipelined requests
-        self.send_deadline: asyncio.TimerHandle | None = None  # armed while the transport's buffer is full
+        self.send_deadline: asyncio.TimerHandle | None = None  # armed while the transport's buffer is full, or it flushes
         self.send_buffered = 0  # the buffer's size when the deadline was armed
+        self.send_draining = False  # the deadline is the drain's (DRAIN_SEND_S, progress or not)
+        self.flushing_since: float | None = None  # loop time its transport was closed with bytes unsent
 
     # -- the connection --
 
@@ -156,7 +173,12 @@ class LimitedHttpProtocol(HttpToolsProtocol):
 
     def resume_writing(self) -> None:
         super().resume_writing()
-        self._cancel_send_deadline()
+        if not self.transport.is_closing() and not self.send_draining:  # a flush's deadline holds
+            self._cancel_send_deadline()
+
+    def shutdown(self) -> None:  # uvicorn's, at the drain: an idle connection is closed
+        super().shutdown()
+        self._watch_close()
 
     def _unsent(self) -> int:
         """Bytes written and not yet taken by the client: the transport's buffer and the
@@ -171,24 +193,57 @@ class LimitedHttpProtocol(HttpToolsProtocol):
 
     def _arm_send_deadline(self) -> None:
         self.send_buffered = self._unsent()
-        wait = DRAIN_SEND_S if self.limits.draining and self.long_lived else self.limits.send_timeout_s
+        self.send_draining = self._only_flushing()
+        wait = DRAIN_SEND_S if self.send_draining else self.limits.send_timeout_s
         self.send_deadline = self.loop.call_later(min(wait, self.limits.send_timeout_s), self._send_expired)
+
+    def _only_flushing(self) -> bool:
+        """The daemon drains and this connection has nothing more to send than what it holds:
+        closing, its response complete, or an event stream (which the drain ends)."""
+        return self.limits.draining and (self.long_lived or self.transport.is_closing()
+                                         or self.cycle is None or self.cycle.response_complete)
+
+    def _drain_deadline(self) -> None:
+        """While draining, a connection that only flushes gets DRAIN_SEND_S (once: a deadline
+        the drain armed is not moved later)."""
+        if not self.send_draining and self._only_flushing() and self._unsent():
+            self._cancel_send_deadline()
+            self._arm_send_deadline()
+
+    def _watch_close(self) -> None:
+        """Its transport was just closed: with bytes unsent it stays open until the client takes
+        them, so it gets the send deadline (DRAIN_SEND_S while draining) and keeps its place
+        under max_connections until it is gone."""
+        if self.transport.is_closing() and self.flushing_since is None and self._unsent():
+            self.flushing_since = self.loop.time()
+            if self.send_deadline is None:
+                self._arm_send_deadline()
+            else:
+                self._drain_deadline()
 
     def _cancel_send_deadline(self) -> None:
         if self.send_deadline is not None:
             self.send_deadline.cancel()
             self.send_deadline = None
+        self.send_draining = False
 
     def _send_expired(self) -> None:
-        self.send_deadline = None
-        if self.transport.is_closing() and self.refused:
-            return
-        draining_stream = self.limits.draining and self.long_lived
-        if not draining_stream and self._unsent() < self.send_buffered:
+        draining = self.send_draining
+        self.send_deadline, self.send_draining = None, False
+        unsent = self._unsent()
+        if unsent == 0:
+            return  # it took everything meanwhile
+        if not draining and unsent < self.send_buffered:
             self._arm_send_deadline()  # it took some: a slow reader, not a dead one
             return
-        self.limits.on_limit("send_timeout")
-        self.refused = True
+        self._abort("send_timeout")
+
+    def _abort(self, reason: str) -> None:
+        """Closed at once, whatever its buffers hold (close() would wait for them to drain)."""
+        self._cancel_deadline()
+        self._cancel_send_deadline()
+        self.limits.on_limit(reason)
+        self.refused, self.flushing_since = True, None  # gone now: it holds no place
         self.transport.abort()
 
     def data_received(self, data: bytes) -> None:
@@ -207,6 +262,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
     def on_response_complete(self) -> None:
         super().on_response_complete()
         self.long_lived = False  # an event stream that ended: the connection counts again for what comes next
+        self._drain_deadline()  # while draining, what it has not taken yet gets DRAIN_SEND_S
         if self.timeout_keep_alive_task is not None:  # no pipelined request waits: the connection is idle
             self._unset_keepalive_if_required()  # our own idle timer instead of uvicorn's
             if self.refusal_after:  # the malformed request that followed them: answered last, in order
@@ -294,10 +350,13 @@ class LimitedHttpProtocol(HttpToolsProtocol):
 
     def _holding(self) -> int:
         """Connections that hold a place under max_connections: open (neither closing nor
-        refused and lingering to close) and not long-lived (a stream's listeners are bounded
-        on their own)."""
-        return sum(not c.transport.is_closing() and not getattr(c, "refused", False)
-                   and not getattr(c, "long_lived", False) for c in self.connections)
+        refused and lingering to close) or closed with bytes unsent (its socket held until
+        they are taken, or its send deadline passes), and not long-lived (a stream's
+        listeners are bounded on their own)."""
+        return sum(not getattr(c, "long_lived", False)
+                   and (getattr(c, "flushing_since", None) is not None
+                        or not c.transport.is_closing() and not getattr(c, "refused", False))
+                   for c in self.connections)
 
     def _over_cap(self) -> bool:
         return self._holding() > self.limits.max_connections
@@ -330,7 +389,11 @@ class LimitedHttpProtocol(HttpToolsProtocol):
             if not self.refused:  # a refused connection lingering was counted when it was refused
                 self.limits.on_limit(reason)
             self.refused = True
-            self.transport.close()
+            self._close_now()
+
+    def _close_now(self) -> None:
+        self.transport.close()
+        self._watch_close()
 
     def _refuse_unparsed(self, status: int, message: str, reason: str, headers: dict[str, str] | None = None) -> None:
         """Answer a connection whose request head is incomplete, and close it.
@@ -349,7 +412,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         if self.transport.can_write_eof():
             self.transport.write_eof()
         self.phase, self.since = IDLE, 0.0
-        self.deadline = self.loop.call_later(LINGER_S, self.transport.close)
+        self.deadline = self.loop.call_later(LINGER_S, self._close_now)
 
     def _refusal(self, status: int, message: str, reason: str) -> JSONResponse:
         """The app for a request refused once its head is complete (uvicorn runs it and closes)."""
@@ -366,8 +429,12 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         connection is busy otherwise (this one's request is then refused, 503, once its head
         is in, unless room has come free by then). Long-lived connections hold no place, so
         evicting one frees none."""
-        others = [c for c in self.connections if c is not self and isinstance(c, LimitedHttpProtocol)
-                  and not c.transport.is_closing() and not c.long_lived and not c.refused]
+        connections = [c for c in self.connections if c is not self and isinstance(c, LimitedHttpProtocol)]
+        flushing = [c for c in connections if c.flushing_since is not None and not c.long_lived]
+        if flushing:  # closed already, its client slow to take the rest: it goes first, at once
+            min(flushing, key=lambda c: c.flushing_since)._abort("evicted")
+            return
+        others = [c for c in connections if not c.transport.is_closing() and not c.long_lived and not c.refused]
         waiting = [c for c in others if c.phase in (IDLE, HEAD)]
         if waiting:
             min(waiting, key=lambda c: c.since)._evict()
@@ -401,12 +468,15 @@ class LimitedHttpProtocol(HttpToolsProtocol):
     def _evict(self) -> None:
         """Closed to make room. A client halfway through its head is owed an answer, not a
         reset: the overload is answered, as a refused newcomer's is. An idle one has asked
-        nothing, so it is simply closed (as its idle timeout would)."""
+        nothing, so it is simply closed (as its idle timeout would), at once if it has not
+        taken all of its last answer yet (a flush would keep its place)."""
         if self.phase == HEAD and not self.refused:
             self._refuse_unparsed(503, f"server busy: more than {self.limits.max_connections} connections "
                                   "(server.max_connections), and this one's headers were the slowest; "
                                   f"retry in {self.limits.retry_after_s} s",
                                   "evicted", {"Retry-After": str(self.limits.retry_after_s)})
+        elif self._unsent() and not self.refused:
+            self._abort("evicted")
         else:
             self._close("evicted")
 
@@ -439,13 +509,13 @@ class _LingerOnClose:
     def close(self) -> None:
         protocol, transport = self._protocol, self._transport
         if not protocol.reading_body or transport.is_closing() or not transport.can_write_eof():
-            transport.close()
+            protocol._close_now()
             return
         protocol.refused = True  # what still arrives is ignored
         protocol._cancel_deadline()
         transport.write_eof()
         protocol.phase, protocol.since = IDLE, 0.0  # refused: it holds no place under the cap meanwhile
-        protocol.deadline = protocol.loop.call_later(LINGER_S, transport.close)
+        protocol.deadline = protocol.loop.call_later(LINGER_S, protocol._close_now)
 
     def __getattr__(self, name: str):
         return getattr(self._transport, name)

@@ -868,3 +868,155 @@ def test_draining_cuts_off_listeners_that_read_nothing_at_once(runtime, caplog):
     assert took < 15  # the grace period is 20 s: not waited out
     assert any("cut off 1 clients that were taking nothing" in r.getMessage() for r in caplog.records)
     assert not [r for r in caplog.records if r.exc_info or "Exception in ASGI" in r.getMessage()]
+
+
+# ---- clients that ask and never read: closing connections, and the drain --------------------
+
+PAGE_REQUEST = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+def unpaused(d, s: socket.socket, before: set):
+    """The daemon's side of `s` (connected after `before` was taken), its kernel send queue made
+    small and the transport's high-water mark large: what it is sent and not taken then waits in
+    the transport's buffer, without pausing the daemon's writes (so no pause arms a deadline),
+    as the hostile report's 15 pages below the default 64 KiB mark did."""
+    wait_until(lambda: [c for c in protocols(d) if c not in before], WAIT_S, "the connection")
+    ours = next(c for c in protocols(d) if c not in before)
+    shrunk = threading.Event()
+
+    def shrink() -> None:
+        ours.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        ours.transport.set_write_buffer_limits(high=1 << 20)
+        shrunk.set()
+    d._loop.call_soon_threadsafe(shrink)
+    assert shrunk.wait(WAIT_S)
+    return ours
+
+
+def unread_pages(d, path: str, pages: int = 4) -> tuple[socket.socket, object]:
+    """A client that asks for the live-view page (some 16 KB) `pages` times in one go and reads none
+    of them; returned once every answer is written (the connection idle, its bytes unsent)."""
+    before = set(protocols(d))
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.settimeout(WAIT_S)
+    s.connect(path)
+    ours = unpaused(d, s, before)
+    s.sendall(PAGE_REQUEST * pages)
+    wait_until(lambda: ours.transport.is_closing() or ours.phase == "idle" and ours.transport.get_write_buffer_size() > 0,
+               WAIT_S, "its answers written, not taken")  # (idle again only once the last is written)
+    assert ours.transport.get_write_buffer_size() > 0 and not ours.flow.write_paused  # what no pause saw
+    return s, ours
+
+
+def test_a_connection_closed_with_answers_unread_is_cut_off_after_send_timeout(runtime, png, no_tracebacks):
+    """The idle timeout closes it, but close() waits for a flush that never comes: the send
+    deadline cuts it off, its file descriptor back."""
+    with running(runtime, idle_timeout_s=0.5, send_timeout_s=1.0, encoder_batching="off") as d:
+        path = sock_path(d)
+        s, ours = unread_pages(d, path)
+        try:
+            wait_until(lambda: ours.transport.is_closing(), WAIT_S, "its idle timeout")
+            wait_until(lambda: ours not in protocols(d), WAIT_S, "its socket closed")
+            assert limited(path, "send_timeout") == 1 and limited(path, "idle_timeout") >= 1
+            assert_answering(path, png)
+        finally:
+            s.close()
+
+
+def test_a_connection_closed_with_answers_read_slowly_gets_them_all(runtime, no_tracebacks):
+    """Closed by its idle timeout, but taking its answers (slowly, past several send deadlines):
+    it gets every byte of them."""
+    with running(runtime, idle_timeout_s=0.5, send_timeout_s=0.5, encoder_batching="off") as d:
+        path = sock_path(d)
+        s, ours = unread_pages(d, path)
+        try:
+            wait_until(lambda: ours.transport.is_closing(), WAIT_S, "its idle timeout")
+            received = b""
+            while chunk := s.recv(2048):  # ~20 KB a second: ~3 s for the four pages
+                received += chunk
+                time.sleep(0.1)
+            with raw_client(path) as http:
+                page = http.get("/")
+            assert received.count(b"HTTP/1.1 200") == 4 and received.count(page.content) == 4
+            assert limited(path, "send_timeout") == 0
+        finally:
+            s.close()
+
+
+def test_connections_closed_with_answers_unread_count_under_the_cap(runtime, png, no_tracebacks):
+    """Until they are gone they hold their places under max_connections, so clients that never
+    read cannot take every file descriptor: a newcomer makes room by cutting off the one closed
+    the longest."""
+    with running(runtime, max_connections=2, idle_timeout_s=0.5, send_timeout_s=60, encoder_batching="off") as d:
+        path = sock_path(d)
+        held = []
+        try:
+            for _ in range(4):
+                s, ours = unread_pages(d, path)
+                held.append((s, ours))
+                wait_until(lambda: ours.transport.is_closing(), WAIT_S, "its idle timeout")
+            still_open = [i for i, (_, c) in enumerate(held) if c in protocols(d)]
+            assert still_open == [2, 3]  # the two closed first were cut off to make room
+            before = set(protocols(d))
+            newcomer = connect(path)
+            held.append((newcomer, None))
+            wait_until(lambda: [c for c in protocols(d) if c not in before], WAIT_S, "the newcomer")
+            ours = next(c for c in protocols(d) if c not in before)
+            assert not ours.over_capacity  # the one cut off for it holds no place, though not yet gone
+            assert [i for i, (_, c) in enumerate(held[:4]) if c in protocols(d)] == [3]
+            newcomer.sendall(b"GET /readyz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            assert read_response(newcomer)[0] == 200
+            assert limited(path, "evicted") >= 3
+            assert_answering(path, png)
+        finally:
+            for s, _ in held:
+                s.close()
+
+
+def trickling_listener(d, path: str, route: str, stop: threading.Event) -> tuple[socket.socket, object]:
+    """An SSE listener on `route` that reads 1 byte every 0.1 s: slow, not stalled, and never
+    paused (see unpaused), events piling up in the transport's buffer."""
+    before = set(protocols(d))
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.settimeout(WAIT_S)
+    s.connect(path)
+    ours = unpaused(d, s, before)
+    s.sendall(f"GET {route} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    assert s.recv(12) == b"HTTP/1.1 200"
+
+    def trickle() -> None:
+        with contextlib.suppress(OSError):
+            while not stop.is_set() and s.recv(1):
+                time.sleep(0.1)
+    threading.Thread(target=trickle, daemon=True).start()
+    wait_until(lambda: ours.long_lived and ours.transport.get_write_buffer_size() > 0, WAIT_S, "events piling up")
+    assert not ours.flow.write_paused
+    return s, ours
+
+
+@pytest.mark.parametrize("idle_timeout_s", [0.5, 30.0], ids=["closed-by-idle-timeout", "closed-by-the-drain"])
+def test_draining_cuts_off_clients_slow_to_take_what_they_were_sent(runtime, idle_timeout_s, caplog):
+    """SIGTERM with a listener taking its events slowly (its stream ends at the drain, its bytes
+    still unsent) and a client whose answers wait unread (closed by its idle timeout before the
+    drain, or by the drain): each gets DRAIN_SEND_S, not the grace period (20 s here) nor the
+    send timeout (60 s)."""
+    caplog.set_level(logging.INFO)
+    stop = threading.Event()
+    with running(runtime, {"streams": [FAST]}, send_timeout_s=60, grace_period_s=20,
+                 idle_timeout_s=idle_timeout_s) as d:
+        path = sock_path(d)
+        listener, _ = trickling_listener(d, path, "/v1/events", stop)
+        unread, ours = unread_pages(d, path)
+        if idle_timeout_s < 1:
+            wait_until(lambda: ours.transport.is_closing(), WAIT_S, "its idle timeout")
+        began = time.monotonic()
+        d.stop()
+        wait_until(lambda: not protocols(d), 15, "every connection closed")
+        took = time.monotonic() - began
+        stop.set()
+        listener.close()
+        unread.close()
+    assert took < 10  # DRAIN_SEND_S (1 s) and the streams' end, not the grace period
+    assert not [r for r in caplog.records if r.exc_info or "Exception in ASGI" in r.getMessage()]
