@@ -490,6 +490,43 @@ def test_the_api_checks_alerts_and_never_lets_a_client_name_a_token(runtime):
         assert http.get("/v1/streams").json()["data"] == []
 
 
+def test_a_prompt_the_model_refuses_is_a_400_naming_its_field_before_the_stream_starts(runtime):
+    """The image token in a stream's, an alert's or a PATCHed prompt would fail every frame (the
+    family refuses to build such a prompt): refused once, with the field, and nothing starts."""
+    token = runtime.manifest.image_token
+    refused = f"the prompt must not contain the image token {token}"
+    body = {"id": "cam", "source": "synthetic://?fps=5", "prompt": f"what color is the {token} ?"}
+    with running(runtime) as d, raw_client(sock_path(d)) as http:
+        error = assert_error(http.post("/v1/streams", json=body), 400, param="prompt")
+        assert error["message"] == f"'prompt': {refused}"
+        body = {**body, "prompt": COUNT, "alerts": {"a": f"is there a {token} ?"}}
+        error = assert_error(http.post("/v1/streams", json=body), 400, param="alerts.a.prompt")
+        assert error["message"] == f"'alerts.a.prompt': {refused}"
+        assert http.get("/v1/streams").json()["data"] == []
+        del body["alerts"]
+        assert http.post("/v1/streams", json=body).status_code == 201
+        error = assert_error(http.patch("/v1/streams/cam", json={"prompt": f"how many {token} ?"}), 400, param="prompt")
+        assert error["message"] == f"'prompt': {refused}"
+        assert http.get("/v1/streams/cam").json()["prompt"] == COUNT
+
+
+def test_a_configured_prompt_the_model_refuses_fails_the_start_in_one_line(runtime, tmp_path):
+    token = runtime.manifest.image_token
+    cfg = load_config({"server": {"socket": str(tmp_path / "edgemm.sock")},
+                       "streams": [{"id": "door", "source": "synthetic://", "alerts": {"p": f"a {token} ?"}}]})
+    daemon = Daemon(cfg, runtime=runtime)
+    started = threading.Timer(30, daemon.stop)  # without the check the daemon runs: stopped, the test fails
+    started.start()
+    try:
+        with pytest.raises(InputError) as info:
+            daemon.run()
+    finally:
+        started.cancel()
+    assert str(info.value) == (f"config: streams[0] (door): 'alerts.p.prompt': the prompt must not contain "
+                               f"the image token {token}")
+    assert not (tmp_path / "edgemm.sock").exists()
+
+
 # ---- a real daemon ---------------------------------------------------------------------------------
 
 def sse(path: str, stream_id: str) -> list[tuple[str | None, dict]]:
