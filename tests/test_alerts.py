@@ -852,6 +852,53 @@ def test_a_server_that_hangs_up_without_a_reply_is_retried_as_a_connection_error
         server.close()
 
 
+@contextlib.contextmanager
+def self_signed_https(folder) -> Iterator[str]:
+    """An HTTPS server on 127.0.0.1 answering 200 to every POST, with a self-signed certificate
+    made now (openssl); yields its URL."""
+    import ssl
+    import subprocess
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is needed to make a certificate")
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-days", "1",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+
+    class Ok(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("content-length", 0)))
+            self.send_response(200)
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Ok)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"https://127.0.0.1:{server.server_address[1]}/hook"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_webhook_whose_certificate_is_not_trusted_says_so_and_is_not_retried(tmp_path, caplog):
+    """The certificate would be the same on a retry: final, as a 4xx is, and the message says
+    why (not "cannot reach")."""
+    with self_signed_https(tmp_path) as url, caplog.at_level(logging.WARNING, "edgemm"):
+        sender = WebhookSender(WebhookConfig(url=url, timeout_s=5, retries=3, backoff_s=0.01), "w")
+        sender.send(EVENT)
+        wait_until(lambda: sender.figures.failed == 1, what="the event to fail")
+        sender.close()
+    assert (sender.figures.delivered, sender.figures.retries) == (0, 0)
+    assert sender.figures.last_error == "TLS certificate of 127.0.0.1 not trusted: self-signed certificate"
+    assert "w: an alert event was not delivered: TLS certificate of 127.0.0.1 not trusted" in caplog.text
+
+
 def dripping(total: int, pause_s: float):
     """A reply that is `total` bytes of status line and headers, one byte every pause_s."""
     def reply():
