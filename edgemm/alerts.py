@@ -730,10 +730,26 @@ def httpx_errors() -> Iterator[None]:
 DISCONNECTED = "Server disconnected"
 
 
+def certificate_failure(error: BaseException) -> str | None:
+    """Why the webhook's TLS certificate was not trusted ("self-signed certificate", "Hostname
+    mismatch, …"), one line, when that is what `error` (an httpx error) comes from; else None.
+    httpx raises a plain ConnectError whose cause (the chain httpcore raised it from) holds
+    ssl's SSLCertVerificationError."""
+    seen: set[int] = set()
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, ssl.SSLCertVerificationError):
+            reason = cause.verify_message or cause.reason or str(cause)
+            return " ".join(str(reason).split())[:200]
+        cause = cause.__cause__ or cause.__context__
+    return None
+
+
 class WebhookSender:
     """POSTs each event given to `send` as JSON to the webhook, in order, from a thread of its
     own; retried on timeouts, connection errors, 429 and 5xx with backoff (not on another 4xx, nor
-    on a reply that is not HTTP). `send` never waits.
+    on a reply that is not HTTP, nor on a TLS certificate not trusted). `send` never waits.
     Each attempt ends within timeout_s (a `transport` given for tests has no such deadline)."""
 
     _draining = 0  # closed senders still delivering, all of them (MAX_DRAINING)
@@ -872,6 +888,10 @@ class WebhookSender:
                 error = f"cannot reach {self.host}: {e}"
                 break
             except httpx.HTTPError as e:
+                untrusted = certificate_failure(e)
+                if untrusted is not None:  # the same certificate again on a retry: final, as a 4xx is
+                    error = f"TLS certificate of {self.host} not trusted: {untrusted}"
+                    break
                 error = f"cannot reach {self.host}: {type(e).__name__}"
                 continue
             if status == 429 or status >= 500:

@@ -139,9 +139,12 @@ class Thinning:
     """One listener's results, at most `rate` per stream per second. A result that comes sooner
     after its stream's last one sent waits, and a newer one of that stream takes its place
     (newest wins), and goes when its time comes: a stream's latest result reaches the page
-    within 1 / rate seconds of its answer. Alert events and error records are never thinned: they go at once, after
-    the result of their stream that was waiting (the order of a stream's events is kept).
-    Items are the listeners' (id, record, SSE event name).
+    within 1 / rate seconds of its answer. A frame's error record is a result here: a failing
+    stream fails every frame (hundreds a second), and the page shows only its newest error
+    or answer, whichever came last (a newer answer clears an error, a newer error replaces an
+    answer), so the two share the stream's one waiting place and its rate. Alert events are
+    never thinned: they go at once, after the result of their stream that was waiting (the
+    order of a stream's events is kept). Items are the listeners' (id, record, SSE event name).
 
     Why: the page draws at most a few times a second; a saturated stream answers ~90 times a
     second with the built-in model, and every event it cannot show costs the daemon a wake-up,
@@ -155,7 +158,7 @@ class Thinning:
         """The items to send now, in order, for one that came from the streams."""
         _, record, event = item
         stream = record.get("stream")
-        if event is not None or "error" in record or not isinstance(stream, str):
+        if event is not None or not isinstance(stream, str):
             held = self.waiting.pop(stream, None) if isinstance(stream, str) else None
             return [held, item] if held is not None else [item]
         now = self.clock()

@@ -198,6 +198,17 @@ class Preparation:
             raise InputError(message + " (limits.unknown_words: refuse)")
         return message + " (the answer is a guess)"
 
+    def check_prompt(self, prompt: str, tier: str | None = None) -> None:
+        """What every request asking `prompt` would be refused for, said without an image (a
+        stream's and its alerts' prompts, checked before the stream starts): the family's own
+        prompt building at `tier` (else the default tier) for an image of the tier's size, the
+        rule every request goes through (a reserved token such as the image token is refused
+        there), and limits.unknown_words: refuse. InputError with the request's message."""
+        chosen = self.manifest.tier(tier or self.config.generation.tier)
+        built = self.prompt_ids(prompt, chosen, (chosen.height, chosen.width))
+        if built.unknown_words:
+            self.unknown_words_message(built.unknown_words)  # raises with limits.unknown_words: refuse
+
     def prompt_ids(self, prompt: str, tier: ResolutionTier, image_size: tuple[int, int]) -> Prompt:
         """The adapter's prompt ids, remembered: cameras, kiosks and scripts ask the same few
         questions again and again. Keyed by the image size too (tiling families depend on it).

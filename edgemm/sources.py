@@ -393,9 +393,30 @@ def _option_value(uri: str, name: str, text: str) -> Any:
     return value
 
 
+# what may follow the @ that ends the user info: a host (a name, an address, [an IPv6 one]) and a port
+_HOST_PORT = re.compile(r"(\[[^\]/?#@]*\]|[A-Za-z0-9._~%-]*)(:[0-9]*)?(?=[/?#]|$)")
+# a query's password, as cheap cameras take it (rtsp://cam/live?user=admin&password=…), any case
+_QUERY_SECRET = re.compile(r"([?&;](?:password|passwd|pass|pwd)=)[^&]*", re.IGNORECASE)
+
+
 def redact_uri(uri: str) -> str:
-    """rtsp://user:secret@cam/ → rtsp://***@cam/: URIs end up in logs and JSON output."""
-    return re.sub(r"^([A-Za-z][A-Za-z0-9+.-]*://)[^/?#@]*@", r"\1***@", uri)
+    """The URI with what could be a secret as ***, for logs, errors and JSON output:
+    rtsp://user:secret@cam/ → rtsp://***@cam/, ?password=secret → ?password=***.
+
+    The user info is everything up to the last @ that a host (and port) follows, whatever it
+    holds. A password is often left unescaped, and the parsers disagree on where it ends:
+    urllib and FFmpeg (OpenCV) end the authority at the first /, ? or #, GStreamer's rtspsrc at
+    the first / or ? and takes the first @; so rtsp://admin:p@ss/w?rd#1@cam/live could mean a
+    password up to any of them, and all of it is hidden. A URI without @ keeps its host and path."""
+    match = _SCHEME.match(uri)
+    if match is None:
+        return uri
+    rest = match.group(2)
+    ats = [i for i, c in enumerate(rest) if c == "@"]
+    if ats:
+        before_host = [i for i in ats if _HOST_PORT.match(rest, i + 1)]
+        rest = "***" + rest[(before_host or ats)[-1]:]
+    return uri[:match.start(2)] + _QUERY_SECRET.sub(r"\1***", rest)
 
 
 # ---- GStreamer pipelines --------------------------------------------------------------

@@ -491,7 +491,8 @@ class StreamManager:
 
     def check_settings(self, spec: StreamConfig, where: str = "") -> None:
         """What every frame of the stream would be refused for, refused once before it starts:
-        a tier the model does not have, a prompt over limits.max_prompt_chars."""
+        a tier the model does not have, a prompt over limits.max_prompt_chars, a prompt the
+        model's family refuses to build (one holding the image token; Preparation.check_prompt)."""
         runtime = self.pipeline.runtime
         tiers = runtime.manifest.tiers
         if spec.tier is not None and spec.tier not in tiers:
@@ -505,6 +506,12 @@ class StreamManager:
             if len(alert.prompt) > limit:
                 raise StreamSpecError(f"{where}'alerts.{name}.prompt' is {len(alert.prompt)} characters, above the "
                                       f"{limit} limit (limits.max_prompt_chars)", f"alerts.{name}.prompt")
+        prompts = [("prompt", spec.prompt)] + [(f"alerts.{name}.prompt", a.prompt) for name, a in spec.alerts.items()]
+        for param, prompt in prompts:
+            try:  # the same rule every request goes through (POST /v1/chat/completions, edgemm infer)
+                runtime.preparation.check_prompt(prompt, spec.tier)
+            except InputError as e:
+                raise StreamSpecError(f"{where}'{param}': {e}", param) from None
         try:  # a token's variable or file missing or unsafe: said now, not at the first event
             check_webhooks(spec.alerts, spec.webhook, where)
         except EdgemmError as e:

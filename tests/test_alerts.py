@@ -490,6 +490,43 @@ def test_the_api_checks_alerts_and_never_lets_a_client_name_a_token(runtime):
         assert http.get("/v1/streams").json()["data"] == []
 
 
+def test_a_prompt_the_model_refuses_is_a_400_naming_its_field_before_the_stream_starts(runtime):
+    """The image token in a stream's, an alert's or a PATCHed prompt would fail every frame (the
+    family refuses to build such a prompt): refused once, with the field, and nothing starts."""
+    token = runtime.manifest.image_token
+    refused = f"the prompt must not contain the image token {token}"
+    body = {"id": "cam", "source": "synthetic://?fps=5", "prompt": f"what color is the {token} ?"}
+    with running(runtime) as d, raw_client(sock_path(d)) as http:
+        error = assert_error(http.post("/v1/streams", json=body), 400, param="prompt")
+        assert error["message"] == f"'prompt': {refused}"
+        body = {**body, "prompt": COUNT, "alerts": {"a": f"is there a {token} ?"}}
+        error = assert_error(http.post("/v1/streams", json=body), 400, param="alerts.a.prompt")
+        assert error["message"] == f"'alerts.a.prompt': {refused}"
+        assert http.get("/v1/streams").json()["data"] == []
+        del body["alerts"]
+        assert http.post("/v1/streams", json=body).status_code == 201
+        error = assert_error(http.patch("/v1/streams/cam", json={"prompt": f"how many {token} ?"}), 400, param="prompt")
+        assert error["message"] == f"'prompt': {refused}"
+        assert http.get("/v1/streams/cam").json()["prompt"] == COUNT
+
+
+def test_a_configured_prompt_the_model_refuses_fails_the_start_in_one_line(runtime, tmp_path):
+    token = runtime.manifest.image_token
+    cfg = load_config({"server": {"socket": str(tmp_path / "edgemm.sock")},
+                       "streams": [{"id": "door", "source": "synthetic://", "alerts": {"p": f"a {token} ?"}}]})
+    daemon = Daemon(cfg, runtime=runtime)
+    started = threading.Timer(30, daemon.stop)  # without the check the daemon runs: stopped, the test fails
+    started.start()
+    try:
+        with pytest.raises(InputError) as info:
+            daemon.run()
+    finally:
+        started.cancel()
+    assert str(info.value) == (f"config: streams[0] (door): 'alerts.p.prompt': the prompt must not contain "
+                               f"the image token {token}")
+    assert not (tmp_path / "edgemm.sock").exists()
+
+
 # ---- a real daemon ---------------------------------------------------------------------------------
 
 def sse(path: str, stream_id: str) -> list[tuple[str | None, dict]]:
@@ -813,6 +850,53 @@ def test_a_server_that_hangs_up_without_a_reply_is_retried_as_a_connection_error
         assert sender.figures.last_error == "127.0.0.1 closed the connection without a reply"
     finally:
         server.close()
+
+
+@contextlib.contextmanager
+def self_signed_https(folder) -> Iterator[str]:
+    """An HTTPS server on 127.0.0.1 answering 200 to every POST, with a self-signed certificate
+    made now (openssl); yields its URL."""
+    import ssl
+    import subprocess
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is needed to make a certificate")
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-days", "1",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+
+    class Ok(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("content-length", 0)))
+            self.send_response(200)
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Ok)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"https://127.0.0.1:{server.server_address[1]}/hook"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_webhook_whose_certificate_is_not_trusted_says_so_and_is_not_retried(tmp_path, caplog):
+    """The certificate would be the same on a retry: final, as a 4xx is, and the message says
+    why (not "cannot reach")."""
+    with self_signed_https(tmp_path) as url, caplog.at_level(logging.WARNING, "edgemm"):
+        sender = WebhookSender(WebhookConfig(url=url, timeout_s=5, retries=3, backoff_s=0.01), "w")
+        sender.send(EVENT)
+        wait_until(lambda: sender.figures.failed == 1, what="the event to fail")
+        sender.close()
+    assert (sender.figures.delivered, sender.figures.retries) == (0, 0)
+    assert sender.figures.last_error == "TLS certificate of 127.0.0.1 not trusted: self-signed certificate"
+    assert "w: an alert event was not delivered: TLS certificate of 127.0.0.1 not trusted" in caplog.text
 
 
 def dripping(total: int, pause_s: float):

@@ -686,7 +686,7 @@ def test_thinning_sends_at_most_rate_results_per_stream_the_newest_waiting():
     assert thin.wait_s() == pytest.approx(0.1875)
 
 
-def test_thinning_never_holds_back_alert_events_or_errors_and_keeps_a_streams_order():
+def test_thinning_never_holds_back_alert_events_and_keeps_a_streams_order():
     from edgemm.liveview import Thinning
     clock = FakeClock()
     thin = Thinning(2.0, clock)
@@ -697,13 +697,38 @@ def test_thinning_never_holds_back_alert_events_or_errors_and_keeps_a_streams_or
     # the waiting result goes first, then the alert event: the page sees them in the stream's order
     assert frames_of(thin.offer(alert)) == [("a", 2, None), ("a", 2, "alert")]
     assert thin.wait_s() is None
-    error = (4, {"stream": "a", "frame": 3, "error": "internal error: boom"}, None)
-    assert frames_of(thin.offer(error)) == [("a", 3, None)]  # at once, too soon or not
     assert frames_of(thin.offer((1, {"stream": "b", "alert": "x", "state": "false"}, "alert"))) == [("b", None, "alert")]
     thin.offer(result("c", 1))
     clock.now += 0.125
     thin.offer(result("c", 2))
     assert frames_of(thin.due_all()) == [("c", 2, None)]  # the listener ends: what waited goes
+
+
+def error(stream: str, frame: int) -> tuple:
+    return (frame, {"stream": stream, "frame": frame, "error": f"frame {frame} failed"}, None)
+
+
+def test_thinning_sends_a_failing_streams_newest_error_or_answer_at_the_rate():
+    """A stream whose every frame fails is thinned as one that answers: within 1 / rate, the
+    newest of its errors and answers goes, so the page never gets an older answer after a newer
+    error (nor the reverse), and an alert event still takes what waited before it."""
+    from edgemm.liveview import Thinning
+    clock = FakeClock()
+    thin = Thinning(4.0, clock)
+    sent = thin.offer(error("a", 1))
+    for frame in range(2, 101):  # 99 more failures within the 0.25 s: none goes now
+        clock.now += 0.0025
+        sent += thin.offer(error("a", frame))
+    assert [record["error"] for _, record, _ in sent] == ["frame 1 failed"]
+    clock.now = 100.25
+    sent = thin.due()
+    assert [(record["frame"], record["error"]) for _, record, _ in sent] == [(100, "frame 100 failed")]
+    clock.now += 0.0625
+    assert thin.offer(error("a", 101)) == [] and thin.offer(result("a", 102)) == []  # the answer is newer: it waits
+    assert thin.offer(error("a", 103)) == []  # the newer error takes the answer's place
+    alert = (104, {"stream": "a", "alert": "red", "state": "unknown"}, "alert")
+    assert [(frame, "error" in record) for frame, record, _ in thin.offer(alert)] == [(103, True), (104, False)]
+    assert frames_of(thin.offer(error("b", 1))) == [("b", 1, None)]  # streams apart
 
 
 def test_thinning_forgets_streams_that_are_free_to_send_again():

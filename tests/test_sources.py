@@ -129,6 +129,40 @@ def test_rtsp_credentials_stay_out_of_messages():
     assert "secret" not in str(info.value) and "rtsp://***@cam/x" in str(info.value)
 
 
+@pytest.mark.parametrize("uri, shown", [
+    # an unescaped @, #, / or ? in the password: hidden up to the last @ a host follows
+    ("rtsp://admin:p@ssw0rd@10.0.0.5:554/live", "rtsp://***@10.0.0.5:554/live"),
+    ("rtsp://admin:pa#ss@10.0.0.5/live", "rtsp://***@10.0.0.5/live"),
+    ("rtsp://admin:pa/ss@10.0.0.5/live", "rtsp://***@10.0.0.5/live"),
+    ("rtsp://admin:pa?ss@10.0.0.5/live?latency=soon", "rtsp://***@10.0.0.5/live?latency=soon"),
+    ("rtsp://admin:p@s/s#w?d@[fe80::1]:554/x", "rtsp://***@[fe80::1]:554/x"),
+    ("rtsp://admin:secret@", "rtsp://***@"),
+    # a query's password, any case; its other parameters and the path are kept
+    ("rtsp://10.0.0.5/live?user=admin&password=s3cr3t", "rtsp://10.0.0.5/live?user=admin&password=***"),
+    ("rtsp://cam/x?PWD=a&Pass=b#c&bypass=1&Passwd=d", "rtsp://cam/x?PWD=***&Pass=***&bypass=1&Passwd=***"),
+    ("rtsp://admin:x@cam/x?channel=1&password=y", "rtsp://***@cam/x?channel=1&password=***"),
+    # nothing to hide: unchanged
+    ("rtsp://cam:554/Streaming/Channels/101?transport=tcp", "rtsp://cam:554/Streaming/Channels/101?transport=tcp"),
+    ("synthetic://?fps=5&count=3", "synthetic://?fps=5&count=3"),
+    ("/dev/video0", "/dev/video0"),
+])
+def test_redaction_hides_every_part_that_could_be_a_password(uri, shown):
+    assert sources.redact_uri(uri) == shown
+
+
+@pytest.mark.parametrize("uri, secret", [("rtsp://admin:pa#ss@10.0.0.5/live", "pa#ss"),
+                                         ("rtsp://admin:p@ssw0rd@10.0.0.5/live", "ssw0rd"),
+                                         ("rtsp://admin:pa/ss@10.0.0.5/live", "pa/ss")])
+def test_a_refused_rtsp_uri_never_shows_its_password(uri, secret):
+    """The config file's streams are checked with these messages (stderr, the journal)."""
+    from edgemm.streams import check_configured
+    from edgemm.config import config_from_dict
+    specs = config_from_dict({"streams": [{"id": "door", "source": uri}]}).streams
+    with pytest.raises(InputError) as info:
+        check_configured(specs, 4)
+    assert secret not in str(info.value) and "rtsp://***@10.0.0.5" in str(info.value)
+
+
 # ---- GStreamer pipelines and backends ------------------------------------------------
 
 def test_csi_pipeline_defaults():

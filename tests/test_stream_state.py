@@ -357,3 +357,20 @@ def test_a_sources_credentials_are_never_shown(runtime):
         for path in ("/v1/streams", "/v1/streams/cam", "/v1/streams/configured", "/v1/status"):
             assert secret not in http.get(path).text, path
         assert d.service.streams.get("cam").spec.source == spec["source"]  # what the camera is opened with
+
+
+def test_a_password_in_the_query_or_unescaped_in_the_user_info_is_never_shown(runtime):
+    """Cheap cameras take ?user=…&password=…; a password with an unescaped # is refused (400),
+    and neither shows the secret."""
+    from test_server import raw_client, running, sock_path
+    secret = "hunter2"
+    spec = {"id": "cam", "source": f"rtsp://127.0.0.1:1/s?user=admin&password={secret}", "prompt": "describe the image"}
+    with running(runtime, source_hosts=["127.0.0.1"]) as d, raw_client(sock_path(d)) as http:
+        created = http.post("/v1/streams", json=spec)
+        assert created.status_code == 201 and secret not in created.text
+        assert created.json()["source"] == "rtsp://127.0.0.1:1/s?user=admin&password=***"
+        for path in ("/v1/streams", "/v1/streams/cam", "/v1/status"):
+            assert secret not in http.get(path).text, path
+        refused = http.post("/v1/streams", json={**spec, "id": "hash", "source": f"rtsp://admin:{secret}#1@127.0.0.1:1/s"})
+        assert refused.status_code == 400 and secret not in refused.text
+        assert refused.json()["error"]["message"].startswith("rtsp://***@127.0.0.1:1/s: ")
