@@ -238,10 +238,11 @@ def load_hf_manifest(path: Path) -> ModelManifest:
         family_config=own.family_config)
 
 
-def check_context(path: Path, tiers: dict[str, ResolutionTier], max_context: int) -> None:
+def check_context(path: Path, tiers: dict[str, ResolutionTier], max_context: int,
+                  context_from: str = "config.json max_position_embeddings") -> None:
     """Refuse, at load, a folder whose richest tier's image tokens leave no room in the context:
     every request at that tier would only fail after its image was prepared and encoded."""
     richest = max(tiers.values(), key=lambda t: t.image_tokens)
     if richest.image_tokens >= max_context:
         raise ModelError(f"{path}: tier {richest.name} gives {richest.image_tokens} image tokens, more than "
-                         f"the model's context of {max_context} (config.json max_position_embeddings) holds")
+                         f"the model's context of {max_context} ({context_from}) holds")
