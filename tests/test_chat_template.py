@@ -68,19 +68,41 @@ def test_any_error_while_rendering_is_one_line_naming_the_template(template, err
         ChatTemplate.compile(template, WHERE).one_image("hi", "<image>", reserved=())
 
 
+def folder_with_template(tmp_path: Path, template: str) -> Path:
+    """The idefics3 fixture's files, linked, with `template` as its chat_template.jinja."""
+    from family_conformance import IDEFICS3
+    folder = tmp_path / "ct"
+    folder.mkdir()
+    for entry in IDEFICS3.path.iterdir():
+        (folder / entry.name).symlink_to(entry)
+    (folder / "chat_template.jinja").unlink()
+    (folder / "chat_template.jinja").write_text(template)
+    return folder
+
+
+@pytest.mark.parametrize("template, said", [
+    ("{% if messages[0].content[1].text %}{{ 1 / 0 }}{% endif %}<image>",
+     "the chat template fails: ZeroDivisionError: division by zero"),
+    ("{{ raise_exception('no images') }}", "the chat template refuses the prompt 'describe the image': chat "
+                                           "template: no images"),
+])
+def test_the_folders_template_is_rendered_once_when_the_family_loads(tmp_path, template, said):
+    # so that serve refuses to start with that line even under backend.warmup: none, which renders nothing
+    from edgemm.model.family import adapter_for
+    from edgemm.model.manifest import load_manifest
+    folder = folder_with_template(tmp_path, template)
+    with pytest.raises(ModelError) as refused:
+        adapter_for(load_manifest(folder))
+    assert str(refused.value) == f"{folder / 'chat_template.jinja'}: {said}"
+
+
 @pytest.mark.parametrize("template, said", [("{{ 'x' * 1000000000 }}<image>", "OverflowError: a repetition"),
                                             ("{{ ''.__class__.__mro__ }}<image>", "SecurityError: access to")])
 def test_a_hostile_folder_template_is_exit_2_naming_its_file(tmp_path, template, said):
     from click.testing import CliRunner
 
     from edgemm.cli import main
-    from family_conformance import IDEFICS3
-    folder = tmp_path / "ct"
-    folder.mkdir()
-    for entry in IDEFICS3.path.iterdir():  # the fixture's files, linked: only the template is this test's
-        (folder / entry.name).symlink_to(entry)
-    (folder / "chat_template.jinja").unlink()
-    (folder / "chat_template.jinja").write_text(template)
+    folder = folder_with_template(tmp_path, template)
     result = CliRunner().invoke(main, ["infer", str(folder / "wide.png"), "--prompt", "What is in the image?",
                                        "--model", str(folder)])
     assert result.exit_code == 2, result.output
