@@ -449,7 +449,8 @@ def stream(source_uri, prompt, fps, every, max_frames, out, change_threshold, ti
 
     def on_signal(signum, _frame) -> None:
         stop.set()  # the reader stops taking frames; those in flight are still answered
-        click.echo(f"edgemm: {signal.Signals(signum).name}: finishing frames in flight …", err=True)
+        with contextlib.suppress(OSError):  # a stderr that cannot take it must not end the stop in a traceback
+            click.echo(f"edgemm: {signal.Signals(signum).name}: finishing frames in flight …", err=True)
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     # alone in this process: a pipeline of its own, with room for the stream's share

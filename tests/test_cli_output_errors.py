@@ -160,14 +160,16 @@ def test_a_view_video_cut_short_by_the_disk_is_one_line_and_exit_2(config, tmp_p
         assert view.stat().st_size == 64 * 1024  # cut short, as it was with exit 0
 
 
-def test_a_view_video_on_a_disk_with_no_space_left_stops_the_stream(config, tmp_path):
+@pytest.mark.parametrize("source", ["synthetic://?count=40", "synthetic://?count=40&fps=10"],
+                         ids=["files", "live"])  # live: the reader thread writes the view
+def test_a_view_video_on_a_disk_with_no_space_left_stops_the_stream(source, config, tmp_path):
     """statvfs says the disk is full after the fourth frame (a tmpfs of 64 KB needs root to mount)."""
     view = tmp_path / "clip.avi"
     prelude = ("import os, edgemm.view\ncalls = []\nreal = os.statvfs\n"
                "def statvfs(path):\n    calls.append(path)\n    s = real(path)\n"
                "    return os.statvfs_result((*s[:4], 0 if len(calls) >= 4 else s[4], *s[5:]))\n"
                "edgemm.view.os.statvfs = statvfs")
-    code, _, stderr = run_with(["stream", "synthetic://?count=40", "--tier", "low", "--max-new-tokens", "1",
+    code, _, stderr = run_with(["stream", source, "--tier", "low", "--max-new-tokens", "1",
                                 "--config", config, "--view", view, "--out", tmp_path / "a.jsonl"], prelude=prelude)
     assert (code, stderr) == (2, [f"edgemm: error: cannot write --view {view}: No space left on device "
                                   "(after 3 frames)"])
