@@ -59,8 +59,21 @@ def quiet_libraries() -> None:
 
 
 def fail(message: str, code: int) -> None:
-    click.echo(f"edgemm: error: {message}", err=True)
+    try:
+        click.echo(f"edgemm: error: {message}", err=True)
+    except OSError:  # stderr itself cannot be written (/dev/full): the exit code is all that is left
+        silence(sys.stderr)
     sys.exit(code)
+
+
+def to_stderr(text: str, nl: bool = True) -> None:
+    """A line on stderr. One that cannot be written (a full disk, /dev/full) ends the command
+    with exit 2, as a result that cannot be written does: the user would not know what happened."""
+    try:
+        click.echo(text, err=True, nl=nl)
+    except OSError as e:
+        silence(sys.stderr)
+        raise cannot_write("standard error", e) from None
 
 
 def reports_errors(fn):
@@ -121,26 +134,27 @@ def progress(what: str, quiet: bool = False) -> Iterator[list[str]]:
     On a terminal the first half shows while loading and is erased if an error follows;
     elsewhere (scripts, logs) the line comes whole once ready, so an error stays one line.
     What the caller adds to the list it is given is said after the time (`… ready in 0.1 s: q4`)."""
-    interactive = not quiet and sys.stderr.isatty()
+    interactive = not quiet and sys.stderr is not None and sys.stderr.isatty()  # None: started with 2>&-
     if interactive:
-        click.echo(f"edgemm: loading {what} … ", err=True, nl=False)
+        to_stderr(f"edgemm: loading {what} … ", nl=False)
     t0 = time.perf_counter()
     notes: list[str] = []
     try:
         yield notes
     except BaseException:
         if interactive:
-            click.echo("\r\033[K", err=True, nl=False)
+            with contextlib.suppress(InputError):  # the error that follows says the same
+                to_stderr("\r\033[K", nl=False)
         raise
     if not quiet:
         start = "" if interactive else f"edgemm: loading {what} … "
         said = f": {', '.join(notes)}" if notes else ""
-        click.echo(f"{start}ready in {time.perf_counter() - t0:.1f} s{said}", err=True)
+        to_stderr(f"{start}ready in {time.perf_counter() - t0:.1f} s{said}")
 
 
 def say(line: str) -> None:
     """A progress line on stderr (`edgemm: warming 3 tiers … 24.1 s`)."""
-    click.echo(f"edgemm: {line}", err=True)
+    to_stderr(f"edgemm: {line}")
 
 
 def model_label(cfg) -> str:
@@ -202,6 +216,9 @@ class StderrHandler(logging.Handler):
 @click.version_option(package_name="edgemm")
 def main() -> None:
     """edgemm: vision-language inference on NVIDIA Jetson (and anywhere ONNX Runtime runs)."""
+    for fd, stream in ((1, sys.stdout), (2, sys.stderr)):
+        if stream is None:  # started with it closed: the next file opened (an --out, a model) would get it
+            keep_closed_descriptor(fd)
     log = logging.getLogger("edgemm")
     if not any(isinstance(h, StderrHandler) for h in log.handlers):
         log.addHandler(StderrHandler(logging.WARNING))
@@ -246,6 +263,7 @@ def infer(image, prompt, tier, scheduler, beams, beam_gate, precision, model_dir
     check_generation(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
                      num_beams=beams, beam_gate=beam_gate, names=GENERATION_FLAGS)  # before the model loads
     check_text(prompt, "--prompt")  # a NUL or undecodable bytes: exit 2, not the tokenizer's error
+    standard_output()  # closed (`>&-`): said before the model loads, not after the answer
     from edgemm.runtime import Runtime
     cfg = build_config(config_path, model_dir, precision, threads)
     if scheduler is not None:
@@ -267,16 +285,41 @@ def infer(image, prompt, tier, scheduler, beams, beam_gate, precision, model_dir
     else:
         echo_result(result.text)
         for warning in result.warnings:
-            click.echo(f"edgemm: warning: {warning}", err=True)
+            to_stderr(f"edgemm: warning: {warning}")
 
 
 def silence_stdout() -> None:
     """stdout to /dev/null: what is still buffered for it goes nowhere, so the interpreter's
     last flush cannot fail again (a second message, and exit code 120) after the error is said."""
-    with contextlib.suppress(OSError, ValueError):  # not a real descriptor (a test's capture)
+    silence(sys.stdout)
+
+
+def silence(stream) -> None:
+    """`stream`'s descriptor to /dev/null (see silence_stdout); nothing for a closed stream (None)."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):  # not a real descriptor (a test's capture)
         devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        os.dup2(devnull, stream.fileno())
         os.close(devnull)
+
+
+def keep_closed_descriptor(fd: int) -> None:
+    """/dev/null at the closed descriptor `fd`, so that no file edgemm opens takes it and
+    gets what a library writes to its stdout or stderr. sys.stdout stays None: nothing is said there."""
+    try:
+        os.fstat(fd)
+    except OSError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        if devnull != fd:
+            os.dup2(devnull, fd)
+            os.close(devnull)
+
+
+def standard_output():
+    """sys.stdout, or exit 2 when the process was started with it closed (`>&-`): Python
+    then has None there, and print and click.echo write nothing without a word."""
+    if sys.stdout is None:
+        raise InputError("cannot write standard output: it is closed")
+    return sys.stdout
 
 
 def cannot_write(where: str, error: OSError) -> InputError:
@@ -287,9 +330,10 @@ def cannot_write(where: str, error: OSError) -> InputError:
 def echo_result(text: str) -> None:
     """A command's result on stdout. One that cannot be written is said as one line (exit 2).
     A reader that closed the pipe (BrokenPipeError) is not this: it goes on as before."""
+    stdout = standard_output()
     try:
-        click.echo(text)
-        sys.stdout.flush()
+        click.echo(text, file=stdout)
+        stdout.flush()
     except BrokenPipeError:
         raise
     except OSError as e:
@@ -307,7 +351,7 @@ class JsonLines:
 
     def __init__(self, path: str | None):
         try:
-            self.file = open(path, "w", buffering=1) if path else sys.stdout
+            self.file = open(path, "w", buffering=1) if path else standard_output()
         except OSError as e:
             raise InputError(f"cannot write --out {path}: {e.strerror}") from None
         self.path, self.closed_by_reader, self.failed = path, False, False
@@ -405,7 +449,8 @@ def stream(source_uri, prompt, fps, every, max_frames, out, change_threshold, ti
 
     def on_signal(signum, _frame) -> None:
         stop.set()  # the reader stops taking frames; those in flight are still answered
-        click.echo(f"edgemm: {signal.Signals(signum).name}: finishing frames in flight …", err=True)
+        with contextlib.suppress(OSError):  # a stderr that cannot take it must not end the stop in a traceback
+            click.echo(f"edgemm: {signal.Signals(signum).name}: finishing frames in flight …", err=True)
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     # alone in this process: a pipeline of its own, with room for the stream's share
@@ -426,7 +471,7 @@ def stream(source_uri, prompt, fps, every, max_frames, out, change_threshold, ti
                 view.close()
         finally:  # closed whatever the view's close raised
             sink.close()
-    click.echo("edgemm: summary: " + json.dumps(summary.to_dict()), err=True)
+    to_stderr("edgemm: summary: " + json.dumps(summary.to_dict()))
 
 
 @main.command()

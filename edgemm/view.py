@@ -255,6 +255,7 @@ class AnnotatedView:
         self._lock = threading.Lock()
         self._writer = None  # cv2.VideoWriter, for video and rtp
         self._size: tuple[int, int] | None = None
+        self._failed = False  # a write already refused: the stream ends with that error
 
     def answer(self, frame: Frame, record: dict) -> None:
         with self._lock:
@@ -286,7 +287,22 @@ class AnnotatedView:
             self._writer = self._open_writer(width, height)
         elif (width, height) != self._size:  # a writer takes one size: later frames are fitted to it
             image = cv2.resize(image, self._size, interpolation=cv2.INTER_AREA)
-        self._writer.write(image)
+        self._writer.write(image)  # says nothing when the file cannot take the frame: see _check_space, close
+        if self.target.kind == "video":
+            self._check_space()
+
+    def _check_space(self) -> None:
+        """A disk with no room left is said now, not after the stream: OpenCV's writer would
+        go on taking frames that reach nothing (statvfs is one system call a frame)."""
+        folder = os.path.dirname(os.path.abspath(self.target.location))
+        try:
+            space = os.statvfs(folder)
+        except OSError:  # no such call on this filesystem: close() still checks the file
+            return
+        if space.f_bavail == 0 and space.f_blocks > 0:
+            self._failed = True  # said here: close() need not say it again
+            raise InputError(f"cannot write --view {self.target.location}: No space left on device "
+                             f"(after {self.written} frames)")
 
     def _open_writer(self, width: int, height: int):
         target = self.target
@@ -302,11 +318,28 @@ class AnnotatedView:
         return writer
 
     def close(self) -> None:
+        """Releases the writer; a video file that does not hold every frame written to it is
+        an InputError (exit 2), since OpenCV's writer reports no failure of its own."""
         if self._writer is not None:
             self._writer.release()
             self._writer = None
+            if self.target.kind == "video" and not self._failed and not video_holds(self.target.location, self.written):
+                raise InputError(f"cannot write --view {self.target.location}: it does not hold the "
+                                 f"{self.written} frames written to it (a full disk, or a file size limit?)")
         if self.target.kind == "display":
             cv2.destroyAllWindows()
+
+
+def video_holds(path: str, frames: int) -> bool:
+    """Whether the video file at `path` says it has `frames` frames and its last one can be
+    read: what a file cut short (its index or moov atom never written, its last frames lost)
+    does not. Seeks to the last frame, rather than decoding them all: a few ms for any length."""
+    capture = cv2.VideoCapture(path)
+    try:
+        return (capture.isOpened() and capture.get(cv2.CAP_PROP_FRAME_COUNT) == frames
+                and capture.set(cv2.CAP_PROP_POS_FRAMES, frames - 1) and capture.grab())
+    finally:
+        capture.release()
 
 
 def open_view(out: str, fps: float) -> AnnotatedView:

@@ -98,3 +98,79 @@ def test_a_stream_that_can_write_still_ends_with_its_summary(config, tmp_path):
     assert code == 0, stderr
     assert len(out.read_text().splitlines()) == 3
     assert len(stderr) == 1 and stderr[0].startswith("edgemm: summary: ")
+
+
+def run_with(args: list[str], close: int | None = None, stderr_to_full: bool = False,
+             prelude: str = "") -> tuple[int, str, list[str]]:
+    """`edgemm ARGS` with descriptor `close` (1 or 2) closed when it starts (a shell's `>&-`),
+    or its stderr on /dev/full: (exit code, stdout, stderr lines; [] for a stderr closed or full)."""
+    code = f"{prelude}\nimport sys\nfrom edgemm.cli import main\nsys.argv[0] = 'edgemm'\nmain()"
+    with open(FULL, "wb") as full:
+        process = subprocess.Popen([sys.executable, "-c", code, *map(str, args)], stdout=subprocess.PIPE,
+                                   stderr=full if stderr_to_full else subprocess.PIPE,
+                                   preexec_fn=(lambda: os.close(close)) if close else None,
+                                   env={**os.environ, "EDGEMM_DEBUG": ""})
+    try:
+        stdout, stderr = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    return process.returncode, (stdout or b"").decode(), (stderr or b"").decode(errors="replace").splitlines()
+
+
+@pytest.mark.parametrize("args", [["infer", SAMPLE, "--config"], [*STREAM, "--config"]], ids=["infer", "stream"])
+def test_a_closed_stdout_is_one_line_and_exit_2_before_the_model_loads(args, config):
+    # the stream exited 0 with "frames: 3" and every line dropped; infer exited 1 (an AttributeError)
+    prelude = "import edgemm.runtime\nedgemm.runtime.Runtime = None  # loading the model would be a TypeError"
+    assert run_with([*args, config], close=1, prelude=prelude) == (
+        2, "", ["edgemm: error: cannot write standard output: it is closed"])
+
+
+def test_a_stream_with_stdout_closed_still_writes_its_out_file_and_nothing_takes_descriptor_1(config, tmp_path):
+    out = tmp_path / "answers.jsonl"
+    prelude = "import os, atexit\natexit.register(lambda: os.write(1, b'on fd 1\\n'))  # a library's own print"
+    code, _, stderr = run_with([*STREAM, "--config", config, "--out", out], close=1, prelude=prelude)
+    assert code == 0 and stderr[-1].startswith("edgemm: summary: "), stderr
+    assert len(out.read_text().splitlines()) == 3 and "on fd 1" not in out.read_text()
+
+
+@pytest.mark.parametrize("args", [["infer", SAMPLE, "--config"], [*STREAM, "--config"]], ids=["infer", "stream"])
+def test_stderr_on_a_full_disk_is_exit_2(args, config):
+    # exit 1 before: the progress or summary line's ENOSPC was taken for an internal error
+    code, _, _ = run_with([*args, config], stderr_to_full=True)
+    assert code == 2
+
+
+def test_a_closed_stderr_is_no_error_the_answer_is_still_given(config):
+    # exit 1 before: progress() asked None whether it was a terminal
+    code, stdout, _ = run_with(["infer", SAMPLE, "--config", config], close=2)
+    assert code == 0 and stdout.strip() != ""
+
+
+def test_a_view_video_cut_short_by_the_disk_is_one_line_and_exit_2(config, tmp_path):
+    """OpenCV's VideoWriter says nothing when its writes fail: a file size limit (RLIMIT_FSIZE,
+    EFBIG past it; Python ignores SIGXFSZ) cuts the file short as a full disk does."""
+    for name in ("clip.avi", "clip.mp4"):
+        view = tmp_path / name
+        prelude = f"import resource\nresource.setrlimit(resource.RLIMIT_FSIZE, ({64 * 1024}, {64 * 1024}))"
+        code, _, stderr = run_with(["stream", "synthetic://?count=40", "--tier", "low", "--max-new-tokens", "1",
+                                    "--config", config, "--view", view, "--out", tmp_path / "a.jsonl"],
+                                   prelude=prelude)
+        assert (code, stderr) == (2, [f"edgemm: error: cannot write --view {view}: it does not hold the 40 frames "
+                                      "written to it (a full disk, or a file size limit?)"]), name
+        assert view.stat().st_size == 64 * 1024  # cut short, as it was with exit 0
+
+
+@pytest.mark.parametrize("source", ["synthetic://?count=40", "synthetic://?count=40&fps=10"],
+                         ids=["files", "live"])  # live: the reader thread writes the view
+def test_a_view_video_on_a_disk_with_no_space_left_stops_the_stream(source, config, tmp_path):
+    """statvfs says the disk is full after the fourth frame (a tmpfs of 64 KB needs root to mount)."""
+    view = tmp_path / "clip.avi"
+    prelude = ("import os, edgemm.view\ncalls = []\nreal = os.statvfs\n"
+               "def statvfs(path):\n    calls.append(path)\n    s = real(path)\n"
+               "    return os.statvfs_result((*s[:4], 0 if len(calls) >= 4 else s[4], *s[5:]))\n"
+               "edgemm.view.os.statvfs = statvfs")
+    code, _, stderr = run_with(["stream", source, "--tier", "low", "--max-new-tokens", "1",
+                                "--config", config, "--view", view, "--out", tmp_path / "a.jsonl"], prelude=prelude)
+    assert (code, stderr) == (2, [f"edgemm: error: cannot write --view {view}: No space left on device "
+                                  "(after 3 frames)"])
+    assert len((tmp_path / "a.jsonl").read_text().splitlines()) < 40

@@ -97,10 +97,49 @@ NAN, INF = float("nan"), float("inf")  # YAML's .nan and .inf, as yaml.safe_dump
     (None, "decoder", [1, 2], "'decoder' must be dict, got list"),
     (None, "default_tier", [1], "default_tier [1] is not one of low, mid, high"),
     ("special_tokens", "unk", 5, "special_tokens: 'unk' must be str, got int"),
+    # each of these was taken, and the model answered as if it were fine (or ran out of memory)
+    ("preprocessing", "color", "xyz", "preprocessing.color 'xyz' is not one of rgb"),
+    ("preprocessing", "resize", "bogus", "preprocessing.resize 'bogus' is not one of stretch"),
+    ("decoder", "layers", -1, "decoder.layers -1 must be a positive integer"),
+    ("decoder", "vocab_size", 0, "decoder.vocab_size 0 must be a positive integer"),
+    ("decoder", "heads", "4", "decoder.heads '4' must be a positive integer"),
+    (None, "image_token", "<bos>", "image_token '<bos>' must be a token of its own, not special_tokens.bos"),
+    (None, "max_context", 10 ** 12, "max_context 1000000000000 must be an integer from 2 to 1048576"),
+    (None, "max_context", 1, "max_context 1 must be an integer from 2 to 1048576"),
 ])
 def test_a_bad_value_in_model_yaml_is_one_line_naming_the_key(tmp_model, section, key, value, said):
     edit_yaml(tmp_model, lambda d: (d[section] if section else d).update({key: value}))
     assert refused(ModelError, load_manifest, tmp_model) == f"{tmp_model / 'model.yaml'}: {said}"
+
+
+@pytest.mark.parametrize("image_tokens", [320, 100_000_000])
+def test_a_tiers_image_tokens_must_leave_room_in_max_context_as_in_a_hugging_face_folder(tmp_model, image_tokens):
+    # 100 000 000 was a MemoryError (exit 1): the prompt's placeholders were made before any check
+    edit_yaml(tmp_model, lambda d: d["tiers"]["high"].update(image_tokens=image_tokens))
+    assert refused(ModelError, load_manifest, tmp_model) == (
+        f"{tmp_model / 'model.yaml'}: tier high gives {image_tokens} image tokens, more than the model's context "
+        "of 320 (max_context) holds")
+    edit_yaml(tmp_model, lambda d: d["tiers"]["high"].update(image_tokens=319))
+    assert load_manifest(tmp_model).tiers["high"].image_tokens == 319
+
+
+@pytest.mark.parametrize("key, value, said", [
+    ("special_tokens", {"bos": "<bos>", "eos": "<eos>", "pad": "nosuch"}, "special_tokens.pad 'nosuch' is not in the "
+                                                                         "tokenizer"),
+    ("prompt_format", "<bos> <image> <image> {prompt} <answer>", "prompt_format gives the image token <image> 2 "
+                                                                 "times, not once"),
+])
+def test_a_model_yaml_token_the_tokenizer_does_not_make_is_refused_at_load(tmp_model, key, value, said):
+    edit_yaml(tmp_model, lambda d: d.update({key: value}))
+    assert refused(ModelError, lambda: adapter_for(load_manifest(tmp_model))) == f"{tmp_model / 'model.yaml'}: {said}"
+
+
+def test_a_bad_model_yaml_value_is_exit_2_from_the_cli_not_an_answer(tmp_model):
+    edit_yaml(tmp_model, lambda d: d["special_tokens"].update(pad="nosuch"))
+    result = CliRunner().invoke(main, ["infer", str(tmp_model / "samples" / "scene_11.png"), "--model", str(tmp_model)])
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr.strip().splitlines()[-1] == (f"edgemm: error: {tmp_model / 'model.yaml'}: special_tokens.pad "
+                                                      "'nosuch' is not in the tokenizer")
 
 
 def test_a_nan_std_is_exit_2_from_the_cli(tmp_model):

@@ -6,6 +6,13 @@ user message of an image and the user's text, with the generation prompt after i
 differs per family is which token marks the image, which tokens a user's text may not
 hold, and what else the template reads (`bos_token`, `eos_token`): `ChatTemplate.one_image`
 takes those.
+
+The template is the model folder's code, run in Jinja's sandbox: it cannot reach Python's
+internals, and what the sandbox lets through but would exhaust memory (`'x' * 10**9`, a huge
+power) is refused by size. Its running time has no bound that is sound (loops nest: two
+loops over 100 000 items are 10**10 steps, each allowed alone), so like the folder's ONNX
+graphs it is code the operator trusts (README, "Using your own model"); it is rendered once
+at load (edgemm.model.family.family_for), so a template that fails or hangs does so there.
 """
 from __future__ import annotations
 
@@ -20,6 +27,24 @@ from edgemm.errors import InputError, ModelError
 if TYPE_CHECKING:
     from jinja2 import Template
 
+# The most characters or items one `*` in a template may make, and the most bits one `**` may:
+# a prompt is a few KB, so 1 MB is far beyond any real template's need and far below harm.
+MAX_REPEAT = 1_000_000
+MAX_POWER_BITS = 64 * 1024
+
+
+def bounded_binop(operator: str, left, right):
+    """`left operator right` as Python computes it, unless its result would be bigger than
+    the bounds above: checked before the operation, which would allocate it first."""
+    if operator == "*":
+        for seq, times in ((left, right), (right, left)):
+            if isinstance(seq, (str, list, tuple)) and isinstance(times, int) \
+                    and len(seq) * times > MAX_REPEAT:
+                raise OverflowError(f"a repetition of {len(seq) * times} items (at most {MAX_REPEAT})")
+    if operator == "**" and isinstance(left, int) and isinstance(right, int) and right > 0 \
+            and left.bit_length() * right > MAX_POWER_BITS:
+        raise OverflowError(f"a power of about {left.bit_length() * right} bits (at most {MAX_POWER_BITS})")
+
 
 @dataclass(frozen=True)
 class ChatTemplate:
@@ -32,11 +57,17 @@ class ChatTemplate:
         import jinja2
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+        class BoundedSandbox(ImmutableSandboxedEnvironment):
+            intercepted_binops = frozenset({"*", "**"})
+
+            def call_binop(self, context, operator, left, right):
+                bounded_binop(operator, left, right)
+                return super().call_binop(context, operator, left, right)
+
         def raise_exception(message):
             raise InputError(f"chat template: {message}")
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
+        env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
         env.globals.update(raise_exception=raise_exception,
                            strftime_now=lambda fmt: datetime.now().strftime(fmt))
         try:
@@ -54,7 +85,13 @@ class ChatTemplate:
             if token in prompt:
                 raise InputError(f"the prompt must not contain the {reserved_name} {token}")
         messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
-        text = self.template.render(messages=messages, add_generation_prompt=True, **variables)
+        try:
+            text = self.template.render(messages=messages, add_generation_prompt=True, **variables)
+        except InputError:  # the template's own raise_exception: its refusal of this request
+            raise
+        except Exception as e:  # noqa: BLE001 - whatever the folder's code raises is the folder's error
+            raise ModelError(f"{self.where}: the chat template fails: {type(e).__name__}: "
+                             f"{' '.join(str(e).split())[:200]}") from None
         if text.count(image_marker) != 1:
             raise ModelError(f"{self.where}: the chat template gave {text.count(image_marker)} "
                              f"{image_marker} tokens for one image")

@@ -30,11 +30,12 @@ from typing import Protocol, TypeVar, runtime_checkable
 import numpy as np
 from tokenizers import Tokenizer
 
-from edgemm.errors import ModelError
+from edgemm.errors import InputError, ModelError
 from edgemm.model.manifest_types import ModelManifest, Preprocessing, ResolutionTier
 from edgemm.model.tokenizer import load_tokenizer, token_id
 
 BUILTIN_FAMILIES = "edgemm.model.families"
+LOAD_CHECK_PROMPT = "describe the image"  # what a family's chat template is rendered with at load
 
 
 @dataclass
@@ -264,8 +265,20 @@ def _entry_of(manifest: ModelManifest) -> FamilyEntry:
 
 
 def family_for(manifest: ModelManifest) -> Family:
-    """The family adapter for a loaded manifest, by ModelManifest.family."""
-    return _entry_of(manifest).adapter(manifest)
+    """The family adapter for a loaded manifest, by ModelManifest.family.
+
+    A family with a chat template (its `chat_text`) renders it once here, so that a template
+    that fails is said at load, one line naming it, whatever backend.warmup says: `serve`
+    refuses to start rather than fail every request."""
+    family = _entry_of(manifest).adapter(manifest)
+    chat_text = getattr(family, "chat_text", None)
+    if chat_text is not None:
+        try:
+            chat_text(LOAD_CHECK_PROMPT)
+        except InputError as e:  # the template's raise_exception: it would refuse every request like it
+            raise ModelError(f"{manifest.chat_template_file or manifest.path}: the chat template refuses "
+                             f"the prompt {LOAD_CHECK_PROMPT!r}: {e}") from None
+    return family
 
 
 adapter_for = family_for  # the name the runtime has always called

@@ -194,17 +194,18 @@ def eos_token_ids(*configs: JsonObject) -> list[int]:
     return ids
 
 
-def chat_template(path: Path) -> str:
-    """The folder's chat template: chat_template.jinja, else the 'chat_template' key of the JSON files."""
+def chat_template(path: Path) -> tuple[str, Path]:
+    """The folder's chat template and the file it is in: chat_template.jinja, else the
+    'chat_template' key of the JSON files."""
     for name in CHAT_TEMPLATE_FILES:
         file = path / name
         if not present(file):
             continue
         if name.endswith(".jinja"):
-            return read_model_file(file)
+            return read_model_file(file), file
         template = read_json(file).get("chat_template")
         if isinstance(template, str):
-            return template
+            return template, file
     raise ModelError(f"{path}: no chat template (looked in {', '.join(CHAT_TEMPLATE_FILES)})")
 
 
@@ -226,19 +227,22 @@ def load_hf_manifest(path: Path) -> ModelManifest:
     text = config.object("text_config") if config.get("text_config") is not None else config
     max_context = text.integer("max_position_embeddings", 8192)
     check_context(path, own.tiers, max_context)
+    template, template_file = chat_template(path)
     return ModelManifest(
         path=path, name=path.name, family=entry.name, files={**ONNX_FILES, "tokenizer": "tokenizer.json"},
         tiers=own.tiers, default_tier=own.default_tier or list(own.tiers)[-1], preprocessing=own.preprocessing,
         special_tokens={}, image_token=own.image_token, prompt_format="", stop_tokens=own.stop_tokens,
         max_context=max_context,
-        precisions=precisions_present(path) or ["fp32"], chat_template=chat_template(path),
+        precisions=precisions_present(path) or ["fp32"], chat_template=template,
+        chat_template_file=template_file,
         family_config=own.family_config)
 
 
-def check_context(path: Path, tiers: dict[str, ResolutionTier], max_context: int) -> None:
+def check_context(path: Path, tiers: dict[str, ResolutionTier], max_context: int,
+                  context_from: str = "config.json max_position_embeddings") -> None:
     """Refuse, at load, a folder whose richest tier's image tokens leave no room in the context:
     every request at that tier would only fail after its image was prepared and encoded."""
     richest = max(tiers.values(), key=lambda t: t.image_tokens)
     if richest.image_tokens >= max_context:
         raise ModelError(f"{path}: tier {richest.name} gives {richest.image_tokens} image tokens, more than "
-                         f"the model's context of {max_context} (config.json max_position_embeddings) holds")
+                         f"the model's context of {max_context} ({context_from}) holds")

@@ -15,13 +15,21 @@ import yaml
 
 from edgemm.errors import ModelError
 from edgemm.files import load_yaml, read_model_file
-from edgemm.model.hf_folder import FLOAT16_MAX, MAX_IMAGE_SIDE, load_hf_manifest
+from edgemm.model.hf_folder import FLOAT16_MAX, MAX_IMAGE_SIDE, check_context, load_hf_manifest
 # The dataclasses live in manifest_types (hf_folder and the families use them too); they
 # are named here as well because this is where callers have always imported them from.
 from edgemm.model.manifest_types import (COMPONENTS, PRECISIONS, ModelManifest, Preprocessing, ResolutionTier,
                                          precisions_present)
 
 __all__ = ["COMPONENTS", "PRECISIONS", "ModelManifest", "Preprocessing", "ResolutionTier", "load_manifest"]
+
+# What model.yaml's preprocessing may say: the built-in family feeds RGB, stretched to the tier.
+COLORS = ("rgb",)
+RESIZES = ("stretch",)
+# The largest max_context taken: beyond any model's context today (1M tokens), where a typo of
+# a few digits more would size engine profiles and limits for a context no graph has.
+MAX_CONTEXT = 1 << 20
+DECODER_SIZES = ("layers", "heads", "head_dim", "hidden_size", "vocab_size")
 
 
 def _require(data: dict, key: str, kind: type, where: str):
@@ -107,9 +115,11 @@ def load_manifest(model_dir: str | Path) -> ModelManifest:
     if not isinstance(pre, dict):
         raise ModelError(f"{where}: 'preprocessing' must be a mapping")
     mean, std = _normalisation(pre, where)
-    for key in ("color", "resize"):
-        if not isinstance(pre.get(key, ""), str):
+    for key, known in (("color", COLORS), ("resize", RESIZES)):
+        if not isinstance(pre.get(key, known[0]), str):
             raise ModelError(f"{where}: preprocessing.{key} must be str, got {type(pre[key]).__name__}")
+        if pre.get(key, known[0]) not in known:
+            raise ModelError(f"{where}: preprocessing.{key} {pre[key]!r} is not one of {', '.join(known)}")
     special = _require(data, "special_tokens", dict, where)
     for key in ("bos", "eos"):
         _require(special, key, str, f"{where}: special_tokens")
@@ -119,6 +129,9 @@ def load_manifest(model_dir: str | Path) -> ModelManifest:
     image_token = _require(data, "image_token", str, where)
     if "{prompt}" not in prompt_format or image_token not in prompt_format:
         raise ModelError(f"{where}: prompt_format must contain {{prompt}} and the image token {image_token}")
+    if image_token in special.values():  # '<bos>' is in the prompt format, but as the bos token
+        named = next(key for key, token in special.items() if token == image_token)
+        raise ModelError(f"{where}: image_token {image_token!r} must be a token of its own, not special_tokens.{named}")
     declared = _strings(data, "precisions", ["fp32"], where)
     unknown = [p for p in declared if p not in PRECISIONS]
     if unknown:
@@ -126,11 +139,25 @@ def load_manifest(model_dir: str | Path) -> ModelManifest:
     # what the folder holds, by the files' suffixes, as in a Hugging Face folder: a variant made
     # later (tools/quantize.py --variant q4) is usable without editing model.yaml
     precisions = precisions_present(path, files) or ["fp32"]
+    max_context = _require(data, "max_context", int, where)
+    if not 2 <= max_context <= MAX_CONTEXT:
+        raise ModelError(f"{where}: max_context {max_context} must be an integer from 2 to {MAX_CONTEXT}")
+    check_context(yaml_path, tiers, max_context, "max_context")
     return ModelManifest(
         path=path, name=str(data.get("name", path.name)), family=_require(data, "family", str, where),
         files=files, tiers=tiers, default_tier=default_tier,
         preprocessing=Preprocessing(mean, std, pre.get("color", "rgb"), pre.get("resize", "stretch")),
         special_tokens=special, image_token=image_token, prompt_format=prompt_format,
         stop_tokens=_strings(data, "stop_tokens", [special["eos"]], where),
-        max_context=_require(data, "max_context", int, where),
-        precisions=precisions, decoder=dict(_require(data, "decoder", dict, where) if data.get("decoder") else {}))
+        max_context=max_context, precisions=precisions, decoder=_decoder(data, where))
+
+
+def _decoder(data: dict, where: str) -> dict:
+    """model.yaml's `decoder:` sizes, for the reader (the runtime takes them from the graph): each
+    one given a positive integer."""
+    decoder = dict(_require(data, "decoder", dict, where) if data.get("decoder") else {})
+    for key in DECODER_SIZES:
+        value = decoder.get(key, 1)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ModelError(f"{where}: decoder.{key} {value!r} must be a positive integer")
+    return decoder

@@ -77,6 +77,7 @@ class ModelManifest:
     precisions: list[str] = field(default_factory=lambda: ["fp32"])
     decoder: dict = field(default_factory=dict)
     chat_template: str | None = None  # Jinja chat template (Hugging Face folders)
+    chat_template_file: Path | None = None  # the file it was read from, for the error messages
     family_config: dict = field(default_factory=dict)  # what the family adapter needs beyond this
 
     def tier(self, name: str | None) -> ResolutionTier:

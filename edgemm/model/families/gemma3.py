@@ -103,7 +103,7 @@ class Gemma3Adapter(TokenizedFamily):
         for key in ("boi_token", "eoi_token"):
             self.id_of(self.cfg[key])
         self.stop_ids = {self.id_of(END_OF_TURN), *self.cfg["eos_token_ids"]}
-        self.template = ChatTemplate.compile(manifest.chat_template or "", manifest.path)
+        self.template = ChatTemplate.compile(manifest.chat_template or "", manifest.chat_template_file or manifest.path)
         # one square image at preprocessor_config.json's size: an encoder sized otherwise is refused at load
         self.graph_inputs = GraphInputs(pixel_values=(None, 3, self.cfg["height"], self.cfg["width"]),
                                         pixel_values_from="preprocessor_config.json: 3 channels x size")

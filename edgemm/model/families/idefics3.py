@@ -101,7 +101,7 @@ class Idefics3Adapter(TokenizedFamily):
         for token in (FAKE_TOKEN, GLOBAL_TOKEN, END_OF_UTTERANCE):
             self.id_of(token)
         self.stop_ids = {self.id_of(END_OF_UTTERANCE), *self.cfg["eos_token_ids"]}
-        self.template = ChatTemplate.compile(manifest.chat_template or "", manifest.path)
+        self.template = ChatTemplate.compile(manifest.chat_template or "", manifest.chat_template_file or manifest.path)
         tile = self.cfg["tile"]  # [batch, tiles, 3, tile, tile]: the tile's side is the encoder's
         self.graph_inputs = GraphInputs(pixel_values=(None, None, 3, tile, tile),
                                         pixel_values_from="preprocessor_config.json: 3 channels x max_image_size")

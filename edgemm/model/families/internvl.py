@@ -186,7 +186,7 @@ class InternVLAdapter(TokenizedFamily):
         for token in (START_IMAGE, END_IMAGE):
             self.id_of(token)
         self.stop_ids = {self.id_of(END_OF_TURN), *self.cfg["eos_token_ids"]}
-        self.template = ChatTemplate.compile(manifest.chat_template or "", manifest.path)
+        self.template = ChatTemplate.compile(manifest.chat_template or "", manifest.chat_template_file or manifest.path)
         self._normalise = normalisation(self.cfg["image_mean"], self.cfg["image_std"], self.cfg["rescale_factor"])
         tile = self.cfg["tile"]  # [batch, tiles, 3, tile, tile]: the tile's side is the encoder's
         self.graph_inputs = GraphInputs(pixel_values=(None, None, 3, tile, tile),

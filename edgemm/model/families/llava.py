@@ -179,7 +179,7 @@ class LlavaAdapter(TokenizedFamily):
             raise ModelError(f"{manifest.path}: no stop token (generation_config.json eos_token_id, or "
                              "tokenizer_config.json eos_token)")
         source = GENERATION_TAG.sub("", manifest.chat_template or "")
-        self.template = ChatTemplate.compile(source, manifest.path)
+        self.template = ChatTemplate.compile(source, manifest.chat_template_file or manifest.path)
         # one image at preprocessor_config.json's crop (or size): an encoder sized otherwise is refused at load
         self.graph_inputs = GraphInputs(pixel_values=(None, 3, self.cfg["height"], self.cfg["width"]),
                                         pixel_values_from="preprocessor_config.json: 3 channels x crop_size")

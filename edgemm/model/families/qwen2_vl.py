@@ -191,7 +191,7 @@ class Qwen2VLAdapter(TokenizedFamily):
         for token in (VISION_START, VISION_END):
             self.id_of(token)
         self.stop_ids = {self.id_of(IM_END), *self.cfg["eos_token_ids"]}
-        self.template = ChatTemplate.compile(manifest.chat_template or "", manifest.path)
+        self.template = ChatTemplate.compile(manifest.chat_template or "", manifest.chat_template_file or manifest.path)
         self.unit = self.cfg["patch_size"] * self.cfg["merge_size"]
         patch, temporal = self.cfg["patch_size"], self.cfg["temporal_patch_size"]
         self.graph_inputs = GraphInputs(encoder=(self.cfg["grid_input"],), position_axes=3,

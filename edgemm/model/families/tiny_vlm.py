@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from edgemm.errors import InputError
+from edgemm.errors import InputError, ModelError
 from edgemm.model.family import Prompt, TokenizedFamily, register
 from edgemm.model.manifest_types import ModelManifest, ResolutionTier
 from edgemm.model.preprocess import to_pixel_values
@@ -30,8 +30,16 @@ class TinyVLMAdapter(TokenizedFamily):
 
     def __init__(self, manifest: ModelManifest):
         super().__init__(manifest)
+        for key, token in manifest.special_tokens.items():  # each must be a token, as the stop tokens must
+            token_id(self.tokenizer, token, f"{manifest.path / 'model.yaml'}: special_tokens.{key} {token!r}")
         self.image_id = self.id_of(manifest.image_token)
         self.stop_ids = {self.id_of(t) for t in manifest.stop_tokens}
+        # the prompt format must give the image token once whatever the prompt: else every
+        # request would be refused, as if its prompt held the image token
+        format_ids = self.tokenizer.encode(manifest.prompt_format.replace("{prompt}", ""), add_special_tokens=False).ids
+        if format_ids.count(self.image_id) != 1:
+            raise ModelError(f"{manifest.path / 'model.yaml'}: prompt_format gives the image token "
+                             f"{manifest.image_token} {format_ids.count(self.image_id)} times, not once")
         self.unk_id = self.tokenizer.token_to_id(manifest.special_tokens.get("unk", "<unk>"))
 
     def id_of(self, token: str) -> int:
