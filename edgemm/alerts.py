@@ -245,14 +245,14 @@ class StreamAlerts:
                 with self._lock:
                     alert.figures.deferred += 1
                 continue
-            if alert.in_flight >= ALERT_INFLIGHT or not self._take_place():
-                self._skipped(alert)
-                continue
             options: dict = {"max_new_tokens": alert.cfg.max_new_tokens}
             if self.tier is not None:
                 options["tier"] = self.tier
             if self.route is not None:
                 options["route"] = self.route()
+            if alert.in_flight >= ALERT_INFLIGHT or not self._take_place():
+                self._skipped(alert)
+                continue
             question = Request(frame.image, alert.cfg.prompt, options, tag=frame)
             if leader is not None:
                 leader.followers.append(question)  # refused with it, its future is cancelled
@@ -268,8 +268,8 @@ class StreamAlerts:
                 alert.in_flight += 1
                 self._unanswered += 1
                 alert.figures.asked += 1
-            alert.asked = count
-            future.add_done_callback(partial(self._answered, alert, frame.index, count))
+            before, alert.asked = alert.asked, count
+            future.add_done_callback(partial(self._answered, alert, frame.index, count, before))
 
     def _skipped(self, alert: Alert) -> None:
         with self._lock:  # the decode thread counts overtaken answers here too
@@ -290,22 +290,25 @@ class StreamAlerts:
 
     # -- the pipeline's decode thread --
 
-    def _answered(self, alert: Alert, frame: int, seq: int, future: Future) -> None:
-        """`frame`: the source's frame number (restarts with the source); `seq`: the stream's count."""
+    def _answered(self, alert: Alert, frame: int, seq: int, asked_before: int | None, future: Future) -> None:
+        """`frame`: the source's frame number (restarts with the source); `seq`: the stream's count;
+        `asked_before`: when the alert was asked before this question (restored if it never was)."""
         self._give_place()
         try:
-            self._read(alert, frame, seq, future)
+            self._read(alert, frame, seq, asked_before, future)
         finally:
             with self._settled:
                 self._unanswered -= 1
                 self._settled.notify_all()
 
-    def _read(self, alert: Alert, frame: int, seq: int, future: Future) -> None:
-        if future.cancelled():  # the frame it rode with was refused: never asked
+    def _read(self, alert: Alert, frame: int, seq: int, asked_before: int | None, future: Future) -> None:
+        if future.cancelled():  # the frame it rode with was refused: never asked, so due on the next frame
             with self._lock:
                 alert.in_flight -= 1
                 alert.figures.asked -= 1
                 alert.figures.skipped += 1
+                if alert.asked == seq:
+                    alert.asked = asked_before
             return
         try:
             reading = alert.rule.read(future.result().text)
@@ -823,8 +826,10 @@ class WebhookSender:
             try:
                 self._http = self._client()
             except Exception as e:  # e.g. no CA bundle: nothing can be sent; what comes is dropped (counted)
-                log.error("%s: the webhook to %s cannot send anything: %s", self.where, self.host, one_line(f"{type(e).__name__}: {e}"))
+                error = one_line(f"cannot send anything: {type(e).__name__}: {e}", 200)
+                log.error("%s: the webhook to %s %s", self.where, self.host, error)
                 with self._cond:
+                    self.figures.last_error = error
                     self._closing.set()
                     self.figures.dropped += len(self._queue)
                     self._queue.clear()

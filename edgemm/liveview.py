@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import logging
 import math
 import re
 import time
@@ -40,6 +41,8 @@ from edgemm.pipeline import Overloaded
 from edgemm.service import Service
 from edgemm.streams import END, AllStreamsListener, StreamSpecError, stream_body_limit
 from edgemm.view import LatestFrame
+
+log = logging.getLogger("edgemm")
 
 # the scope key of edgemm.connections.LONG_LIVED (see edgemm.server for why it is not imported)
 LONG_LIVED = "edgemm.long_lived"
@@ -93,7 +96,11 @@ async def with_frame(service: Service, record: dict) -> dict:
     stream = service.streams.streams.get(record.get("stream"))
     if stream is None or "frame" not in record:
         return record
-    data = await shared_encode_of(stream.latest, record["frame"])
+    try:
+        data = await shared_encode_of(stream.latest, record["frame"])
+    except Exception:  # a frame that does not encode: the result goes without it (the page fetches frame.jpg)
+        log.exception("encoding a stream's frame for /v1/events failed")
+        return record
     return {**record, "jpeg": base64.b64encode(data).decode("ascii")} if data is not None else record
 
 

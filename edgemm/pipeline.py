@@ -357,12 +357,14 @@ class Pipeline:
             with self._order:
                 del self._open[ticket]
                 self._order.notify_all()
-            self.to_encode.put(req)
+            # followers at a tier of their own are encoded apart, right behind it (split off before
+            # the encoder holds it: from then on its followers are the encoder's to read)
             apart = [f for f in req.followers if f.prepared.pixel_values is not req.prepared.pixel_values]
-            if apart:  # at a tier of their own: encoded apart, right behind it
+            if apart:
                 req.followers = [f for f in req.followers if f not in apart]
-                for follower in apart:
-                    self.to_encode.put(follower)
+            self.to_encode.put(req)
+            for follower in apart:
+                self.to_encode.put(follower)
 
     def _coming(self) -> bool:
         """Will another request reach the encoder soon? One is if it waits in the inbox, has
@@ -394,7 +396,10 @@ class Pipeline:
         finally:
             self._account("prepare", started)
         req.marks["prepare"] = time.perf_counter()
-        self._prepare_followers(req)
+        if req.followers:
+            started = time.perf_counter()
+            self._prepare_followers(req)
+            self._account("prepare", started, 0)  # busy time; items count what came in through the inbox
         req.image = None  # the decoded pixels are all we need from here on
         return True
 

@@ -254,6 +254,7 @@ def run_stream(pipeline: Pipeline, source: Source, options: StreamOptions,
             stop.set()
             return False
         taken += 1
+        request = None
         try:
             prompt = options.prompt  # read once: the daemon may change it meanwhile
             if gate is not None and gate(frame.image) and last is not None and last_prompt == prompt:
@@ -269,6 +270,8 @@ def run_stream(pipeline: Pipeline, source: Source, options: StreamOptions,
                 future, reused = pipeline.submit(request, timeout=SUBMIT_WAIT_S), False
         except BaseException:
             give_back()
+            for question in request.followers if request is not None else ():
+                question.future.cancel()  # never submitted (a refusal cancelled them already): their places back
             raise
         if reused:
             give_back()  # it never entered the pipeline

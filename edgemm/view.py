@@ -96,7 +96,8 @@ class LatestFrame:
         # the last few answers' frames by their source frame number, for GET /v1/events?frames=jpeg:
         # the result sent is its stream's newest, but a newer answer may come while it is encoded
         self._recent: deque[tuple[object, np.ndarray]] = deque(maxlen=KEPT_ANSWERED_FRAMES)
-        self._encoded_frame: tuple[np.ndarray, bytes] | None = None  # (a kept frame, its JPEG)
+        # (a kept frame, its JPEG): each kept frame's, encoded once, however many listeners at whatever phase ask
+        self._encoded_frames: deque[tuple[np.ndarray, bytes]] = deque(maxlen=KEPT_ANSWERED_FRAMES)
 
     def answer(self, frame: Frame, record: dict) -> None:
         if "error" in record:
@@ -137,14 +138,13 @@ class LatestFrame:
             with self._lock:
                 # the newest of that number (a source that restarts numbers its frames anew)
                 image = next((kept for number, kept in reversed(self._recent) if number == frame_number), None)
-                encoded = self._encoded_frame
+                data = next((data for kept, data in self._encoded_frames if kept is image), None)
             if image is None:
                 return None
-            if encoded is not None and encoded[0] is image:
-                return encoded[1]
-            data = jpeg(image)
-            with self._lock:
-                self._encoded_frame = (image, data)
+            if data is None:
+                data = jpeg(image)
+                with self._lock:
+                    self._encoded_frames.append((image, data))
             return data
 
 

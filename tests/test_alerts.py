@@ -211,6 +211,25 @@ def test_questions_ride_with_the_frames_own_request_and_a_refused_frame_gives_th
     assert all(a.figures.readings == {} for a in alerts.alerts)  # never read as unknown
 
 
+def test_an_alert_whose_frame_was_refused_is_asked_on_the_next_frame_not_every_frames_later():
+    from edgemm.pipeline import Request
+    alerts, _, _ = scripted({"a": {"prompt": "is there a cat ?", "every": 3}})
+    frames = [frame(i) for i in range(3)]
+    leaders = [Request(f.image, "describe", {}, tag=f) for f in frames]
+    alerts.ask(frames[0], leader=leaders[0])
+    leaders[0].followers[0].future.set_result(SimpleNamespace(text="no"))
+    alerts.ask(frames[1], leader=leaders[1])  # not due (every 3)
+    alerts.ask(frames[2], leader=leaders[2])  # not due
+    next_frame = frame(3)
+    refused = Request(next_frame.image, "describe", {}, tag=next_frame)
+    alerts.ask(next_frame, leader=refused)  # due: asked, then its frame is refused
+    refused.followers[0].future.cancel()
+    again = frame(4)
+    leader = Request(again.image, "describe", {}, tag=again)
+    alerts.ask(again, leader=leader)
+    assert [q.prompt for q in leader.followers] == ["is there a cat ?"]  # due still, not 3 frames on
+
+
 # ---- spare capacity: the stream's own answers first ---------------------------------------------
 
 def test_an_alert_is_deferred_while_the_stream_is_behind_but_asked_at_least_every_max_every_frames():

@@ -69,6 +69,8 @@ def test_the_page_shows_a_running_streams_frame_and_answer_and_follows_it(runtim
                 card = shown(browser).get("yard")
                 return card and card["answer"] and card["frame_width"] > 0
             wait_until(frame_and_answer, 30, "the page to show the stream's frame and answer")
+            # its state is polled (/v1/streams, every second) and written with the next draw
+            wait_until(lambda: shown(browser)["yard"]["state"], 30, "the stream's state")
             card = shown(browser)["yard"]
             assert card["state"] == "running" and card["tier"] == "low"
             wait_until(lambda: shown(browser)["yard"]["age"].endswith(" s"), 30, "the frame's age")
@@ -888,7 +890,8 @@ def test_events_with_frames_carry_each_results_own_frame(runtime):
     assert len(with_jpeg) >= len(results) - 1  # the frame of a result sent at once is still kept
     import base64
     for record in with_jpeg:
-        image = cv2.imdecode(np.frombuffer(base64.b64decode(record["jpeg"]), np.uint8), cv2.IMREAD_COLOR)
+        image = cv2.cvtColor(cv2.imdecode(np.frombuffer(base64.b64decode(record["jpeg"]), np.uint8), cv2.IMREAD_COLOR),
+                             cv2.COLOR_BGR2RGB)  # OpenCV decodes to BGR; the scenes are RGB
         near = range(max(0, record["frame"] - 3), record["frame"] + 4)
         errors = {n: np.abs(image.astype(int) - make_scene(n, size=64).image.astype(int)).mean() for n in near}
         assert min(errors, key=errors.get) == record["frame"]

@@ -325,12 +325,12 @@ def cost(d: DaemonThread, source: str, seconds: float, rounds: int, browser: boo
               f"{100 * w.browser_cpu:.1f} % of a core", file=sys.stderr, flush=True)
         return w
 
+    before = measure("none", "none", None, 0)  # a round's last none window opens the next round
     for r in range(rounds):
-        before = measure("none", "none", None, r)
         for label, setup, n in (runs if r % 2 == 0 else runs[::-1]):
             w = measure(label, setup, n, r)
             after = measure("none", "none", None, r)
-            bracketed[label].append(w.answers_per_s / ((before.answers_per_s + after.answers_per_s) / 2))
+            bracketed[label].append(w.answers_per_s / max(1e-9, (before.answers_per_s + after.answers_per_s) / 2))
             before = after
     out: dict = {"source": source, "browser": browser, "setups": {}}
     base = {k: statistics.median(getattr(w, k) for w in windows["none"]) for k in ("answers_per_s", "cpu_ms_per_answer")}
