@@ -340,9 +340,9 @@ class Scheduler:
             return made if made is not None else Decision(pinned, "pinned", policy=self.name, policy_reason=self.why)
         if self.policy is None:
             return self._top
-        if stats is None and self.policy.needs_statistics(prompt):
-            stats = saliency_stats(rgb)
-        elif not self.policy.needs_statistics(prompt):
+        if not self.policy.needs_statistics(prompt):
             stats = None
+        elif stats is None:
+            stats = saliency_stats(rgb)
         tier, reason = self.policy.choose(stats, prompt, self.tiers)
         return Decision(tier, reason, stats, self.name, self.why)

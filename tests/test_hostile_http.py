@@ -893,15 +893,21 @@ def unpaused(d, s: socket.socket, before: set):
     return ours
 
 
-def unread_pages(d, path: str, pages: int = 4) -> tuple[socket.socket, object]:
-    """A client that asks for the live-view page (some 16 KB) `pages` times in one go and reads none
-    of them; returned once every answer is written (the connection idle, its bytes unsent)."""
+def unpaused_client(d, path: str) -> tuple[socket.socket, object]:
+    """A client on the daemon's socket with a small receive buffer, and its connection's daemon
+    side made so that what it does not take never pauses the daemon's writes (unpaused)."""
     before = set(protocols(d))
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     s.settimeout(WAIT_S)
     s.connect(path)
-    ours = unpaused(d, s, before)
+    return s, unpaused(d, s, before)
+
+
+def unread_pages(d, path: str, pages: int = 4) -> tuple[socket.socket, object]:
+    """A client that asks for the live-view page (some 16 KB) `pages` times in one go and reads none
+    of them; returned once every answer is written (the connection idle, its bytes unsent)."""
+    s, ours = unpaused_client(d, path)
     s.sendall(PAGE_REQUEST * pages)
     wait_until(lambda: ours.transport.is_closing() or ours.phase == "idle" and ours.transport.get_write_buffer_size() > 0,
                WAIT_S, "its answers written, not taken")  # (idle again only once the last is written)
@@ -977,12 +983,7 @@ def test_connections_closed_with_answers_unread_count_under_the_cap(runtime, png
 def trickling_listener(d, path: str, route: str, stop: threading.Event) -> tuple[socket.socket, object]:
     """An SSE listener on `route` that reads 1 byte every 0.1 s: slow, not stalled, and never
     paused (see unpaused), events piling up in the transport's buffer."""
-    before = set(protocols(d))
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    s.settimeout(WAIT_S)
-    s.connect(path)
-    ours = unpaused(d, s, before)
+    s, ours = unpaused_client(d, path)
     s.sendall(f"GET {route} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
     assert s.recv(12) == b"HTTP/1.1 200"
 
