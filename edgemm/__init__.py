@@ -7,8 +7,8 @@ __all__ = ["Runtime", "InferenceResult", "__version__"]
 
 
 def __getattr__(name: str):
-    # Lazy, so `import edgemm.scenes` (training, tests) doesn't load onnxruntime.
+    # Lazy, so `import edgemm.model.scenes` (training, tests) doesn't load onnxruntime.
     if name in ("Runtime", "InferenceResult"):
-        from edgemm import runtime
+        from edgemm.engine import runtime
         return getattr(runtime, name)
     raise AttributeError(name)

@@ -24,10 +24,8 @@ import dataclasses
 import math
 import os
 import re
-import stat
 import types
 import typing
-import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,15 +35,19 @@ import yaml
 
 from edgemm.errors import EdgemmError
 from edgemm.model.manifest_types import AUTO, PRECISIONS as VARIANTS
-from edgemm.files import load_yaml, read_regular_file
-from edgemm.generation_limits import FIELDS as GENERATION_FIELDS, LimitError, check_generation, check_text
-from edgemm.scheduler import DETAIL_WORDS, STATISTICS
+from edgemm.net.allowlist import url_host, webhook_host
+from edgemm.util.files import load_yaml, read_regular_file
+from edgemm.util.generation_limits import FIELDS as GENERATION_FIELDS, LimitError, check_generation, check_text
+
+# The tier scheduler's vocabulary (edgemm/engine/tiers.py computes these statistics and reads
+# these words): named here, where the config checks them, so the config imports no engine module.
+STATISTICS = ("mean_saliency", "salient_fraction", "high_freq", "edge_density", "fine_strokes")
+DETAIL_WORDS = ("read", "text", "written", "say", "says", "sign", "label", "number", "digits")
 
 __all__ = [
     "ConfigError", "ModelConfig", "BackendConfig", "LimitsConfig", "GenerationConfig",
     "SchedulerConfig", "CacheConfig", "PlacementConfig", "PowerConfig", "OffloadConfig",
     "ServerConfig", "StreamConfig", "AlertConfig", "WebhookConfig", "Config", "load_config", "config_from_dict", "config_to_dict",
-    "socket_choices", "creatable_socket", "client_socket",
 ]
 
 PRECISIONS = (AUTO, *VARIANTS)  # model.precision: auto, or a variant's file suffix (edgemm/model/manifest_types.py)
@@ -92,7 +94,7 @@ def _choice(value: Any, choices: tuple[str, ...], path: str) -> None:
 
 
 def _generation_limits(path: str, nullable: tuple[str, ...] = (), **values: Any) -> None:
-    """edgemm.generation_limits' checks, as a ConfigError naming `path`.<option>."""
+    """edgemm.util.generation_limits' checks, as a ConfigError naming `path`.<option>."""
     try:
         check_generation(**values, names={k: f"{path}.{k}" for k in values}, nullable=nullable)
     except LimitError as e:
@@ -199,7 +201,7 @@ class LimitsConfig:
 
 @dataclass
 class GenerationConfig:
-    max_new_tokens: int = 32  # most tokens generated per answer, 1..4096 (limits: edgemm/generation_limits.py)
+    max_new_tokens: int = 32  # most tokens generated per answer, 1..4096 (limits: edgemm/util/generation_limits.py)
     temperature: float = 0.0  # sampling temperature; 0 = greedy, else at least 0.001
     top_p: float = 1.0  # nucleus sampling mass, in (0, 1]; 1 = off
     seed: int | None = None  # sampling seed (0..2**64-1) for reproducible answers; null = random
@@ -215,7 +217,7 @@ class GenerationConfig:
 
 @dataclass
 class SchedulerConfig:
-    """Which resolution tier each request is encoded at, when no tier is pinned (edgemm/scheduler.py)."""
+    """Which resolution tier each request is encoded at, when no tier is pinned (edgemm/engine/tiers.py)."""
     # auto | top | thresholds | calibrated. auto = calibrated when the model folder ships its
     # calibration (scheduler.yaml, as models/tiny-vlm does), else top (the model's default
     # tier, its top tier unless model.yaml says otherwise)
@@ -270,37 +272,6 @@ class PlacementConfig:
 MIN_FPS, MAX_FPS = 0.001, 1000.0
 MAX_CHANGE_THRESHOLD = 255.0  # a stream's change_threshold: a mean absolute pixel change, on the 0-255 scale
 BATCHING_MODES = ("auto", "on", "off")  # server.encoder_batching, server.continuous_batching
-SYSTEM_SOCKET = "/run/edgemm/edgemm.sock"  # in systemd's RuntimeDirectory=edgemm; edgemm.socket creates it
-
-
-def socket_choices() -> list[str]:
-    """Where the socket goes when server.socket is null, most preferred first: systemd's
-    /run/edgemm, then the user's own $XDG_RUNTIME_DIR (set by a login session)."""
-    choices = [SYSTEM_SOCKET]
-    runtime_dir = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime_dir:
-        choices.append(os.path.join(runtime_dir, "edgemm.sock"))
-    return choices
-
-
-def creatable_socket() -> str | None:
-    """The first of socket_choices() whose folder exists and this user may create files in."""
-    return next((path for path in socket_choices()
-                 if os.access(os.path.dirname(path), os.W_OK | os.X_OK)), None)
-
-
-def client_socket(cfg: "ServerConfig") -> str:
-    """The socket a client tries: server.socket, else the first choice a daemon listens on,
-    else the one a daemon would create (for the message when nothing answers)."""
-    if cfg.socket is not None:
-        return cfg.socket
-    for path in socket_choices():
-        try:
-            if stat.S_ISSOCK(os.stat(path).st_mode):
-                return path
-        except OSError:
-            continue
-    return creatable_socket() or SYSTEM_SOCKET
 
 
 @dataclass
@@ -384,61 +355,13 @@ def _octal_mode(text: str) -> int | None:
 
 
 STREAM_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
-MAX_ALERTS = 8  # alerts per stream (edgemm/alerts.py bounds what they may hold in the pipeline)
+MAX_ALERTS = 8  # alerts per stream (edgemm/streams/alerts.py bounds what they may hold in the pipeline)
 MAX_ALERT_RUN = 1000  # most consecutive frames an alert's debounce may ask for
-
-
-def url_host(url: Any) -> tuple[str, int] | None:
-    """An http(s) URL's host name (lower case) and port (given, else 80 / 443); None unless
-    it is such a URL, with a host name and no whitespace or control characters."""
-    if not isinstance(url, str) or " " in url or not url.isprintable():
-        return None
-    try:
-        parts = urllib.parse.urlsplit(url)
-        port = parts.port
-    except ValueError:  # a port out of range, a broken [IPv6] address
-        return None
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        return None
-    return parts.hostname, port or (443 if parts.scheme == "https" else 80)
-
-
-def webhook_host(entry: Any) -> tuple[str, int | None] | None:
-    """A server.webhook_hosts entry, 'host' (any port) or 'host:port' ('[::1]:8080'), as
-    (host in lower case, port or None); None unless it is one."""
-    if not isinstance(entry, str) or not entry or " " in entry or not entry.isprintable():
-        return None
-    try:
-        parts = urllib.parse.urlsplit(f"//{entry}")
-        port = parts.port
-    except ValueError:
-        return None
-    if not parts.hostname or parts.path or parts.query or parts.fragment or "@" in parts.netloc \
-            or parts.netloc.endswith(":"):
-        return None
-    return parts.hostname, port
-
-
-def webhook_allowed(url: str, hosts: list[str]) -> bool:
-    """Whether server.webhook_hosts (validated) lets POST /v1/streams give this webhook URL."""
-    return host_allowed(url_host(url), hosts)
-
-
-def host_allowed(target: tuple[str, int] | None, hosts: list[str]) -> bool:
-    """Whether (host, port) is one of `hosts`, entries as server.webhook_hosts / source_hosts
-    take them (validated): 'host' for any port, 'host:port' for that one."""
-    if target is None:
-        return False
-    for entry in hosts:
-        host, port = webhook_host(entry) or ("", None)
-        if host == target[0] and port in (None, target[1]):
-            return True
-    return False
 
 
 @dataclass
 class WebhookConfig:
-    """Where an alert's state changes are POSTed as JSON (edgemm/alerts.py), with retries.
+    """Where an alert's state changes are POSTed as JSON (edgemm/streams/alerts.py), with retries.
 
     The token, if any, is sent as `Authorization: Bearer`; it is never in this file: name an
     environment variable or an owner-only file, as offload.api_key_env / api_key_file do."""
@@ -518,7 +441,7 @@ class StreamConfig:
     change_threshold: float | None = None  # reuse the last answer when a frame changed less than this (0-255)
     tier: str | None = None  # pin the resolution tier; null = the scheduler picks
     max_new_tokens: int | None = None  # null = generation.max_new_tokens
-    alerts: dict[str, AlertConfig] = field(default_factory=dict)  # name → question (edgemm/alerts.py)
+    alerts: dict[str, AlertConfig] = field(default_factory=dict)  # name → question (edgemm/streams/alerts.py)
     webhook: WebhookConfig | None = None  # where the alerts' state changes are POSTed; null = nowhere
 
     def validate(self, path: str) -> None:
@@ -548,7 +471,7 @@ class StreamConfig:
 
 @dataclass
 class PowerConfig:
-    """Jetson telemetry (sysfs) and the placement policy's rules (edgemm/telemetry.py, edgemm/power.py)."""
+    """Jetson telemetry (sysfs) and the placement policy's rules (edgemm/power/telemetry.py, edgemm/power/policy.py)."""
     root: str = "/"  # where sysfs, /var/lib/nvpmodel and /etc live; another folder only for tests and recordings
     sample_period_s: float = 1.0  # telemetry is read in the background this often
     history: int = 60  # samples kept (for energy per request and /v1/status); 60 at 1 s = the last minute
@@ -579,7 +502,7 @@ ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 @dataclass
 class OffloadConfig:
-    """Cloud offload to an OpenAI-compatible chat-completions endpoint (edgemm/offload.py).
+    """Cloud offload to an OpenAI-compatible chat-completions endpoint (edgemm/power/offload.py).
 
     Off by default: images leave the device only when the owner turns this on. The API
     key is never in this file: name an environment variable or an owner-only file.

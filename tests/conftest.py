@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from edgemm.config import load_config
-from edgemm.runtime import Runtime
+from edgemm.engine.runtime import Runtime
 
 # the clone's symlink to edgemm/builtin/tiny-vlm (tests/test_packaging.py checks it): unresolved,
 # so model_dir.parent.parent is the repository

@@ -1,5 +1,5 @@
 """A fake CUDA driver for the TensorRT tests: cuda-python's `cuda.bindings.driver` calls that
-edgemm.engines.cuda makes (same names, argument order and (CUresult, value) returns), and
+edgemm.backends.tensorrt.cuda makes (same names, argument order and (CUresult, value) returns), and
 pycuda's driver module, over one memory of real process addresses.
 
 "Device" memory is host memory here, so the fake TensorRT reads and writes it through

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from edgemm.config import load_config
-from edgemm.runtime import Runtime
+from edgemm.engine.runtime import Runtime
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 TOOLS = Path(__file__).resolve().parent.parent / "tools"

@@ -1,4 +1,4 @@
-"""Alerts (edgemm/alerts.py): rules read answers, debounce turns readings into states, the
+"""Alerts (edgemm/streams/alerts.py): rules read answers, debounce turns readings into states, the
 state changes reach SSE listeners, GET /v1/alerts, /metrics and webhooks, and nothing a
 slow or hanging webhook does slows the stream.
 
@@ -26,13 +26,13 @@ import numpy as np
 import pytest
 from test_server import assert_error, metric, raw_client, running, sock_path, wait_until
 
-import edgemm.alerts
-from edgemm.alerts import ALERT_SHARE, Debounce, Rule, StreamAlerts, WebhookSender
+import edgemm.streams.alerts
+from edgemm.streams.alerts import ALERT_SHARE, Debounce, Rule, StreamAlerts, WebhookSender
 from edgemm.config import AlertConfig, ConfigError, WebhookConfig, config_from_dict, load_config
-from edgemm.daemon import Daemon
+from edgemm.server.daemon import Daemon
 from edgemm.errors import InputError
-from edgemm.sources import Frame, Source
-from edgemm.stream import StreamOptions, run_stream
+from edgemm.streams.sources import Frame, Source
+from edgemm.streams.run import StreamOptions, run_stream
 
 WAIT_S = 30  # upper bound for anything that should happen "now"; never a timing assumption
 COUNT = "how many shapes are there ?"
@@ -196,7 +196,7 @@ def test_the_managers_pool_bounds_every_streams_questions_together():
 
 
 def test_questions_ride_with_the_frames_own_request_and_a_refused_frame_gives_their_places_back():
-    from edgemm.pipeline import Request
+    from edgemm.engine.pipeline import Request
     alerts, pipeline, _ = scripted({"a": "is there a cat ?", "b": "is there a dog ?"})
     first = frame(0)
     leader = Request(first.image, "describe", {}, tag=first)
@@ -212,7 +212,7 @@ def test_questions_ride_with_the_frames_own_request_and_a_refused_frame_gives_th
 
 
 def test_an_alert_whose_frame_was_refused_is_asked_on_the_next_frame_not_every_frames_later():
-    from edgemm.pipeline import Request
+    from edgemm.engine.pipeline import Request
     alerts, _, _ = scripted({"a": {"prompt": "is there a cat ?", "every": 3}})
     frames = [frame(i) for i in range(3)]
     leaders = [Request(f.image, "describe", {}, tag=f) for f in frames]
@@ -245,7 +245,7 @@ def test_an_alert_is_deferred_while_the_stream_is_behind_but_asked_at_least_ever
             if not request.future.done():
                 request.future.set_result(SimpleNamespace(text="no"))
     asked = {p: [r.tag.index for r in pipeline.requests if r.prompt == p] for p in {r.prompt for r in pipeline.requests}}
-    assert edgemm.alerts.SPARE_AFTER == 3
+    assert edgemm.streams.alerts.SPARE_AFTER == 3
     assert asked["is there a cat ?"] == [0, 4, 8, 12, 13]  # the floor while behind, every frame once keeping up
     assert asked["is there a dog ?"] == [0, 4, 8, 12]  # due every 3rd frame: deferred to the floor, 4
     assert asked["is there a cow ?"] == [0, 6, 12]  # `every` above max_every: `every` is its floor
@@ -425,7 +425,7 @@ def test_a_stream_with_spare_capacity_asks_every_alert_on_every_frame_it_is_due(
 
 
 def test_synthetic_hold_keeps_each_scene_for_n_frames_with_fresh_noise():
-    from edgemm.sources import open_source
+    from edgemm.streams.sources import open_source
     with open_source("synthetic://?hold=3&seed=5&count=7") as source:
         frames = list(source)
     truths = [f.truth for f in frames]
@@ -743,7 +743,7 @@ def test_a_webhook_token_file_must_be_the_owners_only(tmp_path, hook):
     token = tmp_path / "token"
     token.write_text(TOKEN + "\n")
     token.chmod(0o644)
-    with pytest.raises(edgemm.alerts.CredentialsError) as info:
+    with pytest.raises(edgemm.streams.alerts.CredentialsError) as info:
         WebhookSender(WebhookConfig(url=hook.url, token_file=str(token)), "streams (cam).webhook")
     assert str(info.value) == (f"streams (cam).webhook.token_file: refusing {token}: mode 0644 lets group or "
                                f"others access it (chmod 600 {token})")
@@ -1047,7 +1047,7 @@ def test_a_proxy_webhooks_cannot_use_fails_each_event_saying_why_and_starts_noth
 
 
 def test_no_proxy_is_read_by_host_name_ipv6_included(monkeypatch):
-    from edgemm.alerts import environment_proxy
+    from edgemm.streams.alerts import environment_proxy
     for name in PROXY_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HTTP_PROXY", "proxy.example:3128")
@@ -1084,7 +1084,7 @@ def test_timeout_s_covers_a_name_lookup_that_hangs_and_hung_lookups_are_bounded(
         return resolve(host, *args, **kwargs)
 
     monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
-    monkeypatch.setattr(edgemm.alerts, "NAME_LOOKUPS", edgemm.alerts.NameLookups(limit=1))
+    monkeypatch.setattr(edgemm.streams.alerts, "NAME_LOOKUPS", edgemm.streams.alerts.NameLookups(limit=1))
     try:
         sender = WebhookSender(WebhookConfig(url="http://hangs.invalid:8080/", timeout_s=0.5, retries=0), "w")
         sender.send(EVENT)
@@ -1120,8 +1120,8 @@ def test_a_webhooks_tls_context_is_made_on_its_own_thread_not_the_callers(monkey
     """Making a TLS context loads the CA bundle (tens of ms): a stream created on the event loop
     must not hold every other client up for it."""
     makers: list[str] = []
-    real = edgemm.alerts.httpx.create_ssl_context
-    monkeypatch.setattr(edgemm.alerts.httpx, "create_ssl_context",
+    real = edgemm.streams.alerts.httpx.create_ssl_context
+    monkeypatch.setattr(edgemm.streams.alerts.httpx, "create_ssl_context",
                         lambda *a, **k: makers.append(threading.current_thread().name) or real(*a, **k))
     sender = WebhookSender(WebhookConfig(url="https://127.0.0.1:9/hook", timeout_s=1, retries=0), "w")
     assert threading.current_thread().name not in makers
@@ -1134,7 +1134,7 @@ def test_a_webhooks_tls_context_is_made_on_its_own_thread_not_the_callers(monkey
 def test_a_webhook_that_cannot_make_its_client_drops_its_events_counted(monkeypatch, caplog):
     def no_bundle(*a, **k):
         raise OSError("no CA bundle at /etc/ssl/certs")
-    monkeypatch.setattr(edgemm.alerts.httpx, "create_ssl_context", no_bundle)
+    monkeypatch.setattr(edgemm.streams.alerts.httpx, "create_ssl_context", no_bundle)
     sender = WebhookSender(WebhookConfig(url="https://127.0.0.1:9/hook", timeout_s=1, retries=0), "w")
     sender.thread.join(30)
     assert not sender.thread.is_alive()
@@ -1146,7 +1146,7 @@ def test_a_webhook_that_cannot_make_its_client_drops_its_events_counted(monkeypa
 def test_beyond_max_draining_a_closed_webhook_is_abandoned_at_once(monkeypatch):
     """With MAX_DRAINING closed webhooks draining already, close() shuts the connection in
     flight and drops the queue: the thread ends now, not after its 60 s timeout."""
-    monkeypatch.setattr(edgemm.alerts, "MAX_DRAINING", 0)
+    monkeypatch.setattr(edgemm.streams.alerts, "MAX_DRAINING", 0)
     with hanging() as url:
         sender = WebhookSender(WebhookConfig(url=url, timeout_s=60, retries=3), "w")
         sender.send({**EVENT, "frame": 0})
@@ -1209,7 +1209,7 @@ def webhook_threads() -> int:
 def test_an_abandoned_webhook_connecting_to_a_host_that_drops_syns_ends_within_1_s(monkeypatch):
     """A connect in progress is shut by abandon(), as a connection is: the thread ends within
     1 s, not after its 60 s timeout, and its socket is closed."""
-    monkeypatch.setattr(edgemm.alerts, "MAX_DRAINING", 0)
+    monkeypatch.setattr(edgemm.streams.alerts, "MAX_DRAINING", 0)
     with blackhole() as (url, port):
         baseline = sockets_to(port)  # the fillers'
         sender = WebhookSender(WebhookConfig(url=url, timeout_s=60, retries=3), "w")
@@ -1246,7 +1246,7 @@ def test_ended_streams_webhooks_to_a_host_that_drops_syns_leave_only_max_drainin
     host that drops SYNs, each stream closed with its webhooks mid-connect. At most
     MAX_DRAINING keep draining (each for at most its timeout_s); the others end within
     about a second, their sockets closed; after timeout_s every one is gone."""
-    draining = edgemm.alerts.MAX_DRAINING
+    draining = edgemm.streams.alerts.MAX_DRAINING
     with blackhole() as (url, port):
         baseline_sockets, baseline_threads = sockets_to(port), webhook_threads()
         hook = {"url": url, "timeout_s": 5, "retries": 0}
@@ -1277,7 +1277,7 @@ def test_a_webhook_tries_its_hosts_addresses_in_turn_ipv6_included_with_tcp_node
     server = Hook(host="::1")
     used: list[tuple[int, int]] = []  # (family, TCP_NODELAY) of each socket handed to httpcore
 
-    class Recorded(edgemm.alerts.SyncStream):
+    class Recorded(edgemm.streams.alerts.SyncStream):
         def __init__(self, sock: socket.socket) -> None:
             used.append((sock.family, sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)))
             super().__init__(sock)
@@ -1287,8 +1287,8 @@ def test_a_webhook_tries_its_hosts_addresses_in_turn_ipv6_included_with_tcp_node
         return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", server.port)),  # nobody there
                 (socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", server.port, 0, 0))]
 
-    monkeypatch.setattr(edgemm.alerts, "SyncStream", Recorded)
-    monkeypatch.setattr(edgemm.alerts.NAME_LOOKUPS, "resolve", resolve)
+    monkeypatch.setattr(edgemm.streams.alerts, "SyncStream", Recorded)
+    monkeypatch.setattr(edgemm.streams.alerts.NAME_LOOKUPS, "resolve", resolve)
     try:
         sender = WebhookSender(WebhookConfig(url=f"http://hook.test:{server.port}/edgemm", retries=0), "w")
         sender.send(EVENT)
@@ -1325,7 +1325,7 @@ def test_daemon_alerts_post_their_changes_to_the_webhook(runtime, hook, monkeypa
 def test_every_frame_is_answered_and_every_change_counted_while_the_webhook_hangs(runtime, monkeypatch):
     """By counts: the stream answers every one of its frames while its webhook's one attempt
     hangs, delivers nothing, and every change is held by it, queued (at most 2) or dropped."""
-    monkeypatch.setattr(edgemm.alerts, "WEBHOOK_QUEUE", 2)
+    monkeypatch.setattr(edgemm.streams.alerts, "WEBHOOK_QUEUE", 2)
     frames = 40
     with hanging() as url:
         spec = counting_stream("shapes", frames, webhook={"url": url, "timeout_s": 60, "retries": 0})
@@ -1399,7 +1399,7 @@ def test_webhook_urls_from_the_config_are_never_in_messages_with_credentials(hoo
 
 
 def test_a_slow_listener_loses_the_oldest_events_alert_events_counted_too():
-    from edgemm.streams import EVENTS_BUFFER, ManagedStream
+    from edgemm.streams.manager import EVENTS_BUFFER, ManagedStream
     cfg = config_from_dict({"streams": [{"id": "cam", "source": "synthetic://", "alerts": {"p": "is it ?"}}]})
     stream = ManagedStream(cfg.streams[0], ScriptedPipeline(), loop=None)
     queue = stream.listen()
@@ -1427,7 +1427,7 @@ def test_a_webhook_token_file_is_relative_to_the_config_file(tmp_path):
 def test_an_abandoned_https_webhook_in_its_tls_handshake_ends_within_1_s(monkeypatch):
     """A host that accepts the connection and never answers the TLS hello: abandon() shuts the
     socket the handshake waits on (httpcore's own start_tls took its fd from the one registered)."""
-    monkeypatch.setattr(edgemm.alerts, "MAX_DRAINING", 0)
+    monkeypatch.setattr(edgemm.streams.alerts, "MAX_DRAINING", 0)
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen(8)

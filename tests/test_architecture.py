@@ -1,8 +1,9 @@
-"""How edgemm's modules depend on each other, and how model families are found.
+"""How edgemm's packages and modules depend on each other, and how model families are found.
 
-The import graph is read from the source with `ast`, not by importing: an import at
-module level (including class bodies and module-level try/if, but not
-`if TYPE_CHECKING:`) runs when the module is imported; one inside a function runs later.
+The import graph is read from the source with `ast`, not by importing. Every import counts:
+at module level (including class bodies, module-level try/if and `if TYPE_CHECKING:`
+blocks, whose imports are edges a type checker follows even if Python does not) and inside
+functions, since deferring an import hides a cycle without removing it.
 """
 from __future__ import annotations
 
@@ -57,9 +58,6 @@ def _imports(node: ast.AST, in_function: bool = False):
     for child in ast.iter_child_nodes(node):
         if isinstance(child, (ast.Import, ast.ImportFrom)):
             yield child, in_function
-        elif isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
-            for other in child.orelse:  # the body is for type checkers only, never run
-                yield from _imports(ast.Module(body=[other], type_ignores=[]), in_function)
         else:
             yield from _imports(child, in_function or isinstance(child, FUNCTIONS))
 
@@ -114,7 +112,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_the_graph_reader_sees_imports_and_cycles():
     """The checks below are only worth something if the reader finds real edges and cycles."""
     graph = import_graph()
-    assert "edgemm.model.family" in graph["edgemm.runtime"]
+    assert "edgemm.model.family" in graph["edgemm.engine.runtime"]
     assert "edgemm.model.manifest_types" in graph["edgemm.model.hf_folder"]
     assert "edgemm.model.families.tiny_vlm" not in graph["edgemm.model.family"]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
@@ -214,49 +212,79 @@ def test_two_families_cannot_claim_one_model_type(monkeypatch):
     assert "impostor" not in family._registry  # refused whole, not half-registered
 
 
-# ---- the layers of docs/ARCHITECTURE.md ---------------------------------------------------
+# ---- the packages of docs/ARCHITECTURE.md -------------------------------------------------
 
 ARCHITECTURE = PACKAGE.parent / "docs" / "ARCHITECTURE.md"
 
 
 def documented_layers() -> dict[str, int]:
-    """module (without the `edgemm.` prefix; `edgemm` for the package) → its layer, read
-    from the table under "## Layers" in docs/ARCHITECTURE.md."""
+    """package (`util`, `engine` …; a top-level module such as `config`; `edgemm` for the
+    package's own __init__) → its layer, read from the table under "## Layers" in
+    docs/ARCHITECTURE.md."""
     text = ARCHITECTURE.read_text(encoding="utf-8")
     section = text.split("## Layers", 1)[1].split("\n## ", 1)[0]
     layers = {}
     for line in section.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 2 and cells[0].isdigit():
+        if len(cells) >= 2 and cells[0].isdigit():
             for name in cells[1].replace("`", " ").split():
                 layers[name] = int(cells[0])
     return layers
 
 
-def short(module: str) -> str:
-    return "edgemm" if module == "edgemm" else module.removeprefix("edgemm.")
+def package_of(module: str) -> str:
+    """`edgemm.engine.decode` → `engine`, `edgemm.config` → `config`, `edgemm` → `edgemm`."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "edgemm"
 
 
-def test_every_module_has_a_documented_layer():
+def test_package_of_names_the_first_folder_below_edgemm():
+    assert package_of("edgemm.backends.tensorrt.build") == "backends"
+    assert package_of("edgemm.errors") == "errors" and package_of("edgemm") == "edgemm"
+
+
+def test_every_package_has_a_documented_layer():
     layers = documented_layers()
-    assert len(layers) > 40, "the layer table was not found"
-    missing = sorted(short(m) for m in modules() if short(m) not in layers)
-    assert not missing, f"add these modules to the layer table of docs/ARCHITECTURE.md: {missing}"
-    gone = sorted(set(layers) - {short(m) for m in modules()})
-    assert not gone, f"docs/ARCHITECTURE.md lists modules that do not exist: {gone}"
+    assert len(layers) >= 10, "the layer table was not found"
+    packages = {package_of(m) for m in modules()}
+    missing = sorted(packages - set(layers))
+    assert not missing, f"add these packages to the layer table of docs/ARCHITECTURE.md: {missing}"
+    gone = sorted(set(layers) - packages)
+    assert not gone, f"docs/ARCHITECTURE.md lists packages that do not exist: {gone}"
+    assert len(set(layers.values())) == len(layers), "one package a layer: the order is total"
 
 
 def test_imports_point_down_the_documented_layers():
-    """A module imports its own layer or lower ones only, in functions too."""
+    """A module imports modules of its own package or of lower ones only, in functions and
+    under TYPE_CHECKING too."""
     layers = documented_layers()
-    upward = [f"{short(m)} (layer {layers[short(m)]}) imports {short(t)} (layer {layers[short(t)]})"
+    upward = [f"{m} ({package_of(m)}, layer {layers[package_of(m)]}) imports {t} (layer {layers[package_of(t)]})"
               for m, targets in import_graph(with_function_imports=True).items()
-              for t in targets if layers[short(t)] > layers[short(m)]]
+              for t in targets if layers[package_of(t)] > layers[package_of(m)]]
     assert not upward, upward
+
+
+def test_the_graph_reader_counts_type_checking_and_function_imports(tmp_path):
+    tree = ast.parse("from typing import TYPE_CHECKING\n"
+                     "if TYPE_CHECKING:\n    from edgemm.server import service\n"
+                     "def f():\n    import edgemm.cli.main\n")
+    found = [(ast.unparse(node), inside) for node, inside in _imports(tree)]
+    assert ("from edgemm.server import service", False) in found
+    assert ("import edgemm.cli.main", True) in found
 
 
 def test_no_import_cycles_even_through_function_level_imports():
     assert cycles(import_graph(with_function_imports=True)) == []
+
+
+def test_the_top_level_holds_few_modules_and_no_module_is_long():
+    """The folders tell the architecture: at most 10 modules directly in edgemm/, and no
+    module over 600 lines (split by job, not by size alone)."""
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= 10, top
+    long = sorted(f"{m} ({n} lines)" for m, path in modules().items()
+                  if (n := len(path.read_text(encoding="utf-8").splitlines())) > 600)
+    assert not long, long
 
 
 OUTSIDE = re.compile(r"\.\./(\.\./)*" + "shared" + r"|" + "shared" + r"/DESIGN")  # spelled apart: not a match itself

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 
-from edgemm.backoff import Backoff
+from edgemm.util.backoff import Backoff
 
 
 def test_doubles_from_first_up_to_the_cap():

@@ -1,4 +1,4 @@
-"""edgemm.beams: gate 0 is greedy, gate 1 is plain beam search (checked against a from-scratch
+"""edgemm.engine.beams: gate 0 is greedy, gate 1 is plain beam search (checked against a from-scratch
 reference without the KV cache), options, stats, streaming, and the CLI's --beams / --scheduler."""
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from edgemm.cli import main
+from edgemm.cli.main import main
 from edgemm.errors import InputError
-from edgemm.decode import BatchItem, generate
-from edgemm.generate import GenerationOptions, Generator
-from edgemm.scenes import make_scene
+from edgemm.engine.decode import BatchItem, generate
+from edgemm.engine.generate import GenerationOptions, Generator
+from edgemm.model.scenes import make_scene
 
 PROMPTS = ("describe the image", "what does the text say ?", "how many shapes are there ?")
 SEEDS = (402_000, 402_001, 402_002)
@@ -32,7 +32,7 @@ def inputs(runtime, seed: int, prompt: str):
 def reference_beam_search(gen: Generator, features, input_ids, image_start, width: int, budget: int):
     """Plain beam search the slow, obvious way: every beam re-runs its whole sequence alone.
 
-    Same rules as edgemm.beams: summed log-probs, the best 2*width continuations in order,
+    Same rules as edgemm.engine.beams: summed log-probs, the best 2*width continuations in order,
     a stop among the first `width` finishes a hypothesis, stop when a finished one leads.
     """
     prompt = gen.embed_prompt(input_ids, features, image_start)

@@ -1,4 +1,4 @@
-"""edgemm.cache: LRU by bytes, counters, keys, thread safety, and the cache inside Runtime.encode."""
+"""edgemm.engine.cache: LRU by bytes, counters, keys, thread safety, and the cache inside Runtime.encode."""
 from __future__ import annotations
 
 import threading
@@ -6,8 +6,8 @@ import threading
 import numpy as np
 import pytest
 
-from edgemm.cache import FeatureCache, feature_key
-from edgemm.scenes import make_scene
+from edgemm.engine.cache import FeatureCache, feature_key
+from edgemm.model.scenes import make_scene
 
 KB = 1024
 
@@ -139,7 +139,7 @@ def test_prepared_keys_hash_the_smaller_of_image_and_pixels(make_runtime, tmp_pa
     """A prepared request's key is the digest of the decoded RGB when it has fewer bytes
     than the tier's pixel values (else of the pixels): the same picture as an array, as PNG
     bytes or as a file gets one key, another picture or another tier another one."""
-    from edgemm.opencv import cv2
+    from edgemm.util.opencv import cv2
     rt = make_runtime()
     prep = rt.preparation
     image = make_scene(401_050).image  # 256 px RGB8: a quarter of the top tier's float32 pixels
@@ -209,7 +209,7 @@ def test_prefix_is_not_shared_across_tiers_or_sampling_without_cache(make_runtim
 def test_a_tuple_of_views_counts_the_bytes_it_keeps_alive():
     """Prefixes are stored as views of the decoder's outputs (no copy): the cache counts the
     arrays they keep alive, keeps them read-only, and still honours its byte bound."""
-    from edgemm.cache import FeatureCache
+    from edgemm.engine.cache import FeatureCache
     cache = FeatureCache(max_bytes=3 * 4000)
     whole = [np.zeros((1, 2, 10, 50), np.float32) for _ in range(2)]  # 4000 bytes each
     cache.put(b"a", tuple(w[:, :, :6] for w in whole), copy=False)

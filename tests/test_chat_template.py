@@ -101,7 +101,7 @@ def test_the_folders_template_is_rendered_once_when_the_family_loads(tmp_path, t
 def test_a_hostile_folder_template_is_exit_2_naming_its_file(tmp_path, template, said):
     from click.testing import CliRunner
 
-    from edgemm.cli import main
+    from edgemm.cli.main import main
     folder = folder_with_template(tmp_path, template)
     result = CliRunner().invoke(main, ["infer", str(folder / "wide.png"), "--prompt", "What is in the image?",
                                        "--model", str(folder)])

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from edgemm.cli import main
+from edgemm.cli.main import main
 
 COUNT_PROMPT = "how many shapes are there ?"
 
@@ -116,7 +116,7 @@ def test_unknown_words_refused_with_exit_2_when_configured(sample, tmp_path):
 @pytest.fixture
 def encoded_sizes(monkeypatch) -> list[tuple[int, int]]:
     """(height, width) of every image the vision encoder runs on, in order."""
-    from edgemm.generate import Generator
+    from edgemm.engine.generate import Generator
     sizes: list[tuple[int, int]] = []
     encode = Generator.encode
 
@@ -137,7 +137,7 @@ def test_infer_encodes_once_its_answer_is_its_warm_up(sample, encoded_sizes, mod
 
 def test_a_runtime_for_a_service_warms_up_every_tier(encoded_sizes, model_dir):
     from edgemm.config import load_config
-    from edgemm.runtime import Runtime
+    from edgemm.engine.runtime import Runtime
     runtime = Runtime(load_config({"model": {"path": str(model_dir)}, "backend": {"intra_op_threads": 1}}),
                       concurrent=True)
     assert set(encoded_sizes) == {(t.height, t.width) for t in runtime.manifest.tiers.values()}

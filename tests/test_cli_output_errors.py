@@ -31,7 +31,7 @@ def config(tmp_path) -> Path:
 
 def start(args: list[str], stdout_to_full: bool, prelude: str = "") -> subprocess.Popen:
     """`edgemm ARGS` (with `prelude` run first in the process), stdout to /dev/full or discarded."""
-    code = f"{prelude}\nimport sys\nfrom edgemm.cli import main\nsys.argv[0] = 'edgemm'\nmain()"
+    code = f"{prelude}\nimport sys\nfrom edgemm.cli.main import main\nsys.argv[0] = 'edgemm'\nmain()"
     with open(FULL if stdout_to_full else os.devnull, "wb") as out:
         return subprocess.Popen([sys.executable, "-c", code, *map(str, args)], stdout=out,
                                 stderr=subprocess.PIPE, env={**os.environ, "EDGEMM_DEBUG": ""})
@@ -104,7 +104,7 @@ def run_with(args: list[str], close: int | None = None, stderr_to_full: bool = F
              prelude: str = "") -> tuple[int, str, list[str]]:
     """`edgemm ARGS` with descriptor `close` (1 or 2) closed when it starts (a shell's `>&-`),
     or its stderr on /dev/full: (exit code, stdout, stderr lines; [] for a stderr closed or full)."""
-    code = f"{prelude}\nimport sys\nfrom edgemm.cli import main\nsys.argv[0] = 'edgemm'\nmain()"
+    code = f"{prelude}\nimport sys\nfrom edgemm.cli.main import main\nsys.argv[0] = 'edgemm'\nmain()"
     with open(FULL, "wb") as full:
         process = subprocess.Popen([sys.executable, "-c", code, *map(str, args)], stdout=subprocess.PIPE,
                                    stderr=full if stderr_to_full else subprocess.PIPE,
@@ -120,7 +120,7 @@ def run_with(args: list[str], close: int | None = None, stderr_to_full: bool = F
 @pytest.mark.parametrize("args", [["infer", SAMPLE, "--config"], [*STREAM, "--config"]], ids=["infer", "stream"])
 def test_a_closed_stdout_is_one_line_and_exit_2_before_the_model_loads(args, config):
     # the stream exited 0 with "frames: 3" and every line dropped; infer exited 1 (an AttributeError)
-    prelude = "import edgemm.runtime\nedgemm.runtime.Runtime = None  # loading the model would be a TypeError"
+    prelude = "import edgemm.engine.runtime\nedgemm.engine.runtime.Runtime = None  # loading the model would be a TypeError"
     assert run_with([*args, config], close=1, prelude=prelude) == (
         2, "", ["edgemm: error: cannot write standard output: it is closed"])
 
@@ -165,10 +165,10 @@ def test_a_view_video_cut_short_by_the_disk_is_one_line_and_exit_2(config, tmp_p
 def test_a_view_video_on_a_disk_with_no_space_left_stops_the_stream(source, config, tmp_path):
     """statvfs says the disk is full after the fourth frame (a tmpfs of 64 KB needs root to mount)."""
     view = tmp_path / "clip.avi"
-    prelude = ("import os, edgemm.view\ncalls = []\nreal = os.statvfs\n"
+    prelude = ("import os, edgemm.streams.view\ncalls = []\nreal = os.statvfs\n"
                "def statvfs(path):\n    calls.append(path)\n    s = real(path)\n"
                "    return os.statvfs_result((*s[:4], 0 if len(calls) >= 4 else s[4], *s[5:]))\n"
-               "edgemm.view.os.statvfs = statvfs")
+               "edgemm.streams.view.os.statvfs = statvfs")
     code, _, stderr = run_with(["stream", source, "--tier", "low", "--max-new-tokens", "1",
                                 "--config", config, "--view", view, "--out", tmp_path / "a.jsonl"], prelude=prelude)
     assert (code, stderr) == (2, [f"edgemm: error: cannot write --view {view}: No space left on device "

@@ -588,7 +588,7 @@ HUGE_INT = "backend:\n  intra_op_threads: " + "9" * 4301 + "\n"  # int() refused
 
 
 def _edgemm(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "edgemm.cli", *map(str, args)], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "edgemm.cli.main", *map(str, args)], capture_output=True, text=True,
                           timeout=120)
 
 

@@ -1,4 +1,4 @@
-"""edgemm.decode, the one decode loop: what fails inside one answer fails that answer
+"""edgemm.engine.decode, the one decode loop: what fails inside one answer fails that answer
 alone (and the others get exactly the tokens they get alone), cancellation between
 steps, and beams as rows of a batch that share the prefix cache."""
 from __future__ import annotations
@@ -9,11 +9,11 @@ import threading
 import numpy as np
 import pytest
 
-import edgemm.decode as decode
-from edgemm.decode import BatchItem, DecodeFailure, generate, generate_batch
+import edgemm.engine.decode as decode
+from edgemm.engine.decode import BatchItem, DecodeFailure, generate, generate_batch
 from edgemm.errors import Cancelled
-from edgemm.generate import GenerationOptions, Generator
-from edgemm.scenes import make_scene
+from edgemm.engine.generate import GenerationOptions, Generator
+from edgemm.model.scenes import make_scene
 from test_generate import _batch_items  # one way to make decode-loop inputs for both files
 
 ASKS = [("describe the image", 403_000), ("how many shapes ?", 403_001),

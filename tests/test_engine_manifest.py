@@ -7,9 +7,9 @@ import shlex
 import pytest
 import yaml
 
-from edgemm.engines.manifest import (MANIFEST, EngineEntry, EngineManifest, read_manifest,
+from edgemm.backends.tensorrt.manifest import (MANIFEST, EngineEntry, EngineManifest, read_manifest,
                                      rebuild_command, select_engines, sha256, write_manifest)
-from edgemm.engines.platform import Platform, require_device
+from edgemm.backends.tensorrt.platform import Platform, require_device
 from edgemm.errors import EngineError
 
 ORIN = Platform(tensorrt="10.3.0", gpu="Orin", compute_capability="8.7", integrated=True, dla_cores=2)
@@ -116,7 +116,7 @@ def test_a_fifo_huge_or_deep_manifest_is_refused_without_reading_it(built):
     """read_text() would block on a FIFO for ever and read a huge file whole; yaml.safe_load
     recursed into a RecursionError on deep nesting."""
     import os
-    from edgemm.engines.manifest import MAX_MANIFEST_BYTES
+    from edgemm.backends.tensorrt.manifest import MAX_MANIFEST_BYTES
     folder, model_dir = built
     path = folder / MANIFEST
     path.unlink()

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from edgemm.cli import main
-from edgemm.engines import build
-from edgemm.engines.build import BuildRequest, EngineJob, plan_jobs, quantization_mode
-from edgemm.engines.platform import MISSING, Platform
+from edgemm.cli.main import main
+from edgemm.backends.tensorrt import build
+from edgemm.backends.tensorrt.build import BuildRequest, EngineJob, plan_jobs, quantization_mode
+from edgemm.backends.tensorrt.platform import MISSING, Platform
 from edgemm.errors import EngineError, InputError, ModelError
 from edgemm.model.manifest import load_manifest
 
@@ -191,7 +191,7 @@ def _gpu_platform() -> Platform | None:
     if not HAVE_TENSORRT:
         return None
     try:
-        from edgemm.engines.platform import probe
+        from edgemm.backends.tensorrt.platform import probe
         return probe()
     except EngineError:
         return None
@@ -204,7 +204,7 @@ GPU = _gpu_platform()
 @pytest.mark.skipif(GPU is None, reason="needs TensorRT and a CUDA device that initialises")
 def test_gpu_engines_build_run_and_match_onnxruntime(model_dir, tmp_path):
     from edgemm.config import load_config
-    from edgemm.runtime import Runtime
+    from edgemm.engine.runtime import Runtime
     # a precision the model has on this TensorRT: strongly typed FP16 (11+) needs an _fp16 graph
     precision = "fp16" if build.version_tuple(GPU.tensorrt) < build.STRONGLY_TYPED else "int8"
     runtime = Runtime(load_config({"model": {"path": str(model_dir), "precision": "int8" if precision == "int8"
@@ -394,7 +394,7 @@ def test_qwen2_vl_gpu_profile_fits_the_most_elongated_image_at_the_top_tier():
     gets more patches than the top budget's. The plan `--dry-run` prints takes --max-batch of them."""
     import numpy as np
     from edgemm.config import load_config
-    from edgemm.runtime import Runtime
+    from edgemm.engine.runtime import Runtime
     result = CliRunner().invoke(main, ["engines", "build", str(QWEN2_VL), "--dry-run", "--tensorrt", "10.3.0",
                                        "--components", "vision_encoder", "--max-batch", "3"])
     assert result.exit_code == 0, result.output

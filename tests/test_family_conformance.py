@@ -21,7 +21,7 @@ import pytest
 from edgemm.errors import ModelError
 from edgemm.model.family import adapter_for
 from edgemm.model.manifest import load_manifest
-from edgemm.pipeline import Pipeline, Request
+from edgemm.engine.pipeline import Pipeline, Request
 from family_conformance import FAMILIES, TOOLS, FamilyFixture, answer, make_runtime, prepare, runtime_of
 
 ALL = list(FAMILIES.values())

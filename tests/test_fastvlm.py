@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from edgemm.model.manifest import load_manifest
-from edgemm.runtime import Runtime
+from edgemm.engine.runtime import Runtime
 from family_conformance import FASTVLM, runtime_of
 
 FIXTURE = FASTVLM.path

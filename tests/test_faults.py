@@ -30,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 from bench_faults import FakeSystemd  # noqa: E402  (tools/: the fake systemd the benchmark uses too)
 from test_server import assert_error, in_background, metric, raw_client, running, short_dir, sock_path, wait_until
 
-import edgemm.streams
-from edgemm.pipeline import Pipeline, Request
-from edgemm.status import render
+import edgemm.streams.manager
+from edgemm.engine.pipeline import Pipeline, Request
+from edgemm.cli.status import render
 
 WAIT_S = 30  # bound for anything that should happen "now"; never a timing assumption
 MAX_TOKENS = 4
@@ -276,13 +276,13 @@ class FailingSource:
 
 def test_a_stream_whose_source_fails_reports_it_and_the_daemon_goes_on(runtime, samples, monkeypatch):
     opened, armed = [], threading.Event()
-    open_source = edgemm.streams.open_source
+    open_source = edgemm.streams.manager.open_source
 
     def failing_open_source(uri, **kwargs):
         source = FailingSource(open_source(uri, **kwargs), armed if not opened else None)
         opened.append(source)
         return source
-    monkeypatch.setattr(edgemm.streams, "open_source", failing_open_source)
+    monkeypatch.setattr(edgemm.streams.manager, "open_source", failing_open_source)
     spec = {"id": "cam", "source": "synthetic://?fps=20&seed=1", "prompt": PROMPTS[0], "tier": "low",
             "max_new_tokens": 1}
     with running(runtime, {"streams": [spec]}, **FAST) as d, raw_client(sock_path(d)) as http:
@@ -430,13 +430,13 @@ def test_a_dead_stage_thread_stops_the_watchdog(runtime, samples, monkeypatch, n
 def test_edgemm_infer_exits_1_with_one_line_on_an_internal_error(model_dir, monkeypatch):
     from click.testing import CliRunner
 
-    import edgemm.runtime
-    from edgemm.cli import main
+    import edgemm.engine.runtime
+    from edgemm.cli.main import main
 
     def broken(self, *args, **kwargs):
         raise Injected(INJECTED)
     # prepare: the one-shot's first call into the Runtime (it has no warm-up that calls infer)
-    monkeypatch.setattr(edgemm.runtime.Runtime, "prepare", broken)
+    monkeypatch.setattr(edgemm.engine.runtime.Runtime, "prepare", broken)
     result = CliRunner().invoke(main, ["infer", str(model_dir / "samples" / NORMAL_IMAGES[0])])
     assert result.exit_code == 1
     assert result.output == \

@@ -21,7 +21,7 @@ from edgemm.model.families.gemma3 import Gemma3Adapter, expand_image
 from edgemm.model.manifest import load_manifest
 from edgemm.model import resample as resample_module
 from edgemm.model.resample import resize_pil
-from edgemm.runtime import Runtime
+from edgemm.engine.runtime import Runtime
 from family_conformance import GEMMA3, answer, make_runtime, runtime_of
 
 FIXTURE = GEMMA3.path

@@ -1,4 +1,4 @@
-"""edgemm.generate: greedy and seeded sampling, stop/length, context limit, callbacks, cache."""
+"""edgemm.engine.generate: greedy and seeded sampling, stop/length, context limit, callbacks, cache."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from edgemm.errors import InputError
-from edgemm.decode import BatchItem, generate
-from edgemm.generate import GenerationOptions, Generator, sample_token
+from edgemm.engine.decode import BatchItem, generate
+from edgemm.engine.generate import GenerationOptions, Generator, sample_token
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))  # reference_decode
 
@@ -170,7 +170,7 @@ def test_streamed_pieces_make_the_answer_for_byte_level_tokens(model_dir):
     pieces hold a partial character back, and `finish` hands over what an answer that
     ends mid-character decodes to, so the pieces always concatenate to the full decode."""
     from tokenizers import Tokenizer
-    from edgemm.detokenize import END_OF_TEXT, TextStream
+    from edgemm.engine.detokenize import END_OF_TEXT, TextStream
     tokenizer = Tokenizer.from_file(str(model_dir.parent.parent / "tests" / "fixtures" / "idefics3-tiny"
                                        / "tokenizer.json"))
     rng = np.random.default_rng(7)
@@ -202,9 +202,9 @@ def test_cache_and_no_cache_give_the_same_tokens(runtime, request_inputs):
 # ---- several requests decoded together -----------------------------------------------------------
 
 def _batch_items(runtime, prompts_and_seeds, **options):
-    from edgemm.decode import BatchItem
-    from edgemm.generate import GenerationOptions
-    from edgemm.scenes import make_scene
+    from edgemm.engine.decode import BatchItem
+    from edgemm.engine.generate import GenerationOptions
+    from edgemm.model.scenes import make_scene
     items = []
     for prompt, seed in prompts_and_seeds:
         prepared = runtime.prepare(make_scene(seed).image, prompt)
@@ -217,7 +217,7 @@ def _batch_items(runtime, prompts_and_seeds, **options):
 def test_batched_decoding_gives_each_request_its_own_tokens(runtime):
     """Prompts of different lengths and answers of different lengths, stepped together,
     must give exactly the tokens each gives alone (greedy and seeded sampling)."""
-    from edgemm.decode import generate_batch
+    from edgemm.engine.decode import generate_batch
     asks = [("describe the image", 402_000), ("how many shapes ?", 402_001),
             ("what does the text say ?", 402_002), ("what color is the circle ?", 402_003)]
     for options in ({"max_new_tokens": 20}, {"max_new_tokens": 12, "temperature": 0.9, "seed": 5}):
@@ -233,7 +233,7 @@ def test_requests_joining_a_running_batch_get_their_own_tokens(runtime):
     """Continuous batching: requests join between steps (shorter and longer prompts than the
     rows running), rows leave as they end, each gets the tokens it gets alone and is handed
     back when its row stops; the padded cache never outgrows the longest live row."""
-    from edgemm.decode import DecodingBatch
+    from edgemm.engine.decode import DecodingBatch
     endless = generator_with_stops(runtime, set())  # no stop token: rows end on their budgets
     asks = [("describe the image", 402_030), ("how many shapes ?", 402_031),
             ("what does the text say ?", 402_032), ("what color is the circle ?", 402_033)]
@@ -269,7 +269,7 @@ def test_requests_joining_a_running_batch_get_their_own_tokens(runtime):
 def test_prompts_of_one_length_are_prefilled_in_one_decoder_call(runtime):
     """Three requests with the same question (so the same prompt length) and one other:
     two prefill calls, not four, and each request still gets the logits it gets alone."""
-    from edgemm.decode import generate_batch
+    from edgemm.engine.decode import generate_batch
     asks = [("how many shapes ?", 402_020), ("how many shapes ?", 402_021),
             ("describe the image", 402_022), ("how many shapes ?", 402_023)]
     items = _batch_items(runtime, asks, max_new_tokens=1)  # no decode step: only prefills call
@@ -285,7 +285,7 @@ def test_prompts_of_one_length_are_prefilled_in_one_decoder_call(runtime):
 
 
 def test_a_failing_request_does_not_fail_its_batch(runtime):
-    from edgemm.decode import generate_batch
+    from edgemm.engine.decode import generate_batch
     items = _batch_items(runtime, [("describe the image", 402_010), ("how many shapes ?", 402_011)],
                          max_new_tokens=8)
     items[0].input_ids = items[0].input_ids[:, :3]  # fewer image placeholders than features
@@ -315,7 +315,7 @@ def test_embed_next_matches_the_graph_and_runs_it_once_per_token(runtime, monkey
     np.testing.assert_array_equal(g.embed_next([12, 9]), want[[3, 1]])
     assert g.embed.stats.calls == calls + 1  # all known: no call
 
-    import edgemm.generate as generate
+    import edgemm.engine.generate as generate
     monkeypatch.setattr(generate, "TOKEN_EMBED_BYTES", want[0].nbytes * 3)  # room for 3 tokens
     np.testing.assert_array_equal(g.embed_next([7]), g.embed.run({"input_ids": np.array([[7]])})["inputs_embeds"])
     assert len(g._token_embeds) == 1  # the table started afresh instead of growing past its bound
@@ -326,7 +326,7 @@ def test_an_image_span_places_the_features_as_the_positions_do(runtime, sample):
     the embeddings, the prefix split and its key are the ones the index array gives, bit for
     bit, and a run of the wrong length is refused like an index array of it."""
     from edgemm.errors import ModelError
-    from edgemm.generate import PrefixReuse
+    from edgemm.engine.generate import PrefixReuse
     pixels, tier = runtime.preprocess(sample)
     prompt = runtime.adapter.build_prompt(PROMPT, runtime.manifest.tiers[tier])
     gen = runtime.generator

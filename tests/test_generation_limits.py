@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from edgemm.cli import main
+from edgemm.cli.main import main
 from edgemm.config import ConfigError, config_from_dict
 from edgemm.errors import InputError
-from edgemm.generate import GenerationOptions, sample_token
-from edgemm.generation_limits import (MAX_BEAMS, MAX_NEW_TOKENS, MAX_SEED, MIN_TEMPERATURE, LimitError,
+from edgemm.engine.generate import GenerationOptions, sample_token
+from edgemm.util.generation_limits import (MAX_BEAMS, MAX_NEW_TOKENS, MAX_SEED, MIN_TEMPERATURE, LimitError,
                                       check_generation)
-from edgemm.openai_api import ApiError, parse_chat_request
-from edgemm.server import infer_query
+from edgemm.server.protocol import ApiError, parse_chat_request
+from edgemm.server.app import infer_query
 
 IMAGE = "data:image/png;base64,iVBORw0KGgo="  # never decoded: the options are refused first
 

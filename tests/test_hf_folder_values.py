@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from edgemm.cli import main
+from edgemm.cli.main import main
 from edgemm.errors import ModelError
 from edgemm.model.family import family_for
 from edgemm.model.manifest import load_manifest

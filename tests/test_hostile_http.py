@@ -26,11 +26,11 @@ import pytest
 from click.testing import CliRunner
 from test_server import assert_error, in_background, metric, raw_client, running, sock_path, wait_until
 
-from edgemm.cli import main
+from edgemm.cli.main import main
 from edgemm.config import ConfigError, load_config
-from edgemm.connections import BODY_GRACE_S
-from edgemm.openai_api import ApiError, json_depth_exceeds, json_values_exceed, parse_json_body
-from edgemm.pipeline import Overloaded
+from edgemm.server.connections import BODY_GRACE_S
+from edgemm.server.protocol import ApiError, json_depth_exceeds, json_values_exceed, parse_json_body
+from edgemm.engine.pipeline import Overloaded
 
 WAIT_S = 30  # bound for anything that should happen "now"; never a timing assumption
 SHORT = {"header_timeout_s": 0.5, "idle_timeout_s": 0.5, "request_timeout_s": 2.0, "body_timeout_s": 1.0,
@@ -91,7 +91,7 @@ def read_response(s: socket.socket) -> tuple[int, dict[str, str], bytes]:
 
 
 def phases(d) -> list[str]:
-    """The phase of each connection the daemon has open (edgemm.connections)."""
+    """The phase of each connection the daemon has open (edgemm.server.connections)."""
     return [c.phase for c in d._server.server_state.connections]
 
 
@@ -745,7 +745,7 @@ def test_stalled_bodies_filling_the_body_pool_do_not_lock_bodies_out(runtime, pn
 def test_a_full_body_pool_with_nothing_to_close_is_503_with_retry_after(runtime, png, monkeypatch, no_tracebacks):
     limit = 4 * len(png)
     with running(runtime, queue_size=2, max_body_bytes=limit, body_timeout_s=60, encoder_batching="off") as d:
-        monkeypatch.setattr("edgemm.connections.BODY_GRACE_S", 3600)  # no stalled body is old enough to close
+        monkeypatch.setattr("edgemm.server.connections.BODY_GRACE_S", 3600)  # no stalled body is old enough to close
         path = sock_path(d)
         held = stall_bodies(path, 2, limit, limit - 1)
         try:
@@ -783,7 +783,7 @@ def test_requests_pipelined_before_bad_framing_are_answered_first(daemon, png, n
 def stalled_listener(d, path: str, route: str) -> socket.socket:
     """An SSE listener on `route` that reads its response head and then nothing: its buffers
     (made small on both ends, so that a few events fill them) full, the daemon's writes to it
-    paused (edgemm.connections' send deadline armed)."""
+    paused (edgemm.server.connections' send deadline armed)."""
     before = set(protocols(d))  # before connecting: the daemon may accept it at once (kept: no id reused)
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)

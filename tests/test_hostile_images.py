@@ -27,7 +27,7 @@ import hostile_images as hostile  # noqa: E402  (tools/: the benchmark makes the
 from test_server import (assert_error, child_env, in_background, raw_client, running, short_dir,  # noqa: E402
                          sock_path, wait_ready, write_config)
 
-from edgemm.cli import main
+from edgemm.cli.main import main
 from edgemm.model.image import MAX_JPEG_SCANS, DecodeBudget, DecodeBusy, ImageError, load_image
 
 WAIT_S = 60
@@ -238,7 +238,7 @@ def test_cli_refuses_with_exit_2_and_one_line(refused_files, kind):
 
 def edgemm(*args: str, **env: str) -> subprocess.CompletedProcess:
     """`edgemm ARGS` as its own process (a FIFO that blocked would hang only that)."""
-    return subprocess.run([sys.executable, "-m", "edgemm.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "edgemm.cli.main", *args], capture_output=True, text=True,
                           timeout=WAIT_S, env=child_env(**env))
 
 
@@ -265,7 +265,7 @@ def test_cli_refuses_a_fifo_or_device_as_config_or_model_file_at_once(tmp_path, 
     for args, message in ((["--config", str(fifo)], f"config: {fifo}: path is a FIFO, not a regular file"),
                           (["--config", "/dev/zero"], "config: /dev/zero: path is a character device, not a regular file"),
                           (["--model", str(model)], f"{model}/tokenizer.json: path is a FIFO, not a regular file")):
-        done = subprocess.run([sys.executable, "-m", "edgemm.cli", "infer", str(image), "--quiet", *args],
+        done = subprocess.run([sys.executable, "-m", "edgemm.cli.main", "infer", str(image), "--quiet", *args],
                               capture_output=True, text=True, timeout=WAIT_S, env=child_env())
         assert done.returncode == 2, (args, done.stderr)
         assert done.stderr.splitlines() == [f"edgemm: error: {message}"], args
@@ -298,7 +298,7 @@ def test_cli_shows_no_library_noise_unless_debugging(tmp_path):
 
 def test_a_crash_in_c_code_still_leaves_its_traceback_once_libraries_are_quiet():
     """fd 2 goes to /dev/null, so a segfault's report must come through faulthandler on the kept stderr."""
-    crash = ("import ctypes, sys\nfrom edgemm.library_noise import quiet_libraries\n"
+    crash = ("import ctypes, sys\nfrom edgemm.util.library_noise import quiet_libraries\n"
              "quiet_libraries()\nprint('quieted', file=sys.stderr)\nctypes.string_at(0)\n")
     run = subprocess.run([sys.executable, "-c", crash], capture_output=True, text=True, timeout=60,
                          env={k: v for k, v in os.environ.items() if k != "EDGEMM_DEBUG"})
@@ -375,7 +375,7 @@ def test_a_slow_image_does_not_hold_up_another_request(runtime, sample_png, monk
 def test_daemon_log_has_no_library_noise():
     folder = short_dir()  # AF_UNIX paths are short
     path = str(folder / "edgemm.sock")
-    proc = subprocess.Popen([sys.executable, "-m", "edgemm.cli", "serve", "--config", str(write_config(folder)),
+    proc = subprocess.Popen([sys.executable, "-m", "edgemm.cli.main", "serve", "--config", str(write_config(folder)),
                              "--socket", path], env=child_env(), stderr=subprocess.PIPE, text=True)
     try:
         wait_ready(path, proc)

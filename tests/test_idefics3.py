@@ -16,11 +16,11 @@ import pytest
 
 from edgemm.backends.base import TensorSpec
 from edgemm.errors import InputError, ModelError
-from edgemm.generate import Generator
+from edgemm.engine.generate import Generator
 from edgemm.model.families.idefics3 import expand_image
 from edgemm.model.resample import resize_lanczos
 from edgemm.model.tiling import tile_layout
-from edgemm.runtime import Runtime
+from edgemm.engine.runtime import Runtime
 from family_conformance import IDEFICS3, make_runtime, runtime_of
 
 FIXTURE = IDEFICS3.path

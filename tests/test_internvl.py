@@ -23,7 +23,7 @@ from edgemm.errors import InputError, ModelError
 from edgemm.model.families.internvl import expand_image, tile_grid, tiers
 from edgemm.model.manifest import load_manifest
 from edgemm.model.resample_torch import resize_bicubic_torch
-from edgemm.runtime import Runtime
+from edgemm.engine.runtime import Runtime
 from family_conformance import INTERNVL, TOOLS, answer, make_runtime, runtime_of
 
 FIXTURE = INTERNVL.path
@@ -206,8 +206,8 @@ def test_export_hf_vlm_refuses_what_it_cannot_export(tmp_path):
 # ---- TensorRT engine profiles (planned here; built against the fakes elsewhere) ---------------
 
 def test_gpu_profile_covers_one_tile_to_the_richest_tier_with_its_thumbnail():
-    from edgemm.engines.build import BuildRequest, plan_jobs
-    from edgemm.engines.platform import Platform
+    from edgemm.backends.tensorrt.build import BuildRequest, plan_jobs
+    from edgemm.backends.tensorrt.platform import Platform
     orin = Platform(tensorrt="10.3.0", gpu="Orin", compute_capability="8.7", integrated=True, dla_cores=2)
     request = BuildRequest(model_dir=FIXTURE, out=Path("unused"), max_batch=2)
     encoder = plan_jobs(request, load_manifest(FIXTURE), orin)[0]

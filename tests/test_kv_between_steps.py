@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edgemm.decode import BatchItem, DecodingBatch, generate
-from edgemm.generate import GenerationOptions, Generator, PrefixReuse
-from edgemm.scenes import make_scene
+from edgemm.engine.decode import BatchItem, DecodingBatch, generate
+from edgemm.engine.generate import GenerationOptions, Generator, PrefixReuse
+from edgemm.model.scenes import make_scene
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 from bench_kv_binding import BoundDecoder  # noqa: E402  (tools/)

@@ -18,15 +18,15 @@ import pytest
 from test_server import assert_error, raw_client, running, sock_path, wait_until
 from test_stream_state import HangingCamera
 
-import edgemm.runtime
-import edgemm.streams
-import edgemm.view
-from edgemm.cli import main
-from edgemm.daemon import run_loop  # the daemon's loop (uvloop where installed): what the listener runs on
-from edgemm.opencv import cv2
-from edgemm.scenes import make_scene
-from edgemm.streams import EVENTS_BUFFER
-from edgemm.view import JPEG_MAX_SIDE, LatestFrame, annotate
+import edgemm.engine.runtime
+import edgemm.streams.manager
+import edgemm.streams.view
+from edgemm.cli.main import main
+from edgemm.server.daemon import run_loop  # the daemon's loop (uvloop where installed): what the listener runs on
+from edgemm.util.opencv import cv2
+from edgemm.model.scenes import make_scene
+from edgemm.streams.manager import EVENTS_BUFFER
+from edgemm.streams.view import JPEG_MAX_SIDE, LatestFrame, annotate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 from headless_browser import HeadlessBrowser, find_chromium  # noqa: E402
@@ -82,7 +82,7 @@ def test_the_page_shows_a_running_streams_frame_and_answer_and_follows_it(runtim
             # the daemon's answers are what the page showed (one listener: the page's /v1/events)
             assert http.get("/v1/streams/yard").json()["listeners"] == 1
             assert d.service.streams.listener_count() == 1
-            # an alert's change (edgemm.alerts posts them to the stream's listeners) is a badge on its card
+            # an alert's change (edgemm.streams.alerts posts them to the stream's listeners) is a badge on its card
             alert = {"stream": "yard", "alert": "person", "state": "true", "frame": 7, "time": time.time()}
             d.service.streams.get("yard")._post_alert(alert)
             badge = "document.querySelector('[data-stream=yard] .alert')?.textContent"
@@ -122,7 +122,7 @@ def test_the_page_starts_a_stream_changes_its_prompt_and_stops_it(runtime):
 @needs_browser
 def test_a_deleted_stream_whose_camera_call_hangs_shows_as_stopping_with_nothing_to_change(runtime, monkeypatch):
     camera = HangingCamera()
-    monkeypatch.setattr(edgemm.streams, "open_source", lambda uri, **kw: camera)
+    monkeypatch.setattr(edgemm.streams.manager, "open_source", lambda uri, **kw: camera)
     stream = {"id": "gate", "source": "rtsp://hanging/x", "prompt": COLOUR, "tier": "low", "max_new_tokens": 2}
     form = "getComputedStyle(document.querySelector('[data-stream=gate] form.prompt')).display"
     try:
@@ -152,7 +152,7 @@ def test_an_error_is_not_wiped_by_an_older_answer_drawn_after_it(runtime, monkey
     nothing of its own; the results are handed to the page's own showResult.)"""
     camera = HangingCamera()
     camera.hang.set()
-    monkeypatch.setattr(edgemm.streams, "open_source", lambda uri, **kw: camera)
+    monkeypatch.setattr(edgemm.streams.manager, "open_source", lambda uri, **kw: camera)
     stream = {"id": "ghost", "source": "rtsp://hanging/x", "prompt": COLOUR, "tier": "low", "max_new_tokens": 2}
     try:
         with running(runtime, {"streams": [stream]}, tcp_port=0) as d, HeadlessBrowser(tcp_url(d)) as browser:
@@ -296,7 +296,7 @@ def test_the_all_streams_listener_is_one_of_max_stream_listeners(runtime):
 
 
 def test_stopping_the_daemon_ends_the_all_streams_listener_even_with_no_stream(runtime, monkeypatch):
-    from edgemm.streams import AllStreamsListener
+    from edgemm.streams.manager import AllStreamsListener
     from test_server import in_background
 
     def read_all(path: str) -> int:
@@ -342,7 +342,7 @@ def test_a_new_prompt_is_asked_even_of_a_scene_the_change_gate_would_answer_agai
     """PATCH on a static camera with change_threshold: the reused answer was to the old prompt."""
     from test_stream import FAST, StaticLiveSource, run_in_thread
 
-    from edgemm.stream import StreamOptions
+    from edgemm.streams.run import StreamOptions
     source = StaticLiveSource(count=8)
     options = StreamOptions(COLOUR, change_threshold=1.0, generation=FAST)
     records = []
@@ -383,10 +383,10 @@ def test_latest_frame_is_encoded_once_per_answer_and_bounded():
 def test_latest_frame_keeps_the_last_answers_frames_by_number_each_encoded_once(monkeypatch):
     """/v1/events?frames=jpeg: a result's own frame, found by its `frame` number while it is one of
     the last KEPT_ANSWERED_FRAMES answered; encoded once however many ask; an error keeps none."""
-    from edgemm.view import KEPT_ANSWERED_FRAMES
+    from edgemm.streams.view import KEPT_ANSWERED_FRAMES
     encodes = []
-    real = edgemm.view.jpeg
-    monkeypatch.setattr(edgemm.view, "jpeg", lambda image: encodes.append(1) or real(image))
+    real = edgemm.streams.view.jpeg
+    monkeypatch.setattr(edgemm.streams.view, "jpeg", lambda image: encodes.append(1) or real(image))
     latest = LatestFrame()
     scenes = [make_scene(seed) for seed in range(KEPT_ANSWERED_FRAMES + 2)]
     for number, scene in enumerate(scenes):
@@ -414,9 +414,9 @@ def test_viewers_asking_at_once_share_one_encode_per_answer(monkeypatch):
     import asyncio
     import threading
 
-    import edgemm.liveview
+    import edgemm.server.liveview
     encodes, threads, release = [], set(), threading.Event()
-    real = edgemm.view.jpeg
+    real = edgemm.streams.view.jpeg
 
     def counted(image):
         encodes.append(1)
@@ -424,7 +424,7 @@ def test_viewers_asking_at_once_share_one_encode_per_answer(monkeypatch):
         release.wait(30)  # every viewer asks while this encode is under way
         return real(image)
 
-    monkeypatch.setattr(edgemm.view, "jpeg", counted)
+    monkeypatch.setattr(edgemm.streams.view, "jpeg", counted)
     latest = LatestFrame()
     frame = type("F", (), {"image": make_scene(1).image})()
     latest.answer(frame, {"answer": "red"})
@@ -440,7 +440,7 @@ def test_viewers_asking_at_once_share_one_encode_per_answer(monkeypatch):
     assert len(encodes) == 1
 
     async def eight_at_once():
-        return await asyncio.gather(*(edgemm.liveview.shared_encode(latest) for _ in range(8)))
+        return await asyncio.gather(*(edgemm.server.liveview.shared_encode(latest) for _ in range(8)))
 
     latest.answer(frame, {"answer": "blue"})
     threads.clear()
@@ -448,7 +448,7 @@ def test_viewers_asking_at_once_share_one_encode_per_answer(monkeypatch):
     assert len(encodes) == 2 and {number for number, _ in results} == {2}
     assert len({id(data) for _, data in results}) == 1
     assert all(name.startswith("edgemm-jpeg") for name in threads)  # not asyncio's default executor
-    assert edgemm.liveview.encoding == {}  # nothing kept once it is done
+    assert edgemm.server.liveview.encoding == {}  # nothing kept once it is done
 
 
 # ---- edgemm stream --view OUT --------------------------------------------------------------
@@ -519,7 +519,7 @@ def test_a_view_that_cannot_work_is_one_line_and_exit_2(out, message, tmp_path, 
     out, message = out.format(tmp=tmp_path), message.format(tmp=tmp_path)
     monkeypatch.delenv("DISPLAY", raising=False)
     monkeypatch.delenv("WAYLAND_DISPLAY", raising=False)
-    monkeypatch.setattr(edgemm.view, "gstreamer_available", lambda: False)  # as PyPI's OpenCV
+    monkeypatch.setattr(edgemm.streams.view, "gstreamer_available", lambda: False)  # as PyPI's OpenCV
     result = run_cli(["stream", "synthetic://?count=1", "--view", out])
     assert result.exit_code == 2
     assert message in result.output and "Traceback" not in result.output
@@ -541,7 +541,7 @@ class ModelLoaded(Exception):
 def test_a_view_the_os_refuses_is_one_line_and_exit_2_before_the_model_loads(out, message, tmp_path, monkeypatch):
     def runtime(*args, **kwargs):
         raise ModelLoaded
-    monkeypatch.setattr(edgemm.runtime, "Runtime", runtime)
+    monkeypatch.setattr(edgemm.engine.runtime, "Runtime", runtime)
     result = run_cli(["stream", "synthetic://?count=1", "--view", out.format(tmp=tmp_path)])
     assert result.exit_code == 2, result.output
     lines = result.output.strip().splitlines()
@@ -554,34 +554,34 @@ def test_a_view_folder_is_created_with_its_parents_before_the_model_loads(tmp_pa
     def runtime(*args, **kwargs):
         loaded.append(out.is_dir())
         raise ModelLoaded
-    monkeypatch.setattr(edgemm.runtime, "Runtime", runtime)
+    monkeypatch.setattr(edgemm.engine.runtime, "Runtime", runtime)
     run_cli(["stream", "synthetic://?count=1", "--view", f"{out}/"])
     assert loaded == [True]  # it got past the --view check, to the model, with the folder there
     assert list(out.iterdir()) == []  # the file written to try the folder was removed
 
 
 def test_rtp_without_an_h264_encoder_is_refused(monkeypatch):
-    monkeypatch.setattr(edgemm.view, "gstreamer_available", lambda: True)
-    monkeypatch.setattr(edgemm.view, "gstreamer_element_exists", lambda name: False)
+    monkeypatch.setattr(edgemm.streams.view, "gstreamer_available", lambda: True)
+    monkeypatch.setattr(edgemm.streams.view, "gstreamer_element_exists", lambda name: False)
     result = run_cli(["stream", "synthetic://?count=1", "--view", "rtp://127.0.0.1:5000"])
     assert result.exit_code == 2 and "GStreamer has no H.264 encoder (nvv4l2h264enc or x264enc)" in result.output
 
 
 def test_the_rtp_pipeline_uses_the_jetsons_encoder_where_there_is_one(monkeypatch):
-    monkeypatch.setattr(edgemm.view, "gstreamer_element_exists", lambda name: name == "nvv4l2h264enc")
-    assert "nvv4l2h264enc" in edgemm.view._h264_encoder()
-    monkeypatch.setattr(edgemm.view, "gstreamer_element_exists", lambda name: name == "x264enc")
-    assert edgemm.view._h264_encoder().startswith("x264enc")
+    monkeypatch.setattr(edgemm.streams.view, "gstreamer_element_exists", lambda name: name == "nvv4l2h264enc")
+    assert "nvv4l2h264enc" in edgemm.streams.view._h264_encoder()
+    monkeypatch.setattr(edgemm.streams.view, "gstreamer_element_exists", lambda name: name == "x264enc")
+    assert edgemm.streams.view._h264_encoder().startswith("x264enc")
 
 
 def test_view_to_rtp_sends_h264_over_rtp(tmp_path):
     """The real GStreamer pipeline: runs where OpenCV has GStreamer and x264enc (CI's Jetson
     stand-in: Debian's python3-opencv and GStreamer's good and ugly plugins; on a Jetson,
     nvv4l2h264enc)."""
-    from edgemm.sources import gstreamer_available, gstreamer_element_exists
+    from edgemm.streams.sources import gstreamer_available, gstreamer_element_exists
     needed = ("appsrc", "videoconvert", "rtph264pay", "udpsink")
     if not gstreamer_available() or not all(map(gstreamer_element_exists, needed)) \
-            or edgemm.view._h264_encoder() is None:
+            or edgemm.streams.view._h264_encoder() is None:
         pytest.skip("needs OpenCV with GStreamer, an H.264 encoder, rtph264pay and udpsink (.ci/run's Jetson install)")
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as receiver:
         receiver.bind(("127.0.0.1", 0))
@@ -596,7 +596,7 @@ def test_view_to_rtp_sends_h264_over_rtp(tmp_path):
 
 @needs_browser
 def test_the_page_shows_a_real_streams_alert_states(runtime):
-    """edgemm.alerts on a running stream: the page's badge for it is its state (from /v1/alerts and
+    """edgemm.streams.alerts on a running stream: the page's badge for it is its state (from /v1/alerts and
     the alert events on /v1/events), true or false, never stuck at nothing."""
     stream = {"id": "yard", "source": "synthetic://?fps=10", "prompt": COLOUR, "tier": "low", "max_new_tokens": 2,
               "alerts": {"many": {"prompt": COUNT, "above": 2, "on_after": 1, "off_after": 1}}}
@@ -616,7 +616,7 @@ def test_delivery_after_the_daemon_drains_keeps_end_and_the_other_listeners():
     stream's other listeners get every event."""
     import asyncio
 
-    from edgemm.streams import END, AllStreamsListener, ManagedStream, stream_spec
+    from edgemm.streams.manager import END, AllStreamsListener, ManagedStream, stream_spec
 
     async def scenario():
         spec = stream_spec({"id": "cam", "source": "synthetic://", "prompt": COLOUR})
@@ -668,7 +668,7 @@ def result(stream: str, frame: int) -> tuple:
 
 
 def test_thinning_sends_at_most_rate_results_per_stream_the_newest_waiting():
-    from edgemm.liveview import Thinning
+    from edgemm.server.liveview import Thinning
     clock = FakeClock()
     thin = Thinning(4.0, clock)  # one result per 0.25 s per stream (steps exact in binary)
     assert frames_of(thin.offer(result("a", 1))) == [("a", 1, None)]
@@ -689,7 +689,7 @@ def test_thinning_sends_at_most_rate_results_per_stream_the_newest_waiting():
 
 
 def test_thinning_never_holds_back_alert_events_and_keeps_a_streams_order():
-    from edgemm.liveview import Thinning
+    from edgemm.server.liveview import Thinning
     clock = FakeClock()
     thin = Thinning(2.0, clock)
     thin.offer(result("a", 1))
@@ -714,7 +714,7 @@ def test_thinning_sends_a_failing_streams_newest_error_or_answer_at_the_rate():
     """A stream whose every frame fails is thinned as one that answers: within 1 / rate, the
     newest of its errors and answers goes, so the page never gets an older answer after a newer
     error (nor the reverse), and an alert event still takes what waited before it."""
-    from edgemm.liveview import Thinning
+    from edgemm.server.liveview import Thinning
     clock = FakeClock()
     thin = Thinning(4.0, clock)
     sent = thin.offer(error("a", 1))
@@ -734,7 +734,7 @@ def test_thinning_sends_a_failing_streams_newest_error_or_answer_at_the_rate():
 
 
 def test_thinning_forgets_streams_that_are_free_to_send_again():
-    from edgemm.liveview import FORGET_ABOVE, Thinning
+    from edgemm.server.liveview import FORGET_ABOVE, Thinning
     clock = FakeClock()
     thin = Thinning(4.0, clock)
     for n in range(10 * FORGET_ABOVE):  # streams come and go, each sending once
@@ -748,8 +748,8 @@ def test_a_thinned_listener_queues_only_what_goes_and_the_rest_when_due():
     what still waited. (The loop's timer is not waited for: _flush is what it calls.)"""
     import asyncio
 
-    from edgemm.liveview import ThinnedListener
-    from edgemm.streams import END
+    from edgemm.server.liveview import ThinnedListener
+    from edgemm.streams.manager import END
 
     async def run() -> tuple[list, list, list, list]:
         clock = FakeClock()
@@ -778,7 +778,7 @@ def test_a_thinned_listeners_timer_is_armed_for_the_first_result_due():
     """Stream b's result due in 0.0625 s after a's due in 0.1875 s: the timer moves to b's."""
     import asyncio
 
-    from edgemm.liveview import ThinnedListener
+    from edgemm.server.liveview import ThinnedListener
 
     async def run() -> list[float]:
         clock, loop = FakeClock(), asyncio.get_running_loop()
@@ -801,8 +801,8 @@ def test_a_thinned_listeners_timer_is_armed_for_the_first_result_due():
 def test_events_a_thinned_listener_loses_are_counted_in_their_stream():
     """A full queue loses its oldest event to make room, on every path a newer one takes in
     (offer, the timer, the end): each lost one is counted once, in the stream it came from."""
-    from edgemm.liveview import ThinnedListener
-    from edgemm.streams import EVENTS_BUFFER
+    from edgemm.server.liveview import ThinnedListener
+    from edgemm.streams.manager import EVENTS_BUFFER
 
     async def run() -> list[tuple]:
         clock, lost = FakeClock(), []
@@ -948,7 +948,7 @@ def test_page_traffic_asks_what_the_page_asks():
     the page asks the daemon for that rate."""
     from page_traffic import page_rate
 
-    from edgemm.liveview import page
+    from edgemm.server.liveview import page
     text = page().decode()
     assert page_rate(text) == 5.0
     assert "new EventSource(`/v1/events?rate=${FRAMES_PER_S}&frames=jpeg`)" in text

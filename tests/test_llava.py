@@ -19,7 +19,7 @@ from edgemm.errors import InputError, ModelError
 from edgemm.model.families.llava import LlavaAdapter, center_crop, resized_size
 from edgemm.model.manifest import load_manifest
 from edgemm.model.resample import resize_pil
-from edgemm.runtime import Runtime
+from edgemm.engine.runtime import Runtime
 from family_conformance import LLAVA, make_runtime, runtime_of
 
 FIXTURE = LLAVA.path

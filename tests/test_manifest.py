@@ -10,12 +10,12 @@ import yaml
 from click.testing import CliRunner
 from onnx import TensorProto, helper
 
-from edgemm.cli import main
+from edgemm.cli.main import main
 from edgemm.config import load_config
 from edgemm.errors import InputError, ModelError
 from edgemm.model.family import adapter_for
 from edgemm.model.manifest import load_manifest
-from edgemm.runtime import Runtime
+from edgemm.engine.runtime import Runtime
 
 
 def load_runtime(model_dir, precision: str = "fp32") -> Runtime:

@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from edgemm.config import OffloadConfig, load_config
-from edgemm.offload import (CircuitBreaker, CredentialsError, OffloadClient, OffloadError, OffloadTimeout,
+from edgemm.power.offload import (CircuitBreaker, CredentialsError, OffloadClient, OffloadError, OffloadTimeout,
                             OffloadUnavailable, data_url, read_api_key)
 
 KEY = "sk-test-5f3c2a9e-SECRET"

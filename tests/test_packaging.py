@@ -16,8 +16,8 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from edgemm.loading import default_engines_dir, default_engines_root
-from edgemm.runtime import BUILTIN_MODEL
+from edgemm.engine.loading import default_engines_dir, default_engines_root
+from edgemm.engine.runtime import BUILTIN_MODEL
 
 REPO = Path(__file__).resolve().parent.parent
 COUNT_PROMPT = "how many shapes are there ?"
@@ -66,12 +66,12 @@ def test_a_wheel_installed_outside_the_clone_answers(tmp_path, ground_truth):
                               str(wheel)], capture_output=True, text=True, timeout=300)
     assert install.returncode == 0, install.stderr[-2000:]
 
-    where = subprocess.run([str(python), "-c", "import edgemm.runtime as r; print(r.BUILTIN_MODEL)"],
+    where = subprocess.run([str(python), "-c", "import edgemm.engine.runtime as r; print(r.BUILTIN_MODEL)"],
                            capture_output=True, text=True, cwd=tmp_path, env=clean_env(), timeout=60)
     assert where.returncode == 0, where.stderr
     assert Path(where.stdout.strip()).is_relative_to(site), where.stdout  # not the clone's copy
     # the live view's page is package data too (GET / reads it from the installed package)
-    page = subprocess.run([str(python), "-c", "from edgemm.liveview import page; print(page()[:15].decode())"],
+    page = subprocess.run([str(python), "-c", "from edgemm.server.liveview import page; print(page()[:15].decode())"],
                           capture_output=True, text=True, cwd=tmp_path, env=clean_env(), timeout=60)
     assert page.returncode == 0 and page.stdout.strip() == "<!doctype html>", page.stderr
 
@@ -111,7 +111,7 @@ def test_the_service_reads_engines_from_var_lib():
 # ---- OpenCV: whichever the environment has, or one line --------------------------------
 
 def run_cli(args: list[str], python_prelude: str = "", **env: str) -> subprocess.CompletedProcess:
-    code = f"import sys\n{python_prelude}\nfrom edgemm.cli import main\nsys.argv = ['edgemm', *{args!r}]\nmain()\n"
+    code = f"import sys\n{python_prelude}\nfrom edgemm.cli.main import main\nsys.argv = ['edgemm', *{args!r}]\nmain()\n"
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env=clean_env(**env), cwd=REPO)
 
@@ -147,7 +147,7 @@ def test_a_cv2_built_for_numpy_1_under_numpy_2_is_one_line_not_numpys_page(tmp_p
 
 
 def _system_gstreamer() -> bool:
-    from edgemm.sources import gstreamer_available
+    from edgemm.streams.sources import gstreamer_available
     return gstreamer_available()
 
 
@@ -157,8 +157,8 @@ def test_with_a_gstreamer_opencv_a_csi_pipeline_gets_past_the_check_and_runs():
     """Run where cv2 is the system's GStreamer-enabled python3-opencv (.ci/run's Jetson stand-in):
     csi:// passes edgemm's GStreamer check, and its pipeline runs in this OpenCV's GStreamer once
     the Argus camera and NVIDIA's converter (absent off a Jetson) are replaced by a test source."""
-    from edgemm.opencv import cv2
-    from edgemm.sources import CsiSource, SourceUnusable, csi_pipeline, open_source
+    from edgemm.util.opencv import cv2
+    from edgemm.streams.sources import CsiSource, SourceUnusable, csi_pipeline, open_source
 
     source = open_source("csi://0")
     assert isinstance(source, CsiSource)

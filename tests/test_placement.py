@@ -7,13 +7,13 @@ import pytest
 
 from edgemm.backends.onnxruntime import OnnxRuntimeBackend
 from edgemm.config import ConfigError, PlacementConfig, config_from_dict, load_config
-from edgemm.engines.platform import MISSING
+from edgemm.backends.tensorrt.platform import MISSING
 from edgemm.errors import EngineError, ModelError
-from edgemm.pipeline import Pipeline, Request
-from edgemm.power import Route, reachable_devices
-from edgemm.placement import place
-from edgemm.loading import ModelComponents
-from edgemm.runtime import default_engines_dir
+from edgemm.engine.pipeline import Pipeline, Request
+from edgemm.engine.route import Route, reachable_devices
+from edgemm.engine.placement import place
+from edgemm.engine.loading import ModelComponents
+from edgemm.engine.runtime import default_engines_dir
 
 HAVE_TENSORRT = importlib.util.find_spec("tensorrt") is not None
 

@@ -8,8 +8,9 @@ import pytest
 from fake_jetson import FakeJetson, agx_orin, orin_nano, orin_nx
 
 from edgemm.config import PlacementConfig, PowerConfig, load_config
-from edgemm.power import Governor, Load, PowerPolicy, Route, holds
-from edgemm.telemetry import Sampler, Sensors, Telemetry
+from edgemm.engine.route import Route
+from edgemm.power.policy import Governor, Load, PowerPolicy, holds
+from edgemm.power.telemetry import Sampler, Sensors, Telemetry
 
 # ---- telemetry -------------------------------------------------------------------------------
 

@@ -14,13 +14,13 @@ import pytest
 from click.testing import CliRunner
 
 import trt_harness as h
-from edgemm.cli import main
+from edgemm.cli.main import main
 from edgemm.config import load_config
 from edgemm.errors import ModelError
 from edgemm.model.hf_folder import precisions_present
 from edgemm.model.manifest import load_manifest
 from edgemm.model.manifest_types import PRECISIONS
-from edgemm.runtime import Runtime
+from edgemm.engine.runtime import Runtime
 
 ROOT = Path(__file__).resolve().parent.parent
 GRAPHS = ("vision_encoder.onnx", "embed_tokens.onnx", "decoder_model_merged.onnx")

@@ -9,7 +9,7 @@ import onnxruntime as ort
 import pytest
 from onnx import numpy_helper
 
-from edgemm.engines.qdq import (calibration_version, format_cache, parse_cache, scale_hex,
+from edgemm.backends.tensorrt.qdq import (calibration_version, format_cache, parse_cache, scale_hex,
                                 translate, translate_file)
 from edgemm.errors import ModelError
 from edgemm.model.image import load_image

@@ -21,8 +21,8 @@ import pytest
 
 from edgemm.backends.base import TensorSpec
 from edgemm.errors import InputError, ModelError
-from edgemm.generate import GenerationOptions
-from edgemm.model.contract import check_component
+from edgemm.engine.generate import GenerationOptions
+from edgemm.engine.contract import check_component
 from edgemm.model.families.qwen2_vl import most_image_tokens, rope_positions, smart_resize
 from edgemm.model.family import GraphInputs
 from edgemm.model.manifest import load_manifest

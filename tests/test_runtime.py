@@ -1,4 +1,4 @@
-"""edgemm.runtime.Runtime: results, tiers, precision, limits, and accuracy of the built-in model.
+"""edgemm.engine.runtime.Runtime: results, tiers, precision, limits, and accuracy of the built-in model.
 
 The two accuracy tests need the trained model in models/tiny-vlm/; they fail on the
 untrained placeholder.
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from edgemm.errors import InputError
-from edgemm.runtime import InferenceResult
-from edgemm.scenes import make_scene, normalise_answer, questions_for
+from edgemm.engine.runtime import InferenceResult
+from edgemm.model.scenes import make_scene, normalise_answer, questions_for
 
 SAMPLES = Path(__file__).resolve().parent.parent / "models" / "tiny-vlm" / "samples"
 SAMPLE_NAMES = sorted(json.loads((SAMPLES / "ground_truth.json").read_text()))
@@ -148,9 +148,9 @@ def test_smoke_accuracy_on_generated_scenes(runtime, top_tier):
 
 
 def test_concurrent_stages_split_the_cores_and_do_not_spin(make_runtime, monkeypatch):
-    import edgemm.loading
-    import edgemm.runtime as runtime_module
-    monkeypatch.setattr(edgemm.loading, "usable_cpus", lambda: 6)
+    import edgemm.engine.loading
+    import edgemm.engine.runtime as runtime_module
+    monkeypatch.setattr(edgemm.engine.loading, "usable_cpus", lambda: 6)
     cfg = make_runtime().config
     cfg.backend.intra_op_threads = 0
     pipelined = runtime_module.Runtime(cfg, concurrent=True)

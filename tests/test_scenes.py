@@ -1,4 +1,4 @@
-"""edgemm.scenes (the built-in model's world), model.yaml and the tokenizer's vocabulary."""
+"""edgemm.model.scenes (the built-in model's world), model.yaml and the tokenizer's vocabulary."""
 from __future__ import annotations
 
 import re
@@ -9,7 +9,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from edgemm.model.manifest import load_manifest
-from edgemm.scenes import (COLOURS, COUNT_WORDS, NO_TEXT_ANSWER, SHAPES, TEXT_LENGTH, Scene, Shape,
+from edgemm.model.scenes import (COLOURS, COUNT_WORDS, NO_TEXT_ANSWER, SHAPES, TEXT_LENGTH, Scene, Shape,
                            make_scene, normalise_answer, questions_for, vocabulary)
 
 SEEDS = range(100, 130)

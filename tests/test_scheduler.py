@@ -1,4 +1,4 @@
-"""edgemm.scheduler: saliency statistics, tier policies, the calibrated policy file, and the
+"""edgemm.engine.tiers: saliency statistics, tier policies, the calibrated policy file, and the
 scheduler inside Runtime.prepare (pinned tier, reason and statistics in the result)."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from edgemm.config import ConfigError
 from edgemm.errors import ModelError
-from edgemm.scheduler import (POLICY_FILE, STATISTICS, SaliencyStats, Scheduler, TierPolicy,
+from edgemm.engine.tiers import (POLICY_FILE, STATISTICS, SaliencyStats, Scheduler, TierPolicy,
                               analysis_grey, saliency_stats, spectral_residual)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
@@ -265,7 +265,7 @@ def test_calibration_tool_writes_a_policy_the_runtime_loads(tmp_model, make_runt
 
 
 def test_mixed_questions_ask_everything_in_several_phrasings():
-    from edgemm.scenes import make_scene
+    from edgemm.model.scenes import make_scene
     asked = [q for seed in range(40) for q in
              calibrate_scheduler.mixed_questions(make_scene(seed), np.random.default_rng(seed))]
     assert {q.task for q in asked} == {"describe", "count", "colour", "read"}
@@ -361,7 +361,7 @@ def test_systemd_config_documents_the_defaults():
 # ---- fine strokes and the detail prompts' own rule ------------------------------------------
 
 def test_fine_strokes_see_a_small_label_that_edges_barely_notice():
-    from edgemm.scenes import make_scene
+    from edgemm.model.scenes import make_scene
     plain = make_scene(11, text_probability=0.0).image
     labelled = plain.copy()
     cv2.putText(labelled, "408", (20, 40), cv2.FONT_HERSHEY_SIMPLEX, 0.45, (20, 20, 20), 1, cv2.LINE_AA)

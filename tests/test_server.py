@@ -36,12 +36,12 @@ import pytest
 import yaml
 
 from edgemm.config import Config, ServerConfig, StreamConfig, load_config
-from edgemm.daemon import Daemon, ListenError, bind_unix
-from edgemm.metrics import Counter, Gauge, Histogram, Registry
-from edgemm.openai_api import ApiError, parse_chat_request
-from edgemm.pipeline import Overloaded
-from edgemm.server import infer_query
-from edgemm.service import Admission
+from edgemm.server.daemon import Daemon, ListenError, bind_unix
+from edgemm.util.prometheus import Counter, Gauge, Histogram, Registry
+from edgemm.server.protocol import ApiError, parse_chat_request
+from edgemm.engine.pipeline import Overloaded
+from edgemm.server.app import infer_query
+from edgemm.server.service import Admission
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "tiny-vlm"
@@ -751,13 +751,13 @@ def test_socket_file_rules():
 
 SLOW_ENCODER = """
 import os, sys, time
-from edgemm.runtime import Runtime
+from edgemm.engine.runtime import Runtime
 encode = Runtime.encode
 def slow(self, pixels, keys=None, route=None):
     time.sleep(float(os.environ["SLOW_ENCODE_S"]))
     return encode(self, pixels, keys, route)
 Runtime.encode = slow
-from edgemm.cli import main
+from edgemm.cli.main import main
 main(sys.argv[1:], prog_name="edgemm")
 """
 
@@ -767,7 +767,7 @@ SOCKET_ACTIVATE = """
 import os, sys
 os.dup2(int(sys.argv[1]), 3)
 os.environ.update(LISTEN_FDS="1", LISTEN_PID=str(os.getpid()))
-os.execv(sys.executable, [sys.executable, "-m", "edgemm.cli", *sys.argv[2:]])
+os.execv(sys.executable, [sys.executable, "-m", "edgemm.cli.main", *sys.argv[2:]])
 """
 
 
@@ -863,7 +863,7 @@ def test_socket_activation_and_sd_notify(folder, sample):
 
 def test_a_model_that_fails_to_load_fails_the_start(folder):
     path = str(folder / "edgemm.sock")
-    result = subprocess.run([sys.executable, "-m", "edgemm.cli", "serve", "--config", str(write_config(folder)),
+    result = subprocess.run([sys.executable, "-m", "edgemm.cli.main", "serve", "--config", str(write_config(folder)),
                              "--socket", path, "--model", str(folder / "no-model")],
                             env=child_env(), capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
@@ -876,7 +876,7 @@ def test_a_model_that_fails_to_load_fails_the_start(folder):
 # ---- edgemm serve outside systemd: a socket it can create, or TCP ---------------------------
 
 def serve_process(args: list[str], **env: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "edgemm.cli", "serve", *args], env=child_env(**env),
+    return subprocess.Popen([sys.executable, "-m", "edgemm.cli.main", "serve", *args], env=child_env(**env),
                             stderr=subprocess.PIPE, text=True)
 
 
@@ -914,7 +914,7 @@ def test_serve_without_a_socket_configured_uses_xdg_runtime_dir(folder, sample):
         with raw_client(path) as http:
             assert http.get("/readyz").status_code == 200
             assert http.post("/v1/infer", params={"max_tokens": 1}, content=sample.read_bytes()).status_code == 200
-        status = subprocess.run([sys.executable, "-m", "edgemm.cli", "status", "--json"], capture_output=True,
+        status = subprocess.run([sys.executable, "-m", "edgemm.cli.main", "status", "--json"], capture_output=True,
                                 text=True, env=child_env(XDG_RUNTIME_DIR=str(folder)), timeout=60)
         assert json.loads(status.stdout)["daemon"] == "serving"  # the client finds the same socket
         assert stop_process(proc) == 0
@@ -927,7 +927,7 @@ def test_serve_without_a_socket_configured_uses_xdg_runtime_dir(folder, sample):
 def test_serve_with_no_socket_to_create_says_so_in_one_line(folder):
     env = child_env()
     env.pop("XDG_RUNTIME_DIR", None)
-    result = subprocess.run([sys.executable, "-m", "edgemm.cli", "serve", "--config", str(write_config(folder))],
+    result = subprocess.run([sys.executable, "-m", "edgemm.cli.main", "serve", "--config", str(write_config(folder))],
                             env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     lines = result.stderr.splitlines()
@@ -954,7 +954,7 @@ def test_serve_on_a_tcp_port_answers_on_loopback_only(folder, sample):
 
 
 def test_serve_host_without_port_is_a_usage_error(folder):
-    result = subprocess.run([sys.executable, "-m", "edgemm.cli", "serve", "--host", "127.0.0.1"],
+    result = subprocess.run([sys.executable, "-m", "edgemm.cli.main", "serve", "--host", "127.0.0.1"],
                             env=child_env(), capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "--host needs --port" in result.stderr
 

@@ -17,7 +17,7 @@ import pytest
 
 from edgemm.config import load_config
 from edgemm.model.tokenizer import load_tokenizer
-from edgemm.runtime import Runtime
+from edgemm.engine.runtime import Runtime
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs the fixture extra")
 

@@ -14,11 +14,11 @@ import cv2
 import numpy as np
 import pytest
 
-from edgemm import sources
+from edgemm.streams import sources
 from edgemm.errors import InputError
 from edgemm.model.image import ImageError
-from edgemm.scenes import Scene, make_scene
-from edgemm.sources import (CaptureSource, SourceError, SourceSpec, SourceUnusable, SyntheticSource,
+from edgemm.model.scenes import Scene, make_scene
+from edgemm.streams.sources import (CaptureSource, SourceError, SourceSpec, SourceUnusable, SyntheticSource,
                             check_uri, csi_pipeline, open_source, parse_uri, pipeline_elements, rtsp_capture_args,
                             rtsp_pipeline)
 
@@ -155,7 +155,7 @@ def test_redaction_hides_every_part_that_could_be_a_password(uri, shown):
                                          ("rtsp://admin:pa/ss@10.0.0.5/live", "pa/ss")])
 def test_a_refused_rtsp_uri_never_shows_its_password(uri, secret):
     """The config file's streams are checked with these messages (stderr, the journal)."""
-    from edgemm.streams import check_configured
+    from edgemm.streams.manager import check_configured
     from edgemm.config import config_from_dict
     specs = config_from_dict({"streams": [{"id": "door", "source": uri}]}).streams
     with pytest.raises(InputError) as info:
@@ -596,7 +596,7 @@ def opened_within(source, seconds: float = 10.0) -> BaseException | None:
 
 def test_synthetic_size_over_the_pixel_limit_is_refused_before_a_frame(monkeypatch):
     made = []
-    monkeypatch.setattr("edgemm.scenes.make_scene", lambda *a, **k: made.append(1))
+    monkeypatch.setattr("edgemm.model.scenes.make_scene", lambda *a, **k: made.append(1))
     with pytest.raises(SourceUnusable) as info:
         open_source("synthetic://?size=10000")  # 10⁸ pixels: 300 MB a frame, 40 M allowed by default
     assert str(info.value) == ("synthetic://?size=10000: size 10000 makes 100000000 pixels per frame, "

@@ -12,8 +12,8 @@ from click.testing import CliRunner
 from fake_jetson import agx_orin, orin_nano, orin_nx
 from test_server import running, sock_path
 
-import edgemm.doctor
-from edgemm.cli import main
+import edgemm.cli.doctor
+from edgemm.cli.main import main
 
 LINE = re.compile(r"^(ok|warn|fail) +[^:]+: \S.*$")
 
@@ -127,7 +127,7 @@ def test_doctor_without_opencv_reports_every_check_and_fails_only_opencv(tmp_pat
     args = ["doctor", "--json", "--root", str(tmp_path / "root"), "--engines", str(tmp_path / "engines"),
             "--config", str(config)]
     without = subprocess.run([sys.executable, "-c", "import sys; sys.modules['cv2'] = None\n"
-                              "from edgemm.cli import main; main()", *args],
+                              "from edgemm.cli.main import main; main()", *args],
                              capture_output=True, text=True, timeout=120, check=False)
     assert without.returncode == 3, without.stderr
     checks = {c["name"]: c for c in json.loads(without.stdout)}
@@ -170,12 +170,12 @@ def test_doctor_without_a_jetson_only_warns(tmp_path, socket_config):
 
 def test_doctor_compares_engines_with_the_running_tensorrt(tmp_path, socket_config, monkeypatch):
     (tmp_path / "engines/tiny-vlm").mkdir(parents=True)
-    # the layout edgemm/engines/manifest.py writes: the TensorRT version is per engine
+    # the layout edgemm/backends/tensorrt/manifest.py writes: the TensorRT version is per engine
     (tmp_path / "engines/tiny-vlm/manifest.yaml").write_text(
         "model: tiny-vlm\nengines:\n- {component: decoder, device: gpu, tensorrt: 8.6.2}\n"
         "- {component: vision_encoder, device: dla0, tensorrt: 8.6.2}\n")
-    real = edgemm.doctor.module_version
-    monkeypatch.setattr(edgemm.doctor, "module_version", lambda name: "10.3.0" if name == "tensorrt" else real(name))
+    real = edgemm.cli.doctor.module_version
+    monkeypatch.setattr(edgemm.cli.doctor, "module_version", lambda name: "10.3.0" if name == "tensorrt" else real(name))
     result = invoke("doctor", "--root", str(tmp_path), "--engines", str(tmp_path / "engines"),
                     config=socket_config, tmp_path=tmp_path)
     assert result.exit_code == 3
@@ -186,7 +186,7 @@ def test_doctor_compares_engines_with_the_running_tensorrt(tmp_path, socket_conf
 
 def test_doctor_camera_permission(tmp_path, socket_config, monkeypatch):
     orin_nx(tmp_path / "root").add_camera("video0")
-    monkeypatch.setattr(edgemm.doctor.os, "access", lambda path, mode: "video" not in str(path))
+    monkeypatch.setattr(edgemm.cli.doctor.os, "access", lambda path, mode: "video" not in str(path))
     result = invoke("doctor", "--root", str(tmp_path / "root"), config=socket_config, tmp_path=tmp_path)
     assert result.exit_code == 3 and "fail  camera: /dev/video0: permission denied" in result.output
 
@@ -203,7 +203,7 @@ def doctor_checks(tmp_path, config: dict, *args: str) -> tuple[int, dict]:
     return result.exit_code, {c["name"]: c for c in json.loads(result.output)}
 
 
-@pytest.mark.skipif(edgemm.doctor.module_version("tensorrt") is not None, reason="TensorRT is installed here")
+@pytest.mark.skipif(edgemm.cli.doctor.module_version("tensorrt") is not None, reason="TensorRT is installed here")
 def test_doctor_fails_a_dla_and_gpu_placement_without_tensorrt(tmp_path, socket_config):
     agx_orin(tmp_path / "root")  # two DLA cores: only TensorRT, CUDA, the device and the engines are missing
     code, checks = doctor_checks(tmp_path, {**socket_config, **README_PLACEMENT})
@@ -227,8 +227,8 @@ def test_doctor_finds_the_engines_placement_needs(tmp_path, socket_config, monke
                                ("vision_encoder", "gpu", None), ("vision_encoder", "dla0", "low"),
                                ("vision_encoder", "dla0", "mid"))]
     (folder / "manifest.yaml").write_text(json.dumps({"model": "tiny-vlm", "engines": entries}))
-    real = edgemm.doctor.module_version
-    monkeypatch.setattr(edgemm.doctor, "module_version", lambda name: "10.3.0" if name == "tensorrt" else real(name))
+    real = edgemm.cli.doctor.module_version
+    monkeypatch.setattr(edgemm.cli.doctor, "module_version", lambda name: "10.3.0" if name == "tensorrt" else real(name))
     config = {**socket_config, **README_PLACEMENT, "model": {"precision": "int8", "engines": str(folder)}}
     code, checks = doctor_checks(tmp_path, config)
     assert checks["engines"]["level"] == "fail"  # DLA plans are one per tier: high is missing
@@ -247,7 +247,7 @@ def test_doctor_starts_cuda_as_the_runtime_does(tmp_path, socket_config, monkeyp
     (tmp_path / "root").mkdir()
     gpu = {**socket_config, "placement": {"decoder": ["gpu", "cpu"]}}
     # both bindings installed, pycuda sees no device: the runtime uses cuda-python, which does
-    monkeypatch.setattr(edgemm.doctor.ctypes.util, "find_library", lambda name: None)  # no toolkit either
+    monkeypatch.setattr(edgemm.cli.doctor.ctypes.util, "find_library", lambda name: None)  # no toolkit either
     trt_harness.install(monkeypatch, "10.3.0", cuda="both", pycuda_devices=0)
     code, checks = doctor_checks(tmp_path, gpu)
     assert checks["cuda"]["level"] == "ok" and checks["cuda"]["detail"].startswith(

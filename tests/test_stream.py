@@ -22,12 +22,12 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from edgemm import sources
-from edgemm.cli import main
-from edgemm.pipeline import Pipeline
-from edgemm.scenes import make_scene
-from edgemm.sources import CaptureSource, Frame, Source, SourceError, gstreamer_available, open_source
-from edgemm.stream import _END, ChangeGate, FrameFilter, LatestSlot, StreamOptions, run_stream
+from edgemm.streams import sources
+from edgemm.cli.main import main
+from edgemm.engine.pipeline import Pipeline
+from edgemm.model.scenes import make_scene
+from edgemm.streams.sources import CaptureSource, Frame, Source, SourceError, gstreamer_available, open_source
+from edgemm.streams.run import _END, ChangeGate, FrameFilter, LatestSlot, StreamOptions, run_stream
 
 WAIT_S = 30  # upper bound for anything that should happen "now"; never a timing assumption
 FAST = {"tier": "low", "max_new_tokens": 2}
@@ -471,7 +471,7 @@ def test_stop_answers_every_frame_already_taken(runtime, monkeypatch):
 
 def test_stop_while_a_live_camera_is_reconnecting(runtime, monkeypatch):
     """Ctrl-C with the camera unplugged: the reader is inside read(), retrying; stop must end it."""
-    monkeypatch.setattr(logging.getLogger("edgemm.sources"), "disabled", True)  # reconnect warnings
+    monkeypatch.setattr(logging.getLogger("edgemm.streams.sources"), "disabled", True)  # reconnect warnings
 
     class UnpluggedCamera(CaptureSource):
         def __init__(self):
@@ -626,7 +626,7 @@ def test_cli_stream_into_a_pipe_closed_early_ends_quietly(tmp_path):
     its summary on stderr and exits 0 (no BrokenPipeError, no 'internal error')."""
     config = tmp_path / "edgemm.yaml"
     config.write_text("backend:\n  intra_op_threads: 1\n  warmup: false\n")
-    command = [sys.executable, "-m", "edgemm.cli", "stream", "synthetic://?count=200&size=64",
+    command = [sys.executable, "-m", "edgemm.cli.main", "stream", "synthetic://?count=200&size=64",
                "--tier", "low", "--max-new-tokens", "1", "--config", str(config)]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:

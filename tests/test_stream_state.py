@@ -19,12 +19,12 @@ import pytest
 from test_server import assert_error, metric, raw_client, running, sock_path, synthetic, wait_until
 from test_sources import StalledCamera
 
-import edgemm.streams
-from edgemm import sources
+import edgemm.streams.manager
+from edgemm.streams import sources
 from edgemm.config import ConfigError, load_config
-from edgemm.daemon import Daemon
+from edgemm.server.daemon import Daemon
 from edgemm.errors import InputError
-from edgemm.sources import CaptureSource
+from edgemm.streams.sources import CaptureSource
 
 NEVER_OPENS = "rtsp://127.0.0.1:1/x"  # nothing listens on port 1: every open is refused
 
@@ -37,8 +37,8 @@ def stream(stream_id: str, source: str) -> dict:
 @pytest.fixture
 def quiet(monkeypatch):
     """The sources' and streams' warnings (reconnecting …) stay out of the test output."""
-    for name in ("edgemm.sources", "edgemm"):
-        monkeypatch.setattr(edgemm.streams.logging.getLogger(name), "disabled", True)
+    for name in ("edgemm.streams.sources", "edgemm"):
+        monkeypatch.setattr(edgemm.streams.manager.logging.getLogger(name), "disabled", True)
 
 
 def test_a_stream_that_never_delivered_is_retrying_with_the_last_error(runtime, quiet):
@@ -121,7 +121,7 @@ class FlakyCamera(CaptureSource):
 
 def test_a_camera_that_stops_after_delivering_is_retrying_until_it_delivers_again(runtime, monkeypatch, quiet):
     camera = FlakyCamera("rtsp://flaky/x")
-    monkeypatch.setattr(edgemm.streams, "open_source", lambda uri, **kw: camera)
+    monkeypatch.setattr(edgemm.streams.manager, "open_source", lambda uri, **kw: camera)
     with running(runtime, source_hosts=["flaky"]) as d, raw_client(sock_path(d)) as http:
         assert http.post("/v1/streams", json=stream("flaky", "rtsp://flaky/x")).status_code == 201
         state = lambda: http.get("/v1/streams/flaky").json()["state"]  # noqa: E731
@@ -187,7 +187,7 @@ def test_deleting_a_stream_whose_open_blocks_answers_at_once_and_the_loop_stays_
     """The DELETE of a stream still opening its camera waited, on the event loop, for the open to
     return (8.6 s for FFmpeg's timeout; /healthz and the watchdog's heartbeat waited with it)."""
     cameras = StalledCameras()
-    monkeypatch.setattr(edgemm.streams, "open_source", cameras)
+    monkeypatch.setattr(edgemm.streams.manager, "open_source", cameras)
     try:
         with running(runtime, max_streams=1, source_hosts=["stalled"]) as d, \
                 raw_client(sock_path(d), timeout=15) as http:
@@ -233,7 +233,7 @@ def test_a_deleted_stream_whose_read_hangs_is_listed_as_stopping_and_holds_its_i
     """Such a stream holds one of server.max_streams (POST got 503 saying so) but GET /v1/streams,
     GET /v1/streams/{id} and /v1/status did not show it: the operator could not see why."""
     camera = HangingCamera()
-    monkeypatch.setattr(edgemm.streams, "open_source", lambda uri, **kw: camera)
+    monkeypatch.setattr(edgemm.streams.manager, "open_source", lambda uri, **kw: camera)
     try:
         with running(runtime, max_streams=2, source_hosts=["hanging"]) as d, raw_client(sock_path(d)) as http:
             assert http.post("/v1/streams", json=stream("cam", "rtsp://hanging/x")).status_code == 201
@@ -275,7 +275,7 @@ def test_shutdown_with_streams_whose_opens_block_stays_within_the_grace_period(r
     """SIGTERM with four such streams took 60 s (each close waited for its open), past
     grace_period_s. The daemon now drains without waiting for them (30 s here is only a hang's bound)."""
     cameras = StalledCameras()
-    monkeypatch.setattr(edgemm.streams, "open_source", cameras)
+    monkeypatch.setattr(edgemm.streams.manager, "open_source", cameras)
     streams = [stream(f"cam{i}", f"rtsp://stalled{i}/x") for i in range(4)]
     try:
         with running(runtime, {"streams": streams}, grace_period_s=1):

@@ -12,7 +12,7 @@ import threading
 import numpy as np
 
 from edgemm.backends.base import TensorSpec
-from edgemm.backends.tensorrt import TrtComponent
+from edgemm.backends.tensorrt.component import TrtComponent
 
 WAIT_S = 30  # upper bound for anything that should happen "now"; never a timing assumption
 

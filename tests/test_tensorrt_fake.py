@@ -17,16 +17,16 @@ import pytest
 import yaml
 
 import trt_harness as h
-from edgemm.backends.tensorrt import TensorRTBackend, capacity_for, _Profile
+from edgemm.backends.tensorrt.component import TensorRTBackend, capacity_for, _Profile
 from edgemm.config import load_config
-from edgemm.engines.build import BuildRequest, build_engines, decoder_profiles, _input_dims
-from edgemm.engines.cuda import CudaError, load_cuda
-from edgemm.engines.manifest import read_manifest
-import edgemm.engines.build
-from edgemm.engines.platform import probe
+from edgemm.backends.tensorrt.build import BuildRequest, build_engines, decoder_profiles, _input_dims
+from edgemm.backends.tensorrt.cuda import CudaError, load_cuda
+from edgemm.backends.tensorrt.manifest import read_manifest
+import edgemm.backends.tensorrt.build
+from edgemm.backends.tensorrt.platform import probe
 from edgemm.errors import BackendError, EngineError
 from edgemm.model.manifest import load_manifest
-from edgemm.runtime import Runtime
+from edgemm.engine.runtime import Runtime
 from fake_cuda import CUresult
 
 QUESTION = "how many shapes are there ?"
@@ -373,7 +373,7 @@ def test_dla_fallback_warnings_and_build_errors_reach_the_edgemm_log(monkeypatch
         h.build(tmp_path, "dla0", components=["vision_encoder"], tiers=["low"])
     assert any(r.levelno == logging.WARNING and "Unsupported on DLA. Switching this layer's device type to GPU"
                in r.getMessage() for r in caplog.records), caplog.records
-    monkeypatch.setattr(edgemm.engines.build, "decoder_profiles", lambda *a, **k: [])
+    monkeypatch.setattr(edgemm.backends.tensorrt.build, "decoder_profiles", lambda *a, **k: [])
     with pytest.raises(EngineError) as raised:
         h.build(tmp_path, "gpu", components=["decoder"])
     assert str(raised.value) == ("TensorRT could not build decoder.gpu.int8.plan: IBuilder::buildSerializedNetwork: "
@@ -474,8 +474,8 @@ def test_infer_and_status_json_say_why_a_gpu_placement_answered_on_the_cpu(monke
     `edgemm infer --json` and the status report's components say why."""
     import json
     from click.testing import CliRunner
-    from edgemm.cli import main
-    from edgemm.service import components
+    from edgemm.cli.main import main
+    from edgemm.server.service import components
     h.install(monkeypatch, "10.3.0", raise_on_init=RuntimeError("cuInit: no CUDA driver"))
     config = tmp_path / "edgemm.yaml"
     config.write_text(yaml.safe_dump({

@@ -88,7 +88,7 @@ def test_unreachable_pypi_is_unavailable_not_a_failure(tmp_path, monkeypatch):
 def test_every_trt_name_in_the_code_is_in_the_fake():
     """Names on paths no scenario reaches are still spelled as some release spells them."""
     fakes = [h.FakeTensorRT(v) for v in ("8.6.1", "10.3.0", "10.16.1.11", "11.4.1")]
-    sources = ["edgemm/backends/tensorrt.py", "edgemm/engines/build.py", "edgemm/engines/platform.py"]
+    sources = ["edgemm/backends/tensorrt/component.py", "edgemm/backends/tensorrt/build.py", "edgemm/backends/tensorrt/platform.py"]
     names = set()
     for source in sources:
         names |= set(re.findall(r"\btrt\.([A-Za-z_]\w*)(?:\.([A-Za-z_]\w*))?", (ROOT / source).read_text()))

@@ -14,11 +14,11 @@ import pytest
 from click.testing import CliRunner
 
 from edgemm.backends.onnxruntime import OnnxRuntimeBackend, OrtComponent
-from edgemm.cli import main
+from edgemm.cli.main import main
 from edgemm.config import ConfigError, load_config
-from edgemm.daemon import Daemon
+from edgemm.server.daemon import Daemon
 from edgemm.model.manifest import load_manifest
-from edgemm.runtime import Runtime
+from edgemm.engine.runtime import Runtime
 
 from test_server import short_dir
 

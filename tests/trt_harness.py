@@ -11,10 +11,10 @@ from pathlib import Path
 import fake_cuda  # noqa: F401 (tests reach it as trt_harness.fake_cuda)
 from fake_tensorrt import FakeTensorRT
 from edgemm.config import load_config
-from edgemm.engines.build import BuildRequest, build_engines
-from edgemm.engines.platform import probe, version_tuple
+from edgemm.backends.tensorrt.build import BuildRequest, build_engines
+from edgemm.backends.tensorrt.platform import probe, version_tuple
 from edgemm.model.manifest import load_manifest
-from edgemm.runtime import Runtime
+from edgemm.engine.runtime import Runtime
 
 MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "tiny-vlm"
 IDEFICS3_DIR = Path(__file__).resolve().parent / "fixtures" / "idefics3-tiny"
@@ -30,7 +30,7 @@ class Fakes:
 
 def install(monkeypatch, version: str = "10.3.0", cuda: str = "cuda-python", integrated: bool = True,
             dla_cores: int = 2, pycuda_devices: int = 1, **driver_options) -> Fakes:
-    """Put the fakes where `import tensorrt` and edgemm.engines.cuda look for them. `cuda`:
+    """Put the fakes where `import tensorrt` and edgemm.backends.tensorrt.cuda look for them. `cuda`:
     "cuda-python", "pycuda", or "both" (driver_options go to cuda-python; pycuda sees
     `pycuda_devices`, one by default)."""
     memory = fake_cuda.Memory()
@@ -71,7 +71,7 @@ def build(out: Path, device: str = "gpu", precision: str = "int8", model_dir: Pa
 def built_embed(out: Path):
     """The embedding built for the GPU at int8 into `out` and loaded there: the smallest component
     a test of one engine's buffers, copies and failures needs."""
-    from edgemm.backends.tensorrt import TensorRTBackend  # after install(): it imports the fake tensorrt
+    from edgemm.backends.tensorrt.component import TensorRTBackend  # after install(): it imports the fake tensorrt
     build(out, components=["embed_tokens"])
     return TensorRTBackend.for_model(load_manifest(MODEL_DIR), out).load_component("embed_tokens", "gpu", "int8")
 

@@ -25,7 +25,7 @@
 `scheduler` (tier scheduler, feature cache, gated beams): see tools/bench_scheduler.py
 `detokenize` (streamed answers): total time to turn N streamed tokens into text pieces,
              decoding the whole answer again after every token (edgemm before the
-             one-loop change) vs edgemm.detokenize.TextStream, for each tokenizer
+             one-loop change) vs edgemm.engine.detokenize.TextStream, for each tokenizer
 Paste the printed Markdown into docs/BENCHMARKS.md together with the command.
 """
 from __future__ import annotations
@@ -47,10 +47,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from edgemm.config import load_config  # noqa: E402
-from edgemm.decode import BatchItem, generate  # noqa: E402
-from edgemm.generate import GenerationOptions, Generator  # noqa: E402
-from edgemm.runtime import Runtime  # noqa: E402
-from edgemm.scenes import make_scene  # noqa: E402
+from edgemm.engine.decode import BatchItem, generate  # noqa: E402
+from edgemm.engine.generate import GenerationOptions, Generator  # noqa: E402
+from edgemm.engine.runtime import Runtime  # noqa: E402
+from edgemm.model.scenes import make_scene  # noqa: E402
 from reference_decode import greedy_without_cache  # noqa: E402  (tools/, beside this file)
 from procstat import rss_mb  # noqa: E402
 
@@ -205,8 +205,8 @@ def _scene_folder(n: int) -> Path:
 
 def _run_stream(rt: Runtime, source, options, emit, stop: threading.Event | None = None):
     """run_stream as `edgemm stream` runs it: in a pipeline of its own, closed at the end."""
-    from edgemm.pipeline import Pipeline
-    from edgemm.stream import run_stream
+    from edgemm.engine.pipeline import Pipeline
+    from edgemm.streams.run import run_stream
     with Pipeline(rt, queue_size=options.share(source.live)) as pipeline:
         return run_stream(pipeline, source, options, emit, stop)
 
@@ -229,9 +229,9 @@ def pipeline_bound(stage_s: dict[str, float], prepare_workers: int, cores: int) 
 
 def bench_throughput(rt: Runtime, frames: int, prompt: str, repeats: int = 3) -> dict:
     """Same folder, same model: a sequential loop vs the pipeline, interleaved `repeats` times."""
-    from edgemm.pipeline import PREPARE_WORKERS  # what _run_stream's pipeline has
-    from edgemm.sources import open_source
-    from edgemm.stream import StreamOptions
+    from edgemm.engine.pipeline import PREPARE_WORKERS  # what _run_stream's pipeline has
+    from edgemm.streams.sources import open_source
+    from edgemm.streams.run import StreamOptions
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     folder = _scene_folder(frames)
     seq_fps, pipe_fps, bounds, stage_ms = [], [], [], {}
@@ -258,8 +258,8 @@ def bench_throughput(rt: Runtime, frames: int, prompt: str, repeats: int = 3) ->
 
 def bench_freshness(rt: Runtime, seconds: float = 20.0, prompt: str = "how many shapes are there ?") -> dict:
     """A live source producing frames faster than the model answers them."""
-    from edgemm.sources import open_source
-    from edgemm.stream import StreamOptions
+    from edgemm.streams.sources import open_source
+    from edgemm.streams.run import StreamOptions
     records: list[dict] = []
     source = open_source(f"synthetic://?fps={SOURCE_FPS}")
     stop = threading.Event()
@@ -276,8 +276,8 @@ def bench_freshness(rt: Runtime, seconds: float = 20.0, prompt: str = "how many 
 
 def bench_soak(rt: Runtime, frames: int, prompt: str = "how many shapes are there ?") -> dict:
     """RSS before/after `frames` frames through the pipeline (unpaced synthetic, low tier)."""
-    from edgemm.sources import open_source
-    from edgemm.stream import StreamOptions
+    from edgemm.streams.sources import open_source
+    from edgemm.streams.run import StreamOptions
     low = list(rt.manifest.tiers)[0]
     warm = StreamOptions(prompt=prompt, max_frames=200, generation={"tier": low})
     _run_stream(rt, open_source("synthetic://?count=200"), warm, lambda r: None)
@@ -330,7 +330,7 @@ def detokenize_section(args) -> dict:
     (what the daemon did for every request), and TextStream's pieces. Random ids of the
     vocabulary's ordinary tokens; medians of 5, interleaved."""
     from tokenizers import Tokenizer
-    from edgemm.detokenize import TextStream
+    from edgemm.engine.detokenize import TextStream
     tokenizers = {"tiny-vlm (word-level, 60)": ROOT / "models" / "tiny-vlm" / "tokenizer.json",
                   "idefics3 fixture (byte-level BPE, 320)": ROOT / "tests" / "fixtures" / "idefics3-tiny"
                   / "tokenizer.json"}

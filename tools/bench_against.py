@@ -27,7 +27,7 @@ import json, sys
 sys.path[:0] = ["tools", "."]
 import bench
 from edgemm.config import load_config
-from edgemm.runtime import Runtime
+from edgemm.engine.runtime import Runtime
 rt = Runtime(load_config({"model": {"path": "models/tiny-vlm", "precision": %r}, "backend": {"intra_op_threads": 1}}))
 print(json.dumps(bench.bench_overhead(rt, %d)))
 """

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""Alerts (edgemm/alerts.py): how right and how quick they are, and what they cost a stream.
+"""Alerts (edgemm/streams/alerts.py): how right and how quick they are, and what they cost a stream.
 
     python tools/bench_alerts.py [--frames 600] [--fps 10] [--hold 20] [--seconds 8] [--rounds 5]
                                  [--no-browser] [--skip accuracy|cost]
 
-One daemon (edgemm.daemon.Daemon in this process, the built-in model, its shipped
+One daemon (edgemm.server.daemon.Daemon in this process, the built-in model, its shipped
 config but for backend.intra_op_threads 1, the socket and a loopback TCP port for the
 browser) on a temporary UNIX socket; everything is read through its HTTP API.
 
@@ -14,7 +14,7 @@ browser) on a temporary UNIX socket; everything is read through its HTTP API.
              red  = "what color is the circle ?" match red,
              many = "how many shapes are there ?" above 2,
              both on_after 2, off_after 3. Listens to its events until `frames` frames
-             were answered. Ground truth per frame from edgemm.scenes: red holds when
+             were answered. Ground truth per frame from edgemm.model.scenes: red holds when
              the scene has exactly one circle and it is red, many when it has 3 or more
              shapes. Per answered frame, the alert's state then (from the events whose
              frame is at most it) against the truth: precision and recall of "true".
@@ -70,8 +70,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from edgemm.config import load_config  # noqa: E402
-from edgemm.runtime import Runtime  # noqa: E402
-from edgemm.scenes import make_scene  # noqa: E402
+from edgemm.engine.runtime import Runtime  # noqa: E402
+from edgemm.model.scenes import make_scene  # noqa: E402
 from bench_view import cpu_s, free_port, tree_cpu_s  # noqa: E402
 from daemon_thread import DaemonThread  # noqa: E402
 from headless_browser import HeadlessBrowser, find_chromium  # noqa: E402

@@ -18,7 +18,7 @@ marker's):
   magenta (255, 0, 255)  "encoder poison": the encoder raises RuntimeError
   cyan    (0, 255, 255)  "NaN poison": the encoder answers NaN features for that image,
                          so its decoder logits are NaN: the decode loop fails that
-                         request's row alone (edgemm/decode.py), and it gets a 500.
+                         request's row alone (edgemm/engine/decode.py), and it gets a 500.
   yellow (255, 255, 0)   "stall" (the --stall section only): the encoder blocks
 
 load (default, and with --no-stall): first every normal request alone, sequentially,
@@ -68,7 +68,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from edgemm.config import load_config  # noqa: E402
-from edgemm.runtime import Runtime  # noqa: E402
+from edgemm.engine.runtime import Runtime  # noqa: E402
 from daemon_thread import DaemonThread  # noqa: E402
 
 QUESTIONS = ["describe the image", "how many shapes are there ?", "what color is the circle ?",

@@ -122,7 +122,7 @@ def peak():
     with open("/proc/self/status") as f, open(out, "w") as o:
         o.write(next(l for l in f if l.startswith("VmHWM:")).split()[1])
 atexit.register(peak)
-from edgemm.cli import main
+from edgemm.cli.main import main
 main()
 """
 

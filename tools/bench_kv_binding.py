@@ -4,7 +4,7 @@ IOBinding with the cache kept as OrtValues, through edgemm's own decode loop, si
 
     python tools/bench_kv_binding.py [--model DIR] [--rounds 20] [--threads 1] [--tokens 32]
 
-Both candidates run the same Generator and DecodingBatch (edgemm/decode.py) on the same
+Both candidates run the same Generator and DecodingBatch (edgemm/engine/decode.py) on the same
 onnxruntime session; only the decoder component's run differs:
 
   session.run   edgemm's OrtComponent: numpy arrays in, numpy arrays out. onnxruntime wraps
@@ -41,10 +41,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from edgemm.config import load_config  # noqa: E402
-from edgemm.decode import BatchItem, generate  # noqa: E402
-from edgemm.generate import Generator  # noqa: E402
-from edgemm.runtime import Runtime  # noqa: E402
-from edgemm.scenes import make_scene  # noqa: E402
+from edgemm.engine.decode import BatchItem, generate  # noqa: E402
+from edgemm.engine.generate import Generator  # noqa: E402
+from edgemm.engine.runtime import Runtime  # noqa: E402
+from edgemm.model.scenes import make_scene  # noqa: E402
 
 
 class BoundDecoder:

@@ -3,9 +3,9 @@
 on page variants side by side (issue 23: on a 2-core board the browser's CPU is taken from
 the stream).
 
-    git show 529eebb:edgemm/web/index.html > /tmp/before.html
-    python tools/bench_page_cpu.py --rounds 5 before=/tmp/before.html after=edgemm/web/index.html \\
-        after@hidden=edgemm/web/index.html
+    git show 529eebb:edgemm/server/web/index.html > /tmp/before.html
+    python tools/bench_page_cpu.py --rounds 5 before=/tmp/before.html after=edgemm/server/web/index.html \\
+        after@hidden=edgemm/server/web/index.html
 
 One daemon in this process (backend.intra_op_threads 1) runs one unpaced `synthetic://`
 stream; each round opens a fresh chromium on each variant in turn (the order reversed every
@@ -27,13 +27,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import edgemm.liveview  # noqa: E402
+import edgemm.server.liveview  # noqa: E402
 from bench_alerts import daemon_thread  # noqa: E402
 from bench_view import cpu_s  # noqa: E402
 from headless_browser import HeadlessBrowser  # noqa: E402
 
 from edgemm.config import load_config  # noqa: E402
-from edgemm.runtime import Runtime  # noqa: E402
+from edgemm.engine.runtime import Runtime  # noqa: E402
 
 HIDE = """(() => {
   Object.defineProperty(document, 'visibilityState', {configurable: true, get: () => 'hidden'});
@@ -66,14 +66,14 @@ def process_tree(pid: int) -> dict[int, str]:
 
 def serve_variants(current: dict) -> None:
     """GET / answers with current["html"]: the page is swapped in this process's daemon."""
-    real = edgemm.liveview.Response
+    real = edgemm.server.liveview.Response
 
     def response(content=None, *args, media_type=None, **kwargs):
         if media_type and media_type.startswith("text/html"):
             content = current["html"]
         return real(content, *args, media_type=media_type, **kwargs)
 
-    edgemm.liveview.Response = response
+    edgemm.server.liveview.Response = response
 
 
 def main() -> None:

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from edgemm.config import PowerConfig  # noqa: E402
-from edgemm.telemetry import Sampler, Sensors  # noqa: E402
+from edgemm.power.telemetry import Sampler, Sensors  # noqa: E402
 
 TARGET = 0.01  # at most 1 % of one core
 

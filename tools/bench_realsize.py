@@ -68,7 +68,7 @@ def peak_rss_mb() -> float:
 class EdgemmCandidate:
     def __init__(self, model: Path, precision: str, threads: int, tokens: int, reference: dict):
         from edgemm.config import load_config
-        from edgemm.runtime import Runtime
+        from edgemm.engine.runtime import Runtime
         self.runtime = Runtime(load_config({"model": {"path": str(model), "precision": precision},
                                             "backend": {"intra_op_threads": threads, "warmup": False},
                                             "cache": {"max_bytes": 0}}))

@@ -43,11 +43,11 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 
 from edgemm.config import Config, load_config  # noqa: E402
-from edgemm.decode import BatchItem, generate  # noqa: E402
-from edgemm.generate import GenerationOptions  # noqa: E402
-from edgemm.runtime import Runtime  # noqa: E402
-from edgemm.scenes import TASKS, make_scene, normalise_answer  # noqa: E402
-from edgemm.scheduler import POLICY_FILE, TierPolicy, saliency_stats  # noqa: E402
+from edgemm.engine.decode import BatchItem, generate  # noqa: E402
+from edgemm.engine.generate import GenerationOptions  # noqa: E402
+from edgemm.engine.runtime import Runtime  # noqa: E402
+from edgemm.model.scenes import TASKS, make_scene, normalise_answer  # noqa: E402
+from edgemm.engine.tiers import POLICY_FILE, TierPolicy, saliency_stats  # noqa: E402
 from procstat import rss_mb  # noqa: E402
 
 EVAL_SEED_BASE = 450_000  # < 500 000 (calibration) and < 1 000 000 (training)

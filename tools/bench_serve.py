@@ -6,7 +6,7 @@
 
 Every daemon is `edgemm serve --config TMP.yaml --socket TMP.sock` as a subprocess (the
 console script next to sys.executable), waited for on /readyz and stopped with SIGTERM.
-Every request body is a PNG of a generated scene (edgemm.scenes.make_scene, a distinct
+Every request body is a PNG of a generated scene (edgemm.model.scenes.make_scene, a distinct
 seed per request, so the feature cache never answers for the encoder), sent with the
 prompt "how many shapes are there ?" (batching: also "describe the image"). The config is the shipped default except for
 the keys named below; backend.intra_op_threads is onnxruntime's choice (0) unless
@@ -90,8 +90,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from edgemm.config import load_config  # noqa: E402
-from edgemm.runtime import Runtime  # noqa: E402
-from edgemm.scenes import make_scene  # noqa: E402
+from edgemm.engine.runtime import Runtime  # noqa: E402
+from edgemm.model.scenes import make_scene  # noqa: E402
 from procstat import rss_mb  # noqa: E402
 
 PROMPT = "how many shapes are there ?"
@@ -137,7 +137,7 @@ def chat_body(png: bytes) -> dict:
 
 def edgemm_command() -> list[str]:
     exe = shutil.which("edgemm", path=str(Path(sys.executable).parent))
-    return [exe] if exe else [sys.executable, "-m", "edgemm.cli"]
+    return [exe] if exe else [sys.executable, "-m", "edgemm.cli.main"]
 
 
 def client(sock: str, timeout: float = CLIENT_TIMEOUT_S) -> httpx.Client:
@@ -486,8 +486,8 @@ def batching_ceiling(rt: Runtime, prompt: str, batch: int = 8, groups: int = 3) 
     ENCODER_BATCH_GAIN faster per image). HTTP, JSON and the hand-offs between threads are
     left out (they do not batch), so the daemon's real ceiling is lower still.
     Returns per-request medians over `groups` groups of `batch` new scenes."""
-    from edgemm.decode import BatchItem, generate, generate_batch
-    from edgemm.pipeline import ENCODER_BATCH_GAIN
+    from edgemm.engine.decode import BatchItem, generate, generate_batch
+    from edgemm.engine.pipeline import ENCODER_BATCH_GAIN
 
     gen = rt.generator  # its graphs directly: the runtime's feature cache would answer the second encode
     scenes = Scenes(SEED_BASE + 900_000)

@@ -3,7 +3,7 @@
 
     python tools/bench_warmup.py REV [--model DIR] [--rounds 2]
 
-Each run is a fresh `edgemm serve` process (`python -m edgemm.cli serve`) on the model
+Each run is a fresh `edgemm serve` process (`python -m edgemm.cli.main serve`) on the model
 (default: the SmolVLM-256M-shaped folder of tools/make_sized_model.py, which must be
 built) with the default config except: feature cache off, and `server.encoder_batching:
 off`, so that the figure is the load and the warm-up (backend.warmup: all) and not the
@@ -45,7 +45,7 @@ def start_once(tree: Path, config: Path, scratch: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("EDGEMM_", "NOTIFY_", "LISTEN_"))}
     env["PYTHONPATH"] = str(tree)
     started = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "edgemm.cli", "serve", "--config", str(config),
+    proc = subprocess.Popen([sys.executable, "-m", "edgemm.cli.main", "serve", "--config", str(config),
                              "--socket", str(socket_path)], stderr=subprocess.PIPE, text=True, env=env,
                             cwd=scratch)
     lines: list[str] = []

@@ -34,12 +34,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from edgemm.config import load_config  # noqa: E402
-from edgemm.decode import BatchItem, generate  # noqa: E402
-from edgemm.generate import GenerationOptions  # noqa: E402
-from edgemm.runtime import Runtime  # noqa: E402
-from edgemm.scenes import (PROMPTS, Question, make_scene, normalise_answer,  # noqa: E402
+from edgemm.engine.decode import BatchItem, generate  # noqa: E402
+from edgemm.engine.generate import GenerationOptions  # noqa: E402
+from edgemm.engine.runtime import Runtime  # noqa: E402
+from edgemm.model.scenes import (PROMPTS, Question, make_scene, normalise_answer,  # noqa: E402
                            questions_for)
-from edgemm.scheduler import (DETAIL_WORDS, POLICY_FILE, STATISTICS, SaliencyStats,  # noqa: E402
+from edgemm.engine.tiers import (DETAIL_WORDS, POLICY_FILE, STATISTICS, SaliencyStats,  # noqa: E402
                               TierPolicy, saliency_stats)
 
 CALIBRATION_SEED_BASE = 500_000

@@ -10,8 +10,8 @@ from pathlib import Path
 import httpx
 
 from edgemm.config import load_config
-from edgemm.daemon import Daemon
-from edgemm.runtime import Runtime
+from edgemm.server.daemon import Daemon
+from edgemm.engine.runtime import Runtime
 
 WAIT_S = 60.0  # bound on anything that should happen soon
 

@@ -31,10 +31,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from edgemm.config import load_config  # noqa: E402
-from edgemm.decode import BatchItem, generate  # noqa: E402
-from edgemm.generate import GenerationOptions  # noqa: E402
-from edgemm.runtime import Runtime  # noqa: E402
-from edgemm.scenes import TASKS, make_scene, normalise_answer, questions_for  # noqa: E402
+from edgemm.engine.decode import BatchItem, generate  # noqa: E402
+from edgemm.engine.generate import GenerationOptions  # noqa: E402
+from edgemm.engine.runtime import Runtime  # noqa: E402
+from edgemm.model.scenes import TASKS, make_scene, normalise_answer, questions_for  # noqa: E402
 
 EVAL_SEED_LIMIT = 500_000
 

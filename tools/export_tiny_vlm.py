@@ -30,7 +30,7 @@ except ImportError as missing:  # the runtime's install has no torch: name the e
     missing_extra(__file__, "train", missing)
 
 
-from edgemm.scenes import make_scene, questions_for  # noqa: E402
+from edgemm.model.scenes import make_scene, questions_for  # noqa: E402
 from tiny_vlm_model import (EmbedTokens, MergedDecoder, TinyVLM, TinyVLMConfig,  # noqa: E402
                             calibrate_tier_norms, load_checkpoint_state)
 from train_tiny_vlm import MEAN, STD, TIERS, build_tokenizer, tier_norm_batches  # noqa: E402

@@ -37,10 +37,10 @@ sys.path.insert(0, str(ROOT))
 
 from edgemm.config import load_config  # noqa: E402
 from edgemm.errors import EdgemmError  # noqa: E402
-from edgemm.decode import BatchItem, generate  # noqa: E402
-from edgemm.generate import GenerationOptions  # noqa: E402
-from edgemm.runtime import Runtime  # noqa: E402
-from edgemm.scenes import make_scene, normalise_answer, questions_for  # noqa: E402
+from edgemm.engine.decode import BatchItem, generate  # noqa: E402
+from edgemm.engine.generate import GenerationOptions  # noqa: E402
+from edgemm.engine.runtime import Runtime  # noqa: E402
+from edgemm.model.scenes import make_scene, normalise_answer, questions_for  # noqa: E402
 
 HIL_SEED_BASE = 400_000  # eval range (< 500 000), apart from eval_tiny_vlm's default seeds
 
@@ -65,7 +65,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def build(args) -> None:
-    from edgemm.cli import main
+    from edgemm.cli.main import main
     wanted: dict[str, set[str]] = {}
     for component, devs in (("vision_encoder", args.encoder), ("embed_tokens", args.embed), ("decoder", args.decoder)):
         for device in devs:
@@ -173,7 +173,7 @@ def kv_memory(rt: Runtime, past: int = 128, steps: int = 20) -> dict:
 
 def platform_info() -> dict:
     try:
-        from edgemm.engines.platform import probe
+        from edgemm.backends.tensorrt.platform import probe
         return vars(probe())
     except EdgemmError as e:
         return {"error": str(e)}

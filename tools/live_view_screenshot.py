@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_view import Daemon  # noqa: E402
-from edgemm.opencv import cv2  # noqa: E402
+from edgemm.util.opencv import cv2  # noqa: E402
 from headless_browser import HeadlessBrowser  # noqa: E402
 
 STREAMS = [{"id": "yard", "source": "synthetic://?fps=2&seed=5", "prompt": "what color is the circle ?",

@@ -4,7 +4,7 @@
 
     python tools/page_traffic.py http://127.0.0.1:PORT/ [--seconds S]
 
-Mirrors edgemm/web/index.html: one GET /v1/events?rate=R&frames=jpeg (R = the page's
+Mirrors edgemm/server/web/index.html: one GET /v1/events?rate=R&frames=jpeg (R = the page's
 FRAMES_PER_S, read from the page the daemon serves; each result carries its frame), a stream's
 frame.jpg only after a result that came without one, at most R a second, GET /v1/streams every
 second, /v1/status and /v1/alerts every 2 seconds. Nothing is drawn. Runs until killed (or `seconds`); prints the requests it made

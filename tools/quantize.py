@@ -64,8 +64,8 @@ sys.path.insert(0, str(ROOT))
 from edgemm.config import load_config  # noqa: E402
 from edgemm.errors import EdgemmError  # noqa: E402
 from edgemm.model.manifest import COMPONENTS, load_manifest  # noqa: E402
-from edgemm.runtime import Runtime  # noqa: E402
-from edgemm.scenes import make_scene, sample_question  # noqa: E402
+from edgemm.engine.runtime import Runtime  # noqa: E402
+from edgemm.model.scenes import make_scene, sample_question  # noqa: E402
 
 CALIBRATION_SEED_BASE = 500_000  # disjoint from training (≥ 1e6) and eval (< 1e5) seeds
 QUANTIZED_OPS = ["Conv", "MatMul", "Gemm"]

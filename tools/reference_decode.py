@@ -1,13 +1,13 @@
 """Greedy decoding without the KV cache: every step runs the whole sequence again.
 
-The slow, obvious reference that the decode loop (edgemm/decode.py) is checked
+The slow, obvious reference that the decode loop (edgemm/engine/decode.py) is checked
 against in tests and timed against in `bench.py runtime`. Not for serving.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from edgemm.generate import Generator
+from edgemm.engine.generate import Generator
 
 
 def greedy_without_cache(gen: Generator, features: np.ndarray, input_ids: np.ndarray,

@@ -34,7 +34,7 @@ except ImportError as missing:  # the runtime's install has no torch: name the e
 
 
 from edgemm.model.preprocess import to_pixel_values  # noqa: E402
-from edgemm.scenes import (COLOURS, PROMPTS, SHAPES, TASKS, Question, make_scene,  # noqa: E402
+from edgemm.model.scenes import (COLOURS, PROMPTS, SHAPES, TASKS, Question, make_scene,  # noqa: E402
                            sample_question, vocabulary)  # noqa: E402
 from tiny_vlm_model import (AuxHeads, TinyVLM, TinyVLMConfig, calibrate_tier_norms,  # noqa: E402
                             count_parameters)

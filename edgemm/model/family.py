@@ -123,7 +123,7 @@ class TokenizedFamily:
 class GraphInputs:
     """What a family feeds the graphs beyond the model contract's own inputs, as its
     optional attribute `graph_inputs` (a family without one has the default: pixel_values
-    alone, position_ids [B, S]). edgemm/model/contract.py checks a loaded graph against it,
+    alone, position_ids [B, S]). edgemm/engine/contract.py checks a loaded graph against it,
     by name: a graph missing an input the family fills, or declaring one nobody fills, is
     refused at load."""
     # vision_encoder inputs besides pixel_values that `encoder_feeds` fills (Qwen2-VL: grid_thw)

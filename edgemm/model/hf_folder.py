@@ -20,7 +20,7 @@ import math
 from pathlib import Path
 
 from edgemm.errors import ModelError
-from edgemm.files import read_model_file, regular_file_present
+from edgemm.util.files import read_model_file, regular_file_present
 from edgemm.model.family import family_entry
 from edgemm.model.manifest_types import ModelManifest, ResolutionTier, precisions_present as present_in_folder
 

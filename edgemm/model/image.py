@@ -51,8 +51,8 @@ from typing import Union
 import numpy as np
 
 from edgemm.errors import EdgemmError, InputError
-from edgemm.files import check_regular_file, read_regular_file
-from edgemm.opencv import cv2
+from edgemm.util.files import check_regular_file, read_regular_file
+from edgemm.util.opencv import cv2
 
 # 25 MP: a 24 MP phone photo (5712x4284) fits; the model never sees more than 4096 px a
 # side (edgemm.model.tiling), so larger images only cost decode time and memory

@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 
 from edgemm.errors import ModelError
-from edgemm.files import load_yaml, read_model_file
+from edgemm.util.files import load_yaml, read_model_file
 from edgemm.model.hf_folder import FLOAT16_MAX, MAX_IMAGE_SIDE, check_context, load_hf_manifest
 # The dataclasses live in manifest_types (hf_folder and the families use them too); they
 # are named here as well because this is where callers have always imported them from.

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from edgemm.errors import InputError, ModelError
-from edgemm.files import regular_file_present
+from edgemm.util.files import regular_file_present
 
 COMPONENTS = ("vision_encoder", "embed_tokens", "decoder")
 # Precision variants, named by the file suffix of the Hugging Face ONNX layout (Optimum,

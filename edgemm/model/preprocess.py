@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from edgemm.opencv import cv2
+from edgemm.util.opencv import cv2
 
 
 def resize_rgb(rgb: np.ndarray, height: int, width: int) -> np.ndarray:

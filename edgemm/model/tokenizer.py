@@ -6,7 +6,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from edgemm.errors import ModelError
-from edgemm.files import read_model_file
+from edgemm.util.files import read_model_file
 
 
 def load_tokenizer(path: Path) -> Tokenizer:

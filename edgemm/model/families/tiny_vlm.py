@@ -2,7 +2,7 @@
 
 The prompt format's `{prompt}` gets the user's text; its single image token expands to
 one placeholder per image feature of the tier; the image is stretched to the tier's size.
-The tokenizer is word-level over a closed world (edgemm/scenes.py): a word outside it
+The tokenizer is word-level over a closed world (edgemm/model/scenes.py): a word outside it
 reads as <unk>, so build_prompt reports such words and the family knows the questions
 the model was trained on.
 """
@@ -15,9 +15,9 @@ from edgemm.model.family import Prompt, TokenizedFamily, register
 from edgemm.model.manifest_types import ModelManifest, ResolutionTier
 from edgemm.model.preprocess import to_pixel_values
 from edgemm.model.tokenizer import token_id
-from edgemm.scenes import PROMPTS, SHAPES
+from edgemm.model.scenes import PROMPTS, SHAPES
 
-# the first phrasing of each task it was trained on (edgemm/scenes.py), for the hint
+# the first phrasing of each task it was trained on (edgemm/model/scenes.py), for the hint
 # given with a prompt that has unknown words
 KNOWN_PROMPTS = tuple(phrasings[0].replace("{shape}", "|".join(SHAPES)) for phrasings in PROMPTS.values())
 
