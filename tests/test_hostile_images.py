@@ -28,7 +28,8 @@ from test_server import (assert_error, child_env, in_background, raw_client, run
                          sock_path, wait_ready, write_config)
 
 from edgemm.cli.main import main
-from edgemm.model.image import MAX_JPEG_SCANS, DecodeBudget, DecodeBusy, ImageError, load_image
+from edgemm.model.errors import DecodeBusy, ImageError
+from edgemm.model.image import MAX_JPEG_SCANS, DecodeBudget, load_image
 
 WAIT_S = 60
 
@@ -280,7 +281,7 @@ def test_cli_threads_are_bounded_by_the_usable_cores(model_dir):
 
 
 def test_config_threads_above_the_cores_are_refused_at_load(make_runtime):
-    from edgemm.config import ConfigError
+    from edgemm.errors import ConfigError
     with pytest.raises(ConfigError, match=r"'backend.intra_op_threads' is \d+, more than the \d+ cores"):
         make_runtime(backend={"intra_op_threads": len(os.sched_getaffinity(0)) + 1})
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edgemm.errors import Cancelled, EdgemmError, InputError
-from edgemm.engine.pipeline import Overloaded, Pipeline, Request
+from edgemm.errors import Cancelled, EdgemmError, InputError, Overloaded
+from edgemm.engine.pipeline import Pipeline, Request
 from edgemm.engine.runtime import Runtime
 from edgemm.model.scenes import make_scene
 

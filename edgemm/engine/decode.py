@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from edgemm.engine.beams import Beams, expand, log_softmax
+from edgemm.engine.errors import DecodeFailure
 from edgemm.errors import Cancelled, InputError
 from edgemm.engine.generate import Generation, GenerationOptions, Generator, PrefixReuse, sample_token
 
@@ -67,10 +68,6 @@ def _shared(kind: str, dtype: np.dtype, n: int) -> np.ndarray:
         table.flags.writeable = False
         _SHARED[(kind, dtype)] = table  # another thread may make its own: both are right
     return table
-
-
-class DecodeFailure(RuntimeError):
-    """One answer's decoding went wrong (non-finite logits, a token the embedding refuses)."""
 
 
 @dataclass

@@ -62,7 +62,7 @@ import numpy as np
 
 from edgemm.config import BATCHING_MODES
 from edgemm.engine.answering import InferenceResult
-from edgemm.errors import Cancelled, EdgemmError, one_line
+from edgemm.errors import Cancelled, Overloaded, one_line
 from edgemm.engine.preparation import PreparedRequest
 from edgemm.engine.runtime import Runtime
 
@@ -74,13 +74,6 @@ _STOP = object()  # end-of-work marker passed down the stages
 STAGES = ("prepare", "encode", "decode")
 PREPARE_WORKERS = 2  # threads that prepare requests: one slow image holds up one of them
 PREPARE_OVERTAKE_S = 0.25  # a request prepared longer than this is overtaken (a photo takes ~10-100 ms)
-
-
-class Overloaded(EdgemmError):
-    """The pipeline's admission queue is full; try again shortly."""
-    exit_code = 1
-    http_status = 503
-    kind = "overloaded"
 
 
 @dataclass

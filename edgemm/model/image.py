@@ -50,7 +50,7 @@ from typing import Union
 
 import numpy as np
 
-from edgemm.errors import EdgemmError, InputError
+from edgemm.model.errors import DecodeBusy, ImageError
 from edgemm.util.files import check_regular_file, read_regular_file
 from edgemm.util.opencv import cv2
 
@@ -77,10 +77,6 @@ ImageSource = Union[str, os.PathLike, bytes, bytearray, memoryview, np.ndarray]
 _EXPECTED_FORMATS = "expected JPEG, PNG, BMP, WebP, TIFF or GIF"
 _ARRAY_LAYOUTS = "(H, W) grey, (H, W, 1) grey, (H, W, 3) RGB or (H, W, 4) RGBA"
 _ARRAY_DTYPES = "uint8, uint16 or float in [0, 1]"
-
-
-class ImageError(InputError):
-    """Bad image input; str(e) is a clear one-line message for the user."""
 
 
 def load_image(source: ImageSource, max_pixels: int = DEFAULT_MAX_PIXELS,
@@ -178,14 +174,6 @@ class _Limits:
     max_pixels: int
     max_decoded_bytes: int
     budget: "DecodeBudget | None" = None
-
-
-class DecodeBusy(EdgemmError):
-    """The decode budget shared by the prepare threads has no room for this image now:
-    HTTP 503 with Retry-After (the client tries again), not 400 (the image is fine)."""
-    exit_code = 1
-    http_status = 503
-    kind = "overloaded"
 
 
 class DecodeBudget:
