@@ -29,7 +29,8 @@ from test_server import (assert_error, child_env, in_background, raw_client, run
 
 from edgemm.cli.main import main
 from edgemm.model.errors import DecodeBusy, ImageError
-from edgemm.model.image import MAX_JPEG_SCANS, DecodeBudget, load_image
+from edgemm.model.image import DecodeBudget, load_image
+from edgemm.model.image_header import MAX_JPEG_SCANS
 
 WAIT_S = 60
 
@@ -118,15 +119,15 @@ PEAK_OF_LOAD = """
 import sys
 sys.path.insert(0, sys.argv[1])
 import hostile_images as hostile, numpy as np
-from edgemm.model import image
+from edgemm.model import image, image_header
 def kb(field):
     return int(next(l for l in open("/proc/self/status") if l.startswith(field)).split()[1])
 data = eval(sys.argv[2])
-header = image._HEADER_READERS[image._sniff_format(data)](data)
+header = image_header.read_header(data, image_header.sniff_format(data))
 open("/proc/self/clear_refs", "w").write("5")
 before = kb("VmRSS")
 image.load_image(data)
-print((kb("VmHWM") - before) * 1024 / image.decode_cost(header))
+print((kb("VmHWM") - before) * 1024 / image_header.decode_cost(header))
 """
 
 
