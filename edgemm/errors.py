@@ -54,7 +54,6 @@ class Cancelled(EdgemmError):
 
 class Overloaded(EdgemmError):
     """The pipeline's admission queue is full; try again shortly."""
-    exit_code = 1
     http_status = 503
     kind = "overloaded"
 
