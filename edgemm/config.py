@@ -7,16 +7,10 @@ with a one-line `ConfigError` naming the full key path, e.g.
     config: unknown key 'backend.thread' (known: intra_op_threads, name, providers, warmup)
     config: 'generation.max_new_tokens' must be an integer, got 'ten' (str)
 
-The dict → dataclass conversion is generic (driven by each dataclass's fields
-and type hints), so a new section is added by writing its dataclass, with an
-optional `validate(self, path)` for ranges and choices, and adding it as a
-field of `Config`.
-
-Supported field types: bool, int, float (an int is accepted), str, list[T],
-T | None, and nested dataclasses (given as mappings; an empty/null section
-means all defaults). YAML `true` is not an int and `1` is not a bool. A field
-typed `Any` takes several shapes (backend.warmup): its section's validate()
-checks it.
+The dict → dataclass conversion is generic (edgemm/util/typed_yaml.py, which says
+what field types it takes), so a new section is added by writing its dataclass, with
+an optional `validate(self, path)` for ranges and choices, and adding it as a field
+of `Config`.
 """
 from __future__ import annotations
 
@@ -24,8 +18,6 @@ import dataclasses
 import math
 import os
 import re
-import types
-import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,11 +25,13 @@ from typing import Any, ClassVar
 
 import yaml
 
-from edgemm.errors import EdgemmError
+from edgemm.errors import ConfigError
 from edgemm.model.manifest_types import AUTO, PRECISIONS as VARIANTS
 from edgemm.net.allowlist import url_host, webhook_host
 from edgemm.util.files import load_yaml, read_regular_file
-from edgemm.util.generation_limits import FIELDS as GENERATION_FIELDS, LimitError, check_generation, check_text
+from edgemm.util.errors import LimitError
+from edgemm.util.generation_limits import FIELDS as GENERATION_FIELDS, check_generation, check_text
+from edgemm.util.typed_yaml import build, choice, require, show
 
 # The tier scheduler's vocabulary (edgemm/engine/tiers.py computes these statistics and reads
 # these words): named here, where the config checks them, so the config imports no engine module.
@@ -45,7 +39,7 @@ STATISTICS = ("mean_saliency", "salient_fraction", "high_freq", "edge_density", 
 DETAIL_WORDS = ("read", "text", "written", "say", "says", "sign", "label", "number", "digits")
 
 __all__ = [
-    "ConfigError", "ModelConfig", "BackendConfig", "LimitsConfig", "GenerationConfig",
+    "ModelConfig", "BackendConfig", "LimitsConfig", "GenerationConfig",
     "SchedulerConfig", "CacheConfig", "PlacementConfig", "PowerConfig", "OffloadConfig",
     "ServerConfig", "StreamConfig", "AlertConfig", "WebhookConfig", "Config", "load_config", "config_from_dict", "config_to_dict",
 ]
@@ -63,35 +57,8 @@ UNKNOWN_WORDS = ("warn", "refuse")  # limits.unknown_words
 # A config file is a few KB: --config /dev/zero or a 20 GB file is refused before it is read
 MAX_CONFIG_BYTES = 1024 * 1024
 
-class ConfigError(EdgemmError, ValueError):
-    """A configuration problem; the message is one line starting with 'config'."""
-    exit_code = 2
-    kind = "config_error"
 
-    def __init__(self, detail: str, file: str | os.PathLike | None = None):
-        self.detail = detail
-        self.file = None if file is None else os.fspath(file)
-        super().__init__(f"config: {self.file}: {detail}" if file is not None else f"config: {detail}")
-
-
-# ---- value checks used by the validate() methods ---------------------------------
-
-def _show(value: Any) -> str:
-    """`'ten' (str)`: a value as it appears in error messages, kept short."""
-    text = repr(value)
-    if len(text) > 60:
-        text = text[:57] + "..."
-    return f"{text} ({type(value).__name__})"
-
-
-def _require(ok: bool, path: str, must: str, value: Any) -> None:
-    if not ok:
-        raise ConfigError(f"{path!r} must {must}, got {value!r}")
-
-
-def _choice(value: Any, choices: tuple[str, ...], path: str) -> None:
-    _require(value in choices, path, f"be one of {', '.join(choices)}", value)
-
+# ---- the generation options' limits, as config errors ----------------------------
 
 def _generation_limits(path: str, nullable: tuple[str, ...] = (), **values: Any) -> None:
     """edgemm.util.generation_limits' checks, as a ConfigError naming `path`.<option>."""
@@ -115,10 +82,10 @@ class ModelConfig:
 
     def validate(self, path: str) -> None:
         if self.path is not None:
-            _require(self.path.strip() != "", f"{path}.path", "be a folder or null", self.path)
+            require(self.path.strip() != "", f"{path}.path", "be a folder or null", self.path)
         if self.engines is not None:
-            _require(self.engines.strip() != "", f"{path}.engines", "be a folder or null", self.engines)
-        _choice(self.precision, PRECISIONS, f"{path}.precision")
+            require(self.engines.strip() != "", f"{path}.engines", "be a folder or null", self.engines)
+        choice(self.precision, PRECISIONS, f"{path}.precision")
 
 
 @dataclass
@@ -145,12 +112,12 @@ class BackendConfig:
             raise ConfigError(f"'{path}.name: tensorrt' is not a switch any more: TensorRT engines are chosen per "
                               "component by placement (e.g. placement.vision_encoder: [dla0, gpu, cpu], "
                               f"decoder: [gpu, cpu]); remove {path}.name")
-        _choice(self.name, BACKENDS, f"{path}.name")
-        _require(len(self.providers) > 0, f"{path}.providers", "list at least one provider", self.providers)
+        choice(self.name, BACKENDS, f"{path}.name")
+        require(len(self.providers) > 0, f"{path}.providers", "list at least one provider", self.providers)
         for i, provider in enumerate(self.providers):
-            _choice(provider, PROVIDERS, f"{path}.providers[{i}]")
-            _require(provider not in self.providers[:i], f"{path}.providers[{i}]", "not repeat an earlier provider", provider)
-        _require(self.intra_op_threads >= 0, f"{path}.intra_op_threads", "be >= 0", self.intra_op_threads)
+            choice(provider, PROVIDERS, f"{path}.providers[{i}]")
+            require(provider not in self.providers[:i], f"{path}.providers[{i}]", "not repeat an earlier provider", provider)
+        require(self.intra_op_threads >= 0, f"{path}.intra_op_threads", "be >= 0", self.intra_op_threads)
         _check_warmup(self.warmup, f"{path}.warmup")
 
 
@@ -160,13 +127,13 @@ WARMUP_CHOICES = ("all", "none")  # backend.warmup, besides a list of tier names
 def _check_warmup(value: Any, path: str) -> None:
     """all, none, or a list of distinct tier names (checked against the model when it loads)."""
     if isinstance(value, list):
-        _require(len(value) > 0, path, "list at least one tier (or be none)", value)
+        require(len(value) > 0, path, "list at least one tier (or be none)", value)
         for i, name in enumerate(value):
             if not isinstance(name, str) or not name:
-                raise ConfigError(f"{f'{path}[{i}]'!r} must be a tier name, got {_show(name)}")
-            _require(name not in value[:i], f"{path}[{i}]", "not repeat an earlier tier", name)
+                raise ConfigError(f"{f'{path}[{i}]'!r} must be a tier name, got {show(name)}")
+            require(name not in value[:i], f"{path}[{i}]", "not repeat an earlier tier", name)
     elif value not in WARMUP_CHOICES or not isinstance(value, str):
-        raise ConfigError(f"{path!r} must be all, none, a list of tier names or true/false, got {_show(value)}")
+        raise ConfigError(f"{path!r} must be all, none, a list of tier names or true/false, got {show(value)}")
 
 
 @dataclass
@@ -192,11 +159,11 @@ class LimitsConfig:
     def validate(self, path: str) -> None:
         for name in ("max_pixels", "max_image_bytes", "max_decoded_bytes", "decode_budget_bytes", "max_synthetic_pixels",
                      "max_prompt_chars"):
-            _require(getattr(self, name) > 0, f"{path}.{name}", "be > 0", getattr(self, name))
+            require(getattr(self, name) > 0, f"{path}.{name}", "be > 0", getattr(self, name))
         # else an image within max_decoded_bytes could never be decoded by the daemon
-        _require(self.decode_budget_bytes >= self.max_decoded_bytes, f"{path}.decode_budget_bytes",
+        require(self.decode_budget_bytes >= self.max_decoded_bytes, f"{path}.decode_budget_bytes",
                  f"be >= limits.max_decoded_bytes ({self.max_decoded_bytes})", self.decode_budget_bytes)
-        _choice(self.unknown_words, UNKNOWN_WORDS, f"{path}.unknown_words")
+        choice(self.unknown_words, UNKNOWN_WORDS, f"{path}.unknown_words")
 
 
 @dataclass
@@ -212,7 +179,7 @@ class GenerationConfig:
     def validate(self, path: str) -> None:
         _generation_limits(path, nullable=("seed",), **{k: getattr(self, k) for k in GENERATION_FIELDS})
         if self.tier is not None:
-            _require(self.tier.strip() != "", f"{path}.tier", "be a tier name or null", self.tier)
+            require(self.tier.strip() != "", f"{path}.tier", "be a tier name or null", self.tier)
 
 
 @dataclass
@@ -228,9 +195,9 @@ class SchedulerConfig:
     detail_tier: str | None = None  # ... and never go below this tier; null = the model's top tier
 
     def validate(self, path: str) -> None:
-        _choice(self.policy, SCHEDULER_POLICIES, f"{path}.policy")
-        _choice(self.statistic, STATISTICS, f"{path}.statistic")
-        _require(all(b >= a for a, b in zip(self.thresholds, self.thresholds[1:])), f"{path}.thresholds",
+        choice(self.policy, SCHEDULER_POLICIES, f"{path}.policy")
+        choice(self.statistic, STATISTICS, f"{path}.statistic")
+        require(all(b >= a for a, b in zip(self.thresholds, self.thresholds[1:])), f"{path}.thresholds",
                  "not decrease", self.thresholds)
 
 
@@ -240,7 +207,7 @@ class CacheConfig:
     max_bytes: int = 64 * 1024 * 1024  # memory for cached encoder outputs; 0 = no cache
 
     def validate(self, path: str) -> None:
-        _require(self.max_bytes >= 0, f"{path}.max_bytes", "be >= 0", self.max_bytes)
+        require(self.max_bytes >= 0, f"{path}.max_bytes", "be >= 0", self.max_bytes)
 
 
 @dataclass
@@ -262,10 +229,10 @@ class PlacementConfig:
     def validate(self, path: str) -> None:
         for name in ("vision_encoder", "embed_tokens", "decoder"):
             devices = getattr(self, name)
-            _require(len(devices) > 0, f"{path}.{name}", "list at least one device", devices)
+            require(len(devices) > 0, f"{path}.{name}", "list at least one device", devices)
             for i, device in enumerate(devices):
-                _choice(device, PLACEMENT_DEVICES, f"{path}.{name}[{i}]")
-                _require(device not in devices[:i], f"{path}.{name}[{i}]", "not repeat an earlier device", device)
+                choice(device, PLACEMENT_DEVICES, f"{path}.{name}[{i}]")
+                require(device not in devices[:i], f"{path}.{name}[{i}]", "not repeat an earlier device", device)
 
 
 # a frame rate: at least one frame in 1000 s, at most 1000 a second (stream fps, and a source URI's fps=)
@@ -317,27 +284,27 @@ class ServerConfig:
 
     def validate(self, path: str) -> None:
         if self.socket is not None:
-            _require(self.socket.strip() != "", f"{path}.socket", "be a path or null", self.socket)
-        _require(_octal_mode(self.socket_mode) is not None, f"{path}.socket_mode",
+            require(self.socket.strip() != "", f"{path}.socket", "be a path or null", self.socket)
+        require(_octal_mode(self.socket_mode) is not None, f"{path}.socket_mode",
                  "be octal permissions like '0660'", self.socket_mode)
         if self.tcp_port is not None:
-            _require(0 <= self.tcp_port <= 65535, f"{path}.tcp_port", "be in 0..65535 or null", self.tcp_port)
+            require(0 <= self.tcp_port <= 65535, f"{path}.tcp_port", "be in 0..65535 or null", self.tcp_port)
         for name in ("queue_size", "max_batch", "max_decoder_rows", "max_body_bytes", "max_connections", "retry_after_s",
                      "max_streams", "max_stream_listeners"):
-            _require(getattr(self, name) >= 1, f"{path}.{name}", "be >= 1", getattr(self, name))
+            require(getattr(self, name) >= 1, f"{path}.{name}", "be >= 1", getattr(self, name))
         for name in ("request_timeout_s", "remote_timeout_s", "stall_s", "header_timeout_s", "idle_timeout_s",
                      "body_timeout_s", "send_timeout_s"):
-            _require(getattr(self, name) > 0, f"{path}.{name}", "be > 0", getattr(self, name))
+            require(getattr(self, name) > 0, f"{path}.{name}", "be > 0", getattr(self, name))
         for name in ("batch_timeout_ms", "grace_period_s"):
-            _require(getattr(self, name) >= 0, f"{path}.{name}", "be >= 0", getattr(self, name))
-        _require(self.max_header_bytes >= 1024, f"{path}.max_header_bytes", "be >= 1024 (a request's line and "
+            require(getattr(self, name) >= 0, f"{path}.{name}", "be >= 0", getattr(self, name))
+        require(self.max_header_bytes >= 1024, f"{path}.max_header_bytes", "be >= 1024 (a request's line and "
                  "headers need room)", self.max_header_bytes)
         for name in ("webhook_hosts", "source_hosts"):
             for i, entry in enumerate(getattr(self, name)):
-                _require(webhook_host(entry) is not None, f"{path}.{name}[{i}]",
+                require(webhook_host(entry) is not None, f"{path}.{name}[{i}]",
                          "be a host name or address, or host:port ('[::1]:8080' for IPv6)", entry)
-        _choice(self.encoder_batching, BATCHING_MODES, f"{path}.encoder_batching")
-        _choice(self.continuous_batching, BATCHING_MODES, f"{path}.continuous_batching")
+        choice(self.encoder_batching, BATCHING_MODES, f"{path}.encoder_batching")
+        choice(self.continuous_batching, BATCHING_MODES, f"{path}.continuous_batching")
 
     @property
     def mode(self) -> int:
@@ -373,21 +340,21 @@ class WebhookConfig:
     backoff_s: float = 0.5  # wait before retry n: backoff_s * 2**(n-1)
 
     def validate(self, path: str) -> None:
-        _require(url_host(self.url) is not None, f"{path}.url",
+        require(url_host(self.url) is not None, f"{path}.url",
                  "be an http:// or https:// URL with a host name and no spaces", self.url)
         if self.token_env is not None:
-            _require(ENV_NAME.fullmatch(self.token_env) is not None, f"{path}.token_env",
+            require(ENV_NAME.fullmatch(self.token_env) is not None, f"{path}.token_env",
                      "be an environment variable name", self.token_env)
         if self.token_file is not None:
-            _require(self.token_file.strip() != "", f"{path}.token_file", "be a path or null", self.token_file)
-            _require(self.token_env is None, f"{path}.token_file", "not be given with token_env (one token)",
+            require(self.token_file.strip() != "", f"{path}.token_file", "be a path or null", self.token_file)
+            require(self.token_env is None, f"{path}.token_file", "not be given with token_env (one token)",
                      self.token_file)
         # at most a minute: a closed stream's webhook may drain for one timeout_s, and an endpoint
         # that needs longer than that to take an event is down for an alert's purposes
-        _require(math.isfinite(self.timeout_s) and 0 < self.timeout_s <= 60, f"{path}.timeout_s",
+        require(math.isfinite(self.timeout_s) and 0 < self.timeout_s <= 60, f"{path}.timeout_s",
                  "be in (0, 60]", self.timeout_s)
-        _require(0 <= self.retries <= 10, f"{path}.retries", "be in 0..10", self.retries)
-        _require(0 <= self.backoff_s <= 60, f"{path}.backoff_s", "be in [0, 60]", self.backoff_s)
+        require(0 <= self.retries <= 10, f"{path}.retries", "be in 0..10", self.retries)
+        require(0 <= self.backoff_s <= 60, f"{path}.backoff_s", "be in [0, 60]", self.backoff_s)
 
 
 @dataclass
@@ -417,16 +384,16 @@ class AlertConfig:
             check_text(self.prompt, f"{path}.prompt")
         except LimitError as e:
             raise ConfigError(str(e)) from None
-        _require(self.prompt.strip() != "", f"{path}.prompt", "be a question", self.prompt)
+        require(self.prompt.strip() != "", f"{path}.prompt", "be a question", self.prompt)
         for name in ("every", "max_every", "on_after", "off_after"):
-            _require(1 <= getattr(self, name) <= MAX_ALERT_RUN, f"{path}.{name}", f"be in 1..{MAX_ALERT_RUN}",
+            require(1 <= getattr(self, name) <= MAX_ALERT_RUN, f"{path}.{name}", f"be in 1..{MAX_ALERT_RUN}",
                      getattr(self, name))
         if self.match is not None:
-            _require(self.match.split() != [], f"{path}.match", "be one or more words", self.match)
-            _require(self.above is None and self.below is None, f"{path}.match",
+            require(self.match.split() != [], f"{path}.match", "be one or more words", self.match)
+            require(self.above is None and self.below is None, f"{path}.match",
                      "not be given with above/below (one rule per alert)", self.match)
         if self.above is not None and self.below is not None:
-            _require(self.above < self.below, f"{path}.below", f"be above 'above' ({self.above:g})", self.below)
+            require(self.above < self.below, f"{path}.below", f"be above 'above' ({self.above:g})", self.below)
         _generation_limits(path, max_new_tokens=self.max_new_tokens)
 
 
@@ -445,26 +412,26 @@ class StreamConfig:
     webhook: WebhookConfig | None = None  # where the alerts' state changes are POSTed; null = nowhere
 
     def validate(self, path: str) -> None:
-        _require(len(self.alerts) <= MAX_ALERTS, f"{path}.alerts", f"have at most {MAX_ALERTS} alerts",
+        require(len(self.alerts) <= MAX_ALERTS, f"{path}.alerts", f"have at most {MAX_ALERTS} alerts",
                  len(self.alerts))
         for name in self.alerts:
-            _require(STREAM_ID.fullmatch(name) is not None, f"{path}.alerts",
+            require(STREAM_ID.fullmatch(name) is not None, f"{path}.alerts",
                      "have names of letters, digits, '_', '.', '-' (at most 64)", name)
-        _require(STREAM_ID.fullmatch(self.id) is not None, f"{path}.id",
+        require(STREAM_ID.fullmatch(self.id) is not None, f"{path}.id",
                  "be a name of letters, digits, '_', '.', '-' (at most 64)", self.id)
-        _require(self.source.strip() != "", f"{path}.source", "be a source URI", self.source)
+        require(self.source.strip() != "", f"{path}.source", "be a source URI", self.source)
         for name in ("source", "prompt"):  # a NUL or a lone surrogate: no path, no prompt the tokenizer takes
             try:
                 check_text(getattr(self, name), f"{path}.{name}")
             except LimitError as e:
                 raise ConfigError(str(e)) from None
         # bounded as an alert's every: a stream that skips more frames than that asks nothing in practice
-        _require(1 <= self.every <= MAX_ALERT_RUN, f"{path}.every", f"be in 1..{MAX_ALERT_RUN}", self.every)
+        require(1 <= self.every <= MAX_ALERT_RUN, f"{path}.every", f"be in 1..{MAX_ALERT_RUN}", self.every)
         if self.fps is not None:  # bounded: 1e-320 would be an interval of inf between frames
-            _require(math.isfinite(self.fps) and MIN_FPS <= self.fps <= MAX_FPS, f"{path}.fps",
+            require(math.isfinite(self.fps) and MIN_FPS <= self.fps <= MAX_FPS, f"{path}.fps",
                      f"be between {MIN_FPS:g} and {MAX_FPS:g} or null", self.fps)
         if self.change_threshold is not None:
-            _require(0 <= self.change_threshold <= MAX_CHANGE_THRESHOLD,
+            require(0 <= self.change_threshold <= MAX_CHANGE_THRESHOLD,
                      f"{path}.change_threshold", f"be in 0..{MAX_CHANGE_THRESHOLD:g} or null", self.change_threshold)
         _generation_limits(path, nullable=("max_new_tokens",), max_new_tokens=self.max_new_tokens)
 
@@ -484,17 +451,17 @@ class PowerConfig:
     nvpmodel_query: bool = False  # run `nvpmodel -q` when /var/lib/nvpmodel/status is unreadable
 
     def validate(self, path: str) -> None:
-        _require(self.root.strip() != "", f"{path}.root", "be a folder", self.root)
-        _require(self.sample_period_s >= 0.05, f"{path}.sample_period_s", "be >= 0.05", self.sample_period_s)
-        _require(self.history >= 2, f"{path}.history", "be >= 2", self.history)
+        require(self.root.strip() != "", f"{path}.root", "be a folder", self.root)
+        require(self.sample_period_s >= 0.05, f"{path}.sample_period_s", "be >= 0.05", self.sample_period_s)
+        require(self.history >= 2, f"{path}.history", "be >= 2", self.history)
         if self.budget_w is not None:
-            _require(self.budget_w > 0, f"{path}.budget_w", "be > 0 or null", self.budget_w)
+            require(self.budget_w > 0, f"{path}.budget_w", "be > 0 or null", self.budget_w)
         if self.slo_ms is not None:
-            _require(self.slo_ms > 0, f"{path}.slo_ms", "be > 0 or null", self.slo_ms)
-        _require(self.critical_c > self.throttle_c, f"{path}.critical_c", f"be above throttle_c ({self.throttle_c})",
+            require(self.slo_ms > 0, f"{path}.slo_ms", "be > 0 or null", self.slo_ms)
+        require(self.critical_c > self.throttle_c, f"{path}.critical_c", f"be above throttle_c ({self.throttle_c})",
                  self.critical_c)
-        _require(self.hysteresis_c >= 0, f"{path}.hysteresis_c", "be >= 0", self.hysteresis_c)
-        _require(0 <= self.hysteresis_pct < 100, f"{path}.hysteresis_pct", "be in [0, 100)", self.hysteresis_pct)
+        require(self.hysteresis_c >= 0, f"{path}.hysteresis_c", "be >= 0", self.hysteresis_c)
+        require(0 <= self.hysteresis_pct < 100, f"{path}.hysteresis_pct", "be in [0, 100)", self.hysteresis_pct)
 
 
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -523,23 +490,23 @@ class OffloadConfig:
 
     def validate(self, path: str) -> None:
         if self.enabled:
-            _require(self.url.startswith(("http://", "https://")), f"{path}.url",
+            require(self.url.startswith(("http://", "https://")), f"{path}.url",
                      "be an http:// or https:// URL when offload is enabled", self.url)
-            _require(self.model.strip() != "", f"{path}.model", "name the endpoint's model when offload is enabled",
+            require(self.model.strip() != "", f"{path}.model", "name the endpoint's model when offload is enabled",
                      self.model)
         if self.api_key_env is not None:
-            _require(ENV_NAME.fullmatch(self.api_key_env) is not None, f"{path}.api_key_env",
+            require(ENV_NAME.fullmatch(self.api_key_env) is not None, f"{path}.api_key_env",
                      "be an environment variable name", self.api_key_env)
         if self.api_key_file is not None:
-            _require(self.api_key_file.strip() != "", f"{path}.api_key_file", "be a path or null", self.api_key_file)
-        _require(self.timeout_s > 0, f"{path}.timeout_s", "be > 0", self.timeout_s)
-        _require(0 <= self.retries <= 10, f"{path}.retries", "be in 0..10", self.retries)
-        _require(self.backoff_s >= 0, f"{path}.backoff_s", "be >= 0", self.backoff_s)
-        _require(self.breaker_threshold >= 1, f"{path}.breaker_threshold", "be >= 1", self.breaker_threshold)
-        _require(self.breaker_cooldown_s >= 0, f"{path}.breaker_cooldown_s", "be >= 0", self.breaker_cooldown_s)
-        _require(self.max_concurrent >= 1, f"{path}.max_concurrent", "be >= 1", self.max_concurrent)
+            require(self.api_key_file.strip() != "", f"{path}.api_key_file", "be a path or null", self.api_key_file)
+        require(self.timeout_s > 0, f"{path}.timeout_s", "be > 0", self.timeout_s)
+        require(0 <= self.retries <= 10, f"{path}.retries", "be in 0..10", self.retries)
+        require(self.backoff_s >= 0, f"{path}.backoff_s", "be >= 0", self.backoff_s)
+        require(self.breaker_threshold >= 1, f"{path}.breaker_threshold", "be >= 1", self.breaker_threshold)
+        require(self.breaker_cooldown_s >= 0, f"{path}.breaker_cooldown_s", "be >= 0", self.breaker_cooldown_s)
+        require(self.max_concurrent >= 1, f"{path}.max_concurrent", "be >= 1", self.max_concurrent)
         for i, condition in enumerate(self.allow):
-            _choice(condition, OFFLOAD_CONDITIONS, f"{path}.allow[{i}]")
+            choice(condition, OFFLOAD_CONDITIONS, f"{path}.allow[{i}]")
 
 
 @dataclass
@@ -559,115 +526,14 @@ class Config:
     def validate(self, path: str) -> None:
         ids = [stream.id for stream in self.streams]
         for i, name in enumerate(ids):
-            _require(name not in ids[:i], f"streams[{i}].id", "not repeat an earlier stream's id", name)
-
-
-# ---- generic dict -> dataclass conversion ------------------------------------------
-
-_SCALARS = {bool: "a boolean (true/false)", int: "an integer", float: "a finite number", str: "a string"}
-
-
-def _describe(hint: Any) -> str:
-    """What a type hint accepts, for error messages: 'an integer or null'."""
-    if dataclasses.is_dataclass(hint):
-        shorthand = getattr(hint, "SHORTHAND", None)
-        return f"a string (its {shorthand}) or a mapping" if shorthand else "a mapping"
-    if typing.get_origin(hint) is dict:
-        return "a mapping"
-    args = typing.get_args(hint)
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        return " or ".join(_describe(a) for a in args if a is not type(None)) + " or null"
-    if typing.get_origin(hint) is list:
-        items = "mappings" if dataclasses.is_dataclass(args[0]) else "items"
-        return "a list of " + {str: "strings", int: "integers", float: "numbers",
-                               bool: "booleans"}.get(args[0], items)
-    return _SCALARS[hint]
-
-
-def _join(path: str, key: Any) -> str:
-    return f"{path}.{key}" if path else str(key)
-
-
-def _convert(value: Any, hint: Any, path: str, expected: str | None = None) -> Any:
-    """Check `value` against type hint `hint`; return it in the field's type."""
-    def wrong() -> ConfigError:
-        return ConfigError(f"{path!r} must be {expected or _describe(hint)}, got {_show(value)}")
-
-    if hint is Any:  # a field of several shapes: its section's validate() checks it
-        return value
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        inner = [a for a in args if a is not type(None)]
-        if len(inner) != 1 or len(args) != 2:
-            raise TypeError(f"config field {path!r}: only 'X | None' unions are supported, not {hint}")
-        return None if value is None else _convert(value, inner[0], path, _describe(hint))
-    if dataclasses.is_dataclass(hint):
-        shorthand = getattr(hint, "SHORTHAND", None)
-        if shorthand and isinstance(value, str):  # `person: is there a person ?` = {prompt: …}
-            value = {shorthand: value}
-        if value is not None and not isinstance(value, Mapping):
-            raise wrong()
-        return _build(hint, value, path)
-    if origin is dict:  # name → item (a stream's alerts): the names are strings
-        if not isinstance(value, Mapping):
-            raise wrong()
-        for key in value:
-            if not isinstance(key, str):
-                raise ConfigError(f"{path!r} must have names as keys, got {_show(key)}")
-        return {key: _convert(item, args[1], _join(path, key)) for key, item in value.items()}
-    if origin is list:
-        if not isinstance(value, list):
-            raise wrong()
-        return [_convert(item, args[0], f"{path}[{i}]") for i, item in enumerate(value)]
-    if hint is bool:
-        ok = isinstance(value, bool)
-    elif hint is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif hint is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and _finite(value)
-        value = float(value) if ok else value
-    elif hint is str:
-        ok = isinstance(value, str)
-        if isinstance(value, bool):  # YAML 1.1 reads unquoted on/off/yes/no as booleans
-            expected = f"a string (YAML read an unquoted on/off/yes/no as {str(value).lower()}: quote it)"
-    else:
-        raise TypeError(f"config field {path!r}: unsupported type {hint}")
-    if not ok:
-        raise wrong()
-    return value
-
-
-def _finite(number: int | float) -> bool:
-    try:
-        return math.isfinite(number)
-    except OverflowError:  # an int too big for a float
-        return False
-
-
-def _build(cls: type, data: Any, path: str) -> Any:
-    """Mapping → dataclass `cls`: missing keys take defaults, then cls.validate(path) runs."""
-    if data is None:  # an empty section (`model:` with nothing under it) means all defaults
-        data = {}
-    if not isinstance(data, Mapping):  # nested sections are checked in _convert
-        raise ConfigError(f"top level must be a mapping of sections, got {_show(data)}")
-    hints = typing.get_type_hints(cls)
-    known = [f.name for f in dataclasses.fields(cls) if f.init]
-    kwargs = {}
-    for key, value in data.items():
-        if key not in known:  # also catches non-string keys
-            raise ConfigError(f"unknown key {_join(path, key)!r} (known: {', '.join(sorted(known))})")
-        kwargs[key] = _convert(value, hints[key], _join(path, key))
-    obj = cls(**kwargs)
-    if hasattr(obj, "validate"):
-        obj.validate(path)
-    return obj
+            require(name not in ids[:i], f"streams[{i}].id", "not repeat an earlier stream's id", name)
 
 
 # ---- public API ----------------------------------------------------------------------
 
 def config_from_dict(data: Mapping[str, Any] | None) -> Config:
     """Check a plain mapping (as parsed from YAML) and turn it into a `Config`."""
-    return _build(Config, data, "")
+    return build(Config, data, "")
 
 
 def config_to_dict(cfg: Config) -> dict[str, Any]:

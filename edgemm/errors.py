@@ -4,6 +4,8 @@ Anything else that escapes is an internal error: exit code 1, HTTP 500.
 """
 from __future__ import annotations
 
+import os
+
 
 class EdgemmError(Exception):
     """Base for errors with a clear one-line message meant for the user."""
@@ -48,6 +50,23 @@ class Cancelled(EdgemmError):
     exit_code = 1
     http_status = 499
     kind = "client_closed"
+
+
+class Overloaded(EdgemmError):
+    """The pipeline's admission queue is full; try again shortly."""
+    http_status = 503
+    kind = "overloaded"
+
+
+class ConfigError(EdgemmError, ValueError):
+    """A configuration problem; the message is one line starting with 'config'."""
+    exit_code = 2
+    kind = "config_error"
+
+    def __init__(self, detail: str, file: str | os.PathLike | None = None):
+        self.detail = detail
+        self.file = None if file is None else os.fspath(file)
+        super().__init__(f"config: {self.file}: {detail}" if file is not None else f"config: {detail}")
 
 
 def one_line(text: str, limit: int = 500) -> str:

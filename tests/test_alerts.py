@@ -28,9 +28,9 @@ from test_server import assert_error, metric, raw_client, running, sock_path, wa
 
 import edgemm.streams.alerts
 from edgemm.streams.alerts import ALERT_SHARE, Debounce, Rule, StreamAlerts, WebhookSender
-from edgemm.config import AlertConfig, ConfigError, WebhookConfig, config_from_dict, load_config
+from edgemm.config import AlertConfig, WebhookConfig, config_from_dict, load_config
+from edgemm.errors import ConfigError, InputError
 from edgemm.server.daemon import Daemon
-from edgemm.errors import InputError
 from edgemm.streams.sources import Frame, Source
 from edgemm.streams.run import StreamOptions, run_stream
 

@@ -13,11 +13,13 @@ import pytest
 import yaml
 
 from edgemm.config import (
-    MAX_CONFIG_BYTES, BackendConfig, CacheConfig, Config, ConfigError, GenerationConfig, LimitsConfig, ModelConfig,
+    MAX_CONFIG_BYTES, BackendConfig, CacheConfig, Config, GenerationConfig, LimitsConfig, ModelConfig,
     OffloadConfig, PlacementConfig, PowerConfig as PowerSection, SchedulerConfig, ServerConfig, StreamConfig,
     AlertConfig, WebhookConfig,
     config_from_dict, config_to_dict, load_config,
 )
+from edgemm.errors import ConfigError
+from edgemm.util.typed_yaml import build
 
 FULL_YAML = """\
 model:
@@ -568,16 +570,15 @@ class BiggerConfig(Config):
 
 
 def test_new_section_needs_only_a_dataclass_field():
-    from edgemm import config as mod
-    cfg = mod._build(BiggerConfig, {"power": {"budgets_w": [7, 12.5], "fan": True}}, "")
+    cfg = build(BiggerConfig, {"power": {"budgets_w": [7, 12.5], "fan": True}}, "")
     assert cfg.power == PowerConfig(mode="maxn", fan=True, budgets_w=[7.0, 12.5])
     assert cfg.model == ModelConfig()
     with pytest.raises(ConfigError, match=r"^config: 'power\.budgets_w\[0\]' must be a finite number, got 'x' \(str\)$"):
-        mod._build(BiggerConfig, {"power": {"budgets_w": ["x"]}}, "")
+        build(BiggerConfig, {"power": {"budgets_w": ["x"]}}, "")
     with pytest.raises(ConfigError, match=r"^config: 'power\.mode' must be one of maxn, 15w, got 'eco'$"):
-        mod._build(BiggerConfig, {"power": {"mode": "eco"}}, "")
+        build(BiggerConfig, {"power": {"mode": "eco"}}, "")
     with pytest.raises(ConfigError, match=r"unknown key 'power\.fans' \(known: budgets_w, fan, mode\)"):
-        mod._build(BiggerConfig, {"power": {"fans": 1}}, "")
+        build(BiggerConfig, {"power": {"fans": 1}}, "")
 
 
 # ---- YAML nested too deep or with huge integers: exit 2 and one line, not an internal error ----

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import edgemm.engine.decode as decode
-from edgemm.engine.decode import BatchItem, DecodeFailure, generate, generate_batch
+from edgemm.engine.decode import BatchItem, generate, generate_batch
+from edgemm.engine.errors import DecodeFailure
 from edgemm.errors import Cancelled
 from edgemm.engine.generate import GenerationOptions, Generator
 from edgemm.model.scenes import make_scene

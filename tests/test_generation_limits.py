@@ -9,11 +9,11 @@ import pytest
 from click.testing import CliRunner
 
 from edgemm.cli.main import main
-from edgemm.config import ConfigError, config_from_dict
-from edgemm.errors import InputError
+from edgemm.config import config_from_dict
+from edgemm.errors import ConfigError, InputError
 from edgemm.engine.generate import GenerationOptions, sample_token
-from edgemm.util.generation_limits import (MAX_BEAMS, MAX_NEW_TOKENS, MAX_SEED, MIN_TEMPERATURE, LimitError,
-                                      check_generation)
+from edgemm.util.errors import LimitError
+from edgemm.util.generation_limits import MAX_BEAMS, MAX_NEW_TOKENS, MAX_SEED, MIN_TEMPERATURE, check_generation
 from edgemm.server.protocol import ApiError, parse_chat_request
 from edgemm.server.app import infer_query
 

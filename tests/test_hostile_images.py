@@ -28,7 +28,9 @@ from test_server import (assert_error, child_env, in_background, raw_client, run
                          sock_path, wait_ready, write_config)
 
 from edgemm.cli.main import main
-from edgemm.model.image import MAX_JPEG_SCANS, DecodeBudget, DecodeBusy, ImageError, load_image
+from edgemm.model.errors import DecodeBusy, ImageError
+from edgemm.model.image import DecodeBudget, load_image
+from edgemm.model.image_header import MAX_JPEG_SCANS
 
 WAIT_S = 60
 
@@ -117,15 +119,15 @@ PEAK_OF_LOAD = """
 import sys
 sys.path.insert(0, sys.argv[1])
 import hostile_images as hostile, numpy as np
-from edgemm.model import image
+from edgemm.model import image, image_header
 def kb(field):
     return int(next(l for l in open("/proc/self/status") if l.startswith(field)).split()[1])
 data = eval(sys.argv[2])
-header = image._HEADER_READERS[image._sniff_format(data)](data)
+header = image_header.read_header(data, image_header.sniff_format(data))
 open("/proc/self/clear_refs", "w").write("5")
 before = kb("VmRSS")
 image.load_image(data)
-print((kb("VmHWM") - before) * 1024 / image.decode_cost(header))
+print((kb("VmHWM") - before) * 1024 / image_header.decode_cost(header))
 """
 
 
@@ -280,7 +282,7 @@ def test_cli_threads_are_bounded_by_the_usable_cores(model_dir):
 
 
 def test_config_threads_above_the_cores_are_refused_at_load(make_runtime):
-    from edgemm.config import ConfigError
+    from edgemm.errors import ConfigError
     with pytest.raises(ConfigError, match=r"'backend.intra_op_threads' is \d+, more than the \d+ cores"):
         make_runtime(backend={"intra_op_threads": len(os.sched_getaffinity(0)) + 1})
 

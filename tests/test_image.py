@@ -12,7 +12,8 @@ import cv2
 import numpy as np
 import pytest
 
-from edgemm.model.image import DEFAULT_MAX_PIXELS, ImageError, load_image
+from edgemm.model.errors import ImageError
+from edgemm.model.image import DEFAULT_MAX_PIXELS, load_image
 
 RED_RGB, GREEN_RGB = (255, 0, 0), (0, 255, 0)
 

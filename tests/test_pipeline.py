@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edgemm.errors import Cancelled, EdgemmError, InputError
-from edgemm.engine.pipeline import Overloaded, Pipeline, Request
+from edgemm.errors import Cancelled, EdgemmError, InputError, Overloaded
+from edgemm.engine.pipeline import Pipeline, Request
 from edgemm.engine.runtime import Runtime
 from edgemm.model.scenes import make_scene
 
@@ -234,7 +234,7 @@ def test_a_tier_without_encoder_batching_encodes_one_image_per_call(runtime, ima
 
 
 def test_encoder_batch_limits_follow_the_mode_and_the_timing(runtime, monkeypatch):
-    from edgemm.engine.pipeline import encoder_batch_limits
+    from edgemm.engine.batching import encoder_batch_limits
     tiers = list(runtime.manifest.tiers)
     assert encoder_batch_limits(runtime, 4, "off") == dict.fromkeys(tiers, 1)
     assert encoder_batch_limits(runtime, 4, "on") == dict.fromkeys(tiers, 4)
@@ -333,7 +333,7 @@ def test_without_joins_late_requests_wait_for_the_next_batch(runtime, images, re
 
 
 def test_join_policy_weighs_the_rest_of_the_batch_against_the_prefills_it_would_wait_for():
-    from edgemm.engine.pipeline import JoinPolicy
+    from edgemm.engine.batching import JoinPolicy
     policy = JoinPolicy("auto")
     rows = [(2, 32), (5, 32)]  # (tokens so far, budget) of two running rows
     assert policy.now(rows)  # nothing measured yet: join
@@ -595,7 +595,7 @@ HELD_S = 1.0  # real time a held request is watched for, several times what it w
 
 
 def test_a_slow_image_holds_the_next_until_overtaken_and_the_rest_keep_their_order(runtime, images, gated):
-    from edgemm.engine.pipeline import PREPARE_OVERTAKE_S
+    from edgemm.engine.prepare_order import PREPARE_OVERTAKE_S
     clock = HandClock()
     # three workers: the slow image holds one, requests 1 and 2 are prepared by the others and
     # wait for their turn; request 3 waits in the inbox for a worker
@@ -622,7 +622,7 @@ def test_a_slow_image_holds_the_next_until_overtaken_and_the_rest_keep_their_ord
 
 
 def test_an_overtaken_slow_image_does_not_hold_every_encoder_batch_open(runtime, images, gated):
-    from edgemm.engine.pipeline import PREPARE_OVERTAKE_S
+    from edgemm.engine.prepare_order import PREPARE_OVERTAKE_S
     clock = HandClock()
     # a batch window far longer than the test waits: an encoder batch that waited for the slow
     # image would time the test out
@@ -641,7 +641,7 @@ def test_an_overtaken_slow_image_does_not_hold_every_encoder_batch_open(runtime,
 def test_a_tiled_tier_is_batched_only_while_a_call_holds_at_most_max_batch_tiles(monkeypatch):
     """idefics3: `global` is one tile, `2x2` five, `3x3` ten; auto times only what may batch."""
     from edgemm.config import load_config
-    from edgemm.engine.pipeline import encoder_batch_limits
+    from edgemm.engine.batching import encoder_batch_limits
     fixture = Path(__file__).parent / "fixtures" / "idefics3-tiny"
     tiled = Runtime(load_config({"model": {"path": str(fixture), "precision": "fp32"}}), warm_up=False)
     timed = []

@@ -6,9 +6,9 @@ import importlib.util
 import pytest
 
 from edgemm.backends.onnxruntime import OnnxRuntimeBackend
-from edgemm.config import ConfigError, PlacementConfig, config_from_dict, load_config
+from edgemm.config import PlacementConfig, config_from_dict, load_config
+from edgemm.errors import ConfigError, EngineError, ModelError
 from edgemm.backends.tensorrt.platform import MISSING
-from edgemm.errors import EngineError, ModelError
 from edgemm.engine.pipeline import Pipeline, Request
 from edgemm.engine.route import Route, reachable_devices
 from edgemm.engine.placement import place

@@ -9,8 +9,7 @@ import cv2
 import numpy as np
 import pytest
 
-from edgemm.config import ConfigError
-from edgemm.errors import ModelError
+from edgemm.errors import ConfigError, ModelError
 from edgemm.engine.tiers import (POLICY_FILE, STATISTICS, SaliencyStats, Scheduler, TierPolicy,
                               analysis_grey, saliency_stats, spectral_residual)
 

@@ -39,7 +39,7 @@ from edgemm.config import Config, ServerConfig, StreamConfig, load_config
 from edgemm.server.daemon import Daemon, ListenError, bind_unix
 from edgemm.util.prometheus import Counter, Gauge, Histogram, Registry
 from edgemm.server.protocol import ApiError, parse_chat_request
-from edgemm.engine.pipeline import Overloaded
+from edgemm.errors import Overloaded
 from edgemm.server.app import infer_query
 from edgemm.server.service import Admission
 

@@ -16,7 +16,7 @@ import pytest
 
 from edgemm.streams import sources
 from edgemm.errors import InputError
-from edgemm.model.image import ImageError
+from edgemm.model.errors import ImageError
 from edgemm.model.scenes import Scene, make_scene
 from edgemm.streams.sources import (CaptureSource, SourceError, SourceSpec, SourceUnusable, SyntheticSource,
                             check_uri, csi_pipeline, open_source, parse_uri, pipeline_elements, rtsp_capture_args,

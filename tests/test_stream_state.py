@@ -21,9 +21,9 @@ from test_sources import StalledCamera
 
 import edgemm.streams.manager
 from edgemm.streams import sources
-from edgemm.config import ConfigError, load_config
+from edgemm.config import load_config
+from edgemm.errors import ConfigError, InputError
 from edgemm.server.daemon import Daemon
-from edgemm.errors import InputError
 from edgemm.streams.sources import CaptureSource
 
 NEVER_OPENS = "rtsp://127.0.0.1:1/x"  # nothing listens on port 1: every open is refused

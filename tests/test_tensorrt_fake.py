@@ -20,7 +20,8 @@ import trt_harness as h
 from edgemm.backends.tensorrt.component import TensorRTBackend, capacity_for, _Profile
 from edgemm.config import load_config
 from edgemm.backends.tensorrt.build import BuildRequest, build_engines, decoder_profiles, _input_dims
-from edgemm.backends.tensorrt.cuda import CudaError, load_cuda
+from edgemm.backends.errors import CudaError
+from edgemm.backends.tensorrt.cuda import load_cuda
 from edgemm.backends.tensorrt.manifest import read_manifest
 import edgemm.backends.tensorrt.build
 from edgemm.backends.tensorrt.platform import probe

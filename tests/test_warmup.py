@@ -15,7 +15,8 @@ from click.testing import CliRunner
 
 from edgemm.backends.onnxruntime import OnnxRuntimeBackend, OrtComponent
 from edgemm.cli.main import main
-from edgemm.config import ConfigError, load_config
+from edgemm.config import load_config
+from edgemm.errors import ConfigError
 from edgemm.server.daemon import Daemon
 from edgemm.model.manifest import load_manifest
 from edgemm.engine.runtime import Runtime

@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 
 import hostile_images as hostile  # noqa: E402
 from bench_serve import ServeProcess, client  # noqa: E402
-from edgemm.model.image import MAX_JPEG_SCANS  # noqa: E402
+from edgemm.model.image_header import MAX_JPEG_SCANS  # noqa: E402
 
 PROMPT = "how many shapes are there ?"
 

@@ -487,7 +487,7 @@ def batching_ceiling(rt: Runtime, prompt: str, batch: int = 8, groups: int = 3) 
     left out (they do not batch), so the daemon's real ceiling is lower still.
     Returns per-request medians over `groups` groups of `batch` new scenes."""
     from edgemm.engine.decode import BatchItem, generate, generate_batch
-    from edgemm.engine.pipeline import ENCODER_BATCH_GAIN
+    from edgemm.engine.batching import ENCODER_BATCH_GAIN
 
     gen = rt.generator  # its graphs directly: the runtime's feature cache would answer the second encode
     scenes = Scenes(SEED_BASE + 900_000)

@@ -117,7 +117,7 @@ def webp_with_exif(orientation: int, bgr: np.ndarray | None = None) -> bytes:
 
 
 # --- decoded-memory bombs: few bytes, a size under the pixel limit, deep samples -----------
-# Each is refused from its header by limits.max_decoded_bytes (edgemm.model.image.decode_cost):
+# Each is refused from its header by limits.max_decoded_bytes (edgemm.model.image_header.decode_cost):
 # before it, the pixel limit alone let them take 300-800 MB each.
 
 def png_header_only(width: int, height: int, depth: int = 16, colour: int = 6) -> bytes:

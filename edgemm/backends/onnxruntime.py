@@ -13,6 +13,7 @@ import numpy as np
 import onnxruntime as ort
 
 from edgemm.backends.base import RunStats, TensorSpec
+from edgemm.backends.errors import ProviderUnavailable
 from edgemm.errors import BackendError, ModelError
 
 PROVIDERS = {
@@ -59,12 +60,6 @@ class OrtComponent:
         values = self.session.run(self._output_names, feeds, options)
         self.stats.add(started)
         return dict(zip(self._output_names, values))
-
-
-class ProviderUnavailable(BackendError):
-    """backend.providers names only providers this onnxruntime build lacks: the config's
-    to fix (or the install's), like a bad config, so exit code 2."""
-    exit_code = 2
 
 
 class OnnxRuntimeBackend:

@@ -24,7 +24,8 @@ import yaml
 from edgemm.config import Config
 from edgemm.server.sockets import creatable_socket, socket_choices
 from edgemm.backends.tensorrt.manifest import MANIFEST, MAX_MANIFEST_BYTES, rebuild_command
-from edgemm.backends.tensorrt.cuda import CudaError, CudaMissing, installed_bindings, load_cuda
+from edgemm.backends.errors import CudaError, CudaMissing
+from edgemm.backends.tensorrt.cuda import installed_bindings, load_cuda
 from edgemm.errors import EdgemmError, one_line
 from edgemm.util.files import load_yaml, read_regular_file
 from edgemm.engine.loading import default_engines_dir, default_model_dir

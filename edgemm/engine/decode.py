@@ -41,8 +41,10 @@ from typing import Any
 import numpy as np
 
 from edgemm.engine.beams import Beams, expand, log_softmax
+from edgemm.engine.errors import DecodeFailure
 from edgemm.errors import Cancelled, InputError
 from edgemm.engine.generate import Generation, GenerationOptions, Generator, PrefixReuse, sample_token
+from edgemm.engine.positions import family_positions, padded_rows, prompt_positions, shared_table, unpadded_mask
 
 log = logging.getLogger("edgemm")
 
@@ -53,24 +55,6 @@ Finished = Callable[[Any, "Generation | Exception"], None]  # (the caller's key,
 _EMPTY_2D = np.zeros((0, 0), np.float32)
 _EMPTY_2D.flags.writeable = False
 SPARE_COLUMNS = 32  # mask and position columns made ahead, so that most steps only take a view
-_SHARED: dict = {}  # (kind, dtype) → a read-only table every batch shares (see _shared)
-
-
-def _shared(kind: str, dtype: np.dtype, n: int) -> np.ndarray:
-    """A table of at least `n` columns that every batch shares, read-only: "ones" [1, n] is
-    a lone row's mask, "counting" [n, 1, 1] (0, 1, … n-1) a lone row's position ids. A lone
-    row has no padding, so it takes views of these and allocates nothing."""
-    table = _SHARED.get((kind, dtype))
-    if table is None or table.size < n:
-        size = max(n, 2 * table.size if table is not None else 1024)
-        table = np.ones((1, size), dtype) if kind == "ones" else np.arange(size, dtype=dtype)[:, None, None]
-        table.flags.writeable = False
-        _SHARED[(kind, dtype)] = table  # another thread may make its own: both are right
-    return table
-
-
-class DecodeFailure(RuntimeError):
-    """One answer's decoding went wrong (non-finite logits, a token the embedding refuses)."""
 
 
 @dataclass
@@ -471,35 +455,20 @@ class DecodingBatch:
 
     def _lay_out(self, padding: np.ndarray | None, width: int, spare: int = SPARE_COLUMNS) -> None:
         """The mask and the position table of rows with `padding` [R] (None: one row without
-        any), for `width` columns in use and `spare` more: a token in column c of row j
-        has position c - padding[j], and the mask is 1 from there on."""
+        any), for `width` columns in use and `spare` more (edgemm/engine/positions.py)."""
         if self._calls:  # for the rows before
             self._count_calls()
         self.width, capacity = width, width + spare
         self._padding = padding
         if padding is None:  # the shared tables whole: their capacity is at least ours
             self.rows = 1
-            self._mask = _shared("ones", self.gen.mask_dtype, capacity)
-            self._positions = _shared("counting", self.gen.position_dtype, self._mask.shape[1])
+            self._mask = shared_table("ones", self.gen.mask_dtype, capacity)
+            self._positions = shared_table("counting", self.gen.position_dtype, self._mask.shape[1])
         else:
-            counting = _shared("counting", self.gen.position_dtype, capacity)[:capacity]  # [capacity, 1, 1]
             self.rows = len(padding)
-            self._positions = counting - padding[:, None]  # [capacity, R, 1]
-            self._mask = (counting[:, 0, 0] >= padding[:, None]).astype(self.gen.mask_dtype)  # [R, capacity]
+            self._mask, self._positions = padded_rows(padding, capacity, self.gen.mask_dtype, self.gen.position_dtype)
         if self._deltas is not None or self.gen.position_axes:
-            self._positions = _family_positions(self._positions, self._deltas, self.gen.position_axes)
-
-
-def _family_positions(positions: np.ndarray, deltas: np.ndarray | None, axes: int) -> np.ndarray:
-    """The position table [capacity, R, 1] as an M-RoPE family's decode steps take it: each
-    row's rope delta added, and (with `axes`) the same position on every axis, laid out
-    [capacity, axes, R, 1] so that one column is a packed [axes, R, 1]."""
-    if deltas is not None:
-        positions = positions + deltas[:, None]
-    if axes:
-        positions = np.ascontiguousarray(np.broadcast_to(positions[:, None], (len(positions), axes,
-                                                                              *positions.shape[1:])))
-    return positions
+            self._positions = family_positions(self._positions, self._deltas, self.gen.position_axes)
 
 
 def _embeds(gen: Generator, token: int) -> bool:
@@ -583,12 +552,13 @@ def _prefill_fresh(gen: Generator, group: list, failed: Finished, answers: list,
         embeds = group[0][2] if len(group) == 1 else np.concatenate([embeds for _, _, embeds, *_ in group])
         length = embeds.shape[1]
         # no padding: every row's positions are 0 … length - 1 (no cumsum of the mask), or the family's
-        positions = _shared("counting", gen.position_dtype, length)[:length, 0, 0][None]
+        positions = shared_table("counting", gen.position_dtype, length)[:length, 0, 0][None]
         if gen.position_axes:
-            positions = _prompt_positions(gen, [item for _, item, *_ in group], positions)
+            positions = prompt_positions(gen.position_axes, [item.positions for _, item, *_ in group], positions)
         elif len(group) > 1:
             positions = np.repeat(positions, len(group), axis=0)
-        out, past = gen.step(embeds, _ones(gen, len(group), length), gen.empty_past(len(group)), positions)
+        out, past = gen.step(embeds, unpadded_mask(len(group), length, gen.mask_dtype), gen.empty_past(len(group)),
+                             positions)
         # rows whose logits are not finite, by the step's rule: argmax lands on a NaN or
         # +inf (ndarray.argmax is all C; max() goes through numpy's Python wrappers, which
         # cost tens of µs on the caches the decoder call left cold)
@@ -607,20 +577,6 @@ def _prefill_fresh(gen: Generator, group: list, failed: Finished, answers: list,
         answers.append(_answer(gen, key, item, started, reused=False))
         logits.append(out if len(group) == 1 else out[j:j + 1])
         pasts.append(own)
-
-
-def _prompt_positions(gen: Generator, items: list[BatchItem], counting: np.ndarray) -> np.ndarray:
-    """[axes, B, S] for prompts of one length: each row the family's (Prompt.position_ids), or
-    0 … S-1 on every axis for a prompt without."""
-    axes = gen.position_axes
-    rows = [item.positions if item.positions is not None else np.broadcast_to(counting, (axes, 1, counting.shape[1]))
-            for item in items]
-    return rows[0] if len(rows) == 1 else np.concatenate(rows, axis=1)
-
-
-def _ones(gen: Generator, rows: int, length: int) -> np.ndarray:
-    """A mask without padding: a lone row's is a view of the shared table."""
-    return _shared("ones", gen.mask_dtype, length)[:, :length] if rows == 1 else np.ones((rows, length), gen.mask_dtype)
 
 
 def _answer(gen: Generator, key: Any, item: BatchItem, started: float, reused: bool) -> Answer:

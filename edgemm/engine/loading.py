@@ -18,8 +18,8 @@ from pathlib import Path
 
 from edgemm.backends.base import Component, LoadedComponents
 from edgemm.backends.onnxruntime import OnnxRuntimeBackend
-from edgemm.config import Config, ConfigError
-from edgemm.errors import EdgemmError
+from edgemm.config import Config
+from edgemm.errors import ConfigError, EdgemmError
 from edgemm.engine.generate import Generator
 from edgemm.engine.contract import check_component
 from edgemm.model.family import GraphInputs

@@ -10,7 +10,7 @@ JPEG at its scan limit), and with one thread every request behind such an image 
 wait for it. With two, an unrelated request is prepared meanwhile (OpenCV releases
 the GIL while it decodes). Requests still reach the encoder in the order they came,
 with one exception: a request whose preparation has run for more than
-PREPARE_OVERTAKE_S is overtaken by those prepared behind it, so a slow image holds
+PREPARE_OVERTAKE_S (edgemm/engine/prepare_order.py) is overtaken by those prepared behind it, so a slow image holds
 up others for at most that long. The encoder and the decoder stay one thread each.
 
 While the decoder works on request n, the encoder already runs request n+1, so on
@@ -33,7 +33,7 @@ The decoder stage takes every request already waiting (up to `max_batch`) and st
 them together, one decoder call per token for all (edgemm/engine/decode.py); it never
 waits for a batch to fill. Each answer is handed back the moment it ends; requests that
 arrive while a batch decodes join it between steps when JoinPolicy says they should
-(continuous batching), else they start the next batch. Results come back through
+(continuous batching, edgemm/engine/batching.py), else they start the next batch. Results come back through
 `concurrent.futures.Future`s.
 
 A request may carry followers: other questions about the same image (a stream's alerts).
@@ -60,27 +60,18 @@ from typing import Any, Callable
 
 import numpy as np
 
-from edgemm.config import BATCHING_MODES
 from edgemm.engine.answering import InferenceResult
-from edgemm.errors import Cancelled, EdgemmError, one_line
+from edgemm.engine.batching import JoinPolicy
+from edgemm.errors import Cancelled, Overloaded, one_line
+from edgemm.engine.prepare_order import PrepareOrder
 from edgemm.engine.preparation import PreparedRequest
 from edgemm.engine.runtime import Runtime
 
 log = logging.getLogger(__name__)
 
-ENCODER_BATCH_GAIN = 1.2  # encoder_batching auto: batch a tier only if a batch is this much faster per image
-
 _STOP = object()  # end-of-work marker passed down the stages
 STAGES = ("prepare", "encode", "decode")
 PREPARE_WORKERS = 2  # threads that prepare requests: one slow image holds up one of them
-PREPARE_OVERTAKE_S = 0.25  # a request prepared longer than this is overtaken (a photo takes ~10-100 ms)
-
-
-class Overloaded(EdgemmError):
-    """The pipeline's admission queue is full; try again shortly."""
-    exit_code = 1
-    http_status = 503
-    kind = "overloaded"
 
 
 @dataclass
@@ -155,7 +146,7 @@ class Pipeline:
         num_beams; a TensorRT decoder's profile bounds them); None: no bound.
         `prepare_workers`: threads preparing requests (each holds at most one, plus the one
         it waits to hand to the encoder).
-        `clock`: the clock of the prepare order, by which a slow preparation is overtaken
+        `clock`: the clock of the PrepareOrder, by which a slow preparation is overtaken
         (a test passes one it moves by hand).
         `reserved`: inbox places beyond queue_size, for producers that each keep to a
         bounded share of their own (the daemon's streams): with the API admitted up to
@@ -179,15 +170,8 @@ class Pipeline:
         self.prepare_workers = prepare_workers
         self._prepare_lock = threading.Lock()  # for the workers' end
         self._prepare_ended = 0  # prepare workers that saw the stop marker
-        # the order requests go on to the encoder in: each taken from the inbox gets the next
-        # ticket; _open maps the tickets not handed on yet to when their preparation started
-        # (None: prepared, waiting for its turn, never overtaken)
-        self._clock = clock
+        self._order = PrepareOrder(clock)  # each request taken from the inbox gets the next ticket
         self._take = threading.Lock()  # taking from the inbox and numbering it are one step
-        self._next_ticket = 0
-        self._open: dict[int, float | None] = {}
-        self._order = threading.Condition()
-        self._handing = threading.Lock()  # one request at a time goes from _open into to_encode
         self._accounting = threading.Lock()  # the prepare workers add to the same stats
         # worker → time.monotonic() of its last progress on the work it holds (None: idle or
         # waiting for room downstream); written by the worker's own thread, read by health().
@@ -312,9 +296,7 @@ class Pipeline:
                 if ready and work.failed is None:
                     self._hand_on(req, ticket)  # outside the barrier: waiting for room is not a stall
             finally:
-                with self._order:
-                    self._open.pop(ticket, None)  # failed or cancelled (handed on: gone already)
-                    self._order.notify_all()
+                self._order.done(ticket)
         # close() puts one stop marker: each worker passes it on to the next, and the last
         # one to stop (after every request prepared has gone to the encoder) to the encoder
         with self._prepare_lock:
@@ -331,32 +313,11 @@ class Pipeline:
             req = self.inbox.get()
             if req is _STOP:
                 return None
-            ticket, self._next_ticket = self._next_ticket, self._next_ticket + 1
-            with self._order:
-                self._open[ticket] = self._clock()
-            return req, ticket
+            return req, self._order.ticket()
 
     def _hand_on(self, req: Request, ticket: int) -> None:
-        """To the encoder's queue once every request taken before it has gone on, failed,
-        or been preparing for more than PREPARE_OVERTAKE_S (a slow image is overtaken)."""
-        with self._order:
-            self._open[ticket] = None  # prepared: from now on nobody overtakes it
-            while True:
-                now = self._clock()
-                waits = [PREPARE_OVERTAKE_S - (now - started) if started is not None else None
-                         for earlier, started in self._open.items()
-                         if earlier < ticket and (started is None or now - started < PREPARE_OVERTAKE_S)]
-                if not waits:
-                    break
-                timed = [w for w in waits if w is not None]
-                self._order.wait(min(timed) if len(timed) == len(waits) else None)
-        # Out of _open before it is in the encoder's queue, so that the encoder, already
-        # holding it, never waits for it as one still coming (_coming). _handing keeps the
-        # order: the next in line, free to go once this ticket is gone, queues behind it.
-        with self._handing:
-            with self._order:
-                del self._open[ticket]
-                self._order.notify_all()
+        """To the encoder's queue in its turn (PrepareOrder: a slow image is overtaken)."""
+        with self._order.turn(ticket):
             # followers at a tier of their own are encoded apart, right behind it (split off before
             # the encoder holds it: from then on its followers are the encoder's to read)
             apart = [f for f in req.followers if f.prepared.pixel_values is not req.prepared.pixel_values]
@@ -367,15 +328,10 @@ class Pipeline:
                 self.to_encode.put(follower)
 
     def _coming(self) -> bool:
-        """Will another request reach the encoder soon? One is if it waits in the inbox, has
-        been prepared and waits for its turn, or has been preparing for less than
-        PREPARE_OVERTAKE_S. A preparation past that is a slow image, already overtaken: it
-        may take seconds more, and no encoder batch waits for it."""
-        if self.inbox.qsize() > 0:
-            return True
-        with self._order:
-            now = self._clock()
-            return any(started is None or now - started < PREPARE_OVERTAKE_S for started in self._open.values())
+        """Will another request reach the encoder soon? One is if it waits in the inbox, or is
+        being prepared and not yet overtaken (PrepareOrder.coming): no encoder batch waits
+        for a slow image."""
+        return self.inbox.qsize() > 0 or self._order.coming()
 
     def _prepare(self, req: Request) -> bool:
         """Decode the image, pick the tier, build the prompt; False if the request is done
@@ -624,82 +580,3 @@ def stage_of(worker: str) -> str:
 def rows(request: Request) -> int:
     """Decoder rows `request` takes in a batch: its beams, else one."""
     return max(1, request.prepared.options.num_beams)
-
-
-class JoinPolicy:
-    """Whether requests that reach the decoder while a batch decodes join it now (continuous
-    batching) or wait for the batch to end. A join costs every running row one prefill's
-    delay; waiting costs the newcomer the rest of the batch. "auto" joins when the rest of
-    the batch is expected to take longer than the prefills it would be held up by:
-
-        remaining steps × step time  >  running rows × one prefill
-
-    from the decoder's own recent timings and answer lengths (moving averages), so long
-    answers on a GPU join and short answers on a CPU, where a prefill costs several
-    steps, don't. "on" always joins, "off" never does."""
-
-    def __init__(self, mode: str = "auto", smoothing: float = 0.1):
-        if mode not in BATCHING_MODES:
-            raise ValueError(f"decoder joins must be one of {', '.join(BATCHING_MODES)}, got {mode!r}")
-        self.mode = mode
-        self.smoothing = smoothing
-        self.prefill_s = self.step_s = self.answer_tokens = None  # moving averages, once measured
-
-    def now(self, progress: list[tuple[int, int]]) -> bool:
-        """Join now? `progress`: (tokens so far, token budget) of each running row."""
-        if not progress:
-            return True  # an empty batch takes anyone: it is the next batch
-        if self.mode != "auto":
-            return self.mode == "on"
-        if None in (self.prefill_s, self.step_s, self.answer_tokens):
-            return True  # nothing measured yet
-        # each row is expected to run to the usual answer length, at least one more token,
-        # at most its budget; the batch lasts as long as its longest row
-        remaining = max(min(budget, max(tokens + 1, self.answer_tokens)) - tokens for tokens, budget in progress)
-        return remaining * self.step_s > len(progress) * self.prefill_s
-
-    def prefilled(self, seconds: float, requests: int) -> None:
-        self.prefill_s = self._average(self.prefill_s, seconds / requests)
-
-    def stepped(self, seconds: float) -> None:
-        self.step_s = self._average(self.step_s, seconds)
-
-    def answered(self, tokens: int) -> None:
-        self.answer_tokens = self._average(self.answer_tokens, float(tokens))
-
-    def _average(self, old: float | None, new: float) -> float:
-        return new if old is None else old + self.smoothing * (new - old)
-
-
-def encoder_batch_limits(runtime: Runtime, max_batch: int, mode: str) -> dict[str, int]:
-    """Most images per encoder call, per tier: max_batch ("on"), 1 ("off"), or for "auto"
-    max_batch where one call on max_batch images is timed at least 20 % faster per image
-    than single calls (a margin over the timing's noise), else 1. The decoder batches
-    regardless: its steps always gain.
-
-    A tiled family's image is already several encoder inputs (its tiles): a call holds at
-    most max_batch inputs, so a tier of 5 tiles is never batched at max_batch 4. Without
-    that, timing 4 images of SmolVLM's 17 tiles would be one 68-tile call, gigabytes beyond
-    what serving one image at that tier takes."""
-    manifest = runtime.manifest
-    caps = {name: max(1, max_batch // manifest.encoder_images(tier)) for name, tier in manifest.tiers.items()}
-    if mode == "off" or max_batch == 1:
-        return dict.fromkeys(manifest.tiers, 1)
-    if mode == "on":
-        return caps
-    limits = {}
-    for tier, cap in caps.items():
-        if cap == 1:
-            limits[tier] = 1
-            continue
-        try:
-            speedup = runtime.encoder_batch_speedup(tier, cap)
-        except Exception as e:  # e.g. an engine built for smaller batches: serve, one image per call
-            log.warning("encoder at %s: a batch of %d failed (%s); encoding one image per call",
-                        tier, cap, str(e).splitlines()[0] if str(e) else type(e).__name__)
-            limits[tier] = 1
-            continue
-        limits[tier] = cap if speedup >= ENCODER_BATCH_GAIN else 1
-        log.info("encoder at %s: %d images per call run %.2fx the speed of single calls → batch %d",
-                 tier, cap, speedup, limits[tier])
-    return limits

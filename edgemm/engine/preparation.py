@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from edgemm.engine.cache import feature_key
-from edgemm.config import Config, ConfigError
-from edgemm.errors import InputError
+from edgemm.config import Config
+from edgemm.errors import ConfigError, InputError
 from edgemm.engine.generate import GenerationOptions
 from edgemm.model.family import Family, Prompt
 from edgemm.model.image import DecodeBudget, load_image

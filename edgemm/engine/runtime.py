@@ -26,7 +26,8 @@ import numpy as np
 
 from edgemm.engine.answering import Answered, Answering, InferenceResult, RequestBatch
 from edgemm.engine.cache import FeatureCache
-from edgemm.config import Config, ConfigError, load_config
+from edgemm.config import Config, load_config
+from edgemm.errors import ConfigError
 from edgemm.engine.detokenize import TextCallback
 from edgemm.engine.encoding import Encoding
 from edgemm.engine.loading import BUILTIN_MODEL, ModelComponents, default_engines_dir, default_model_dir, usable_cpus

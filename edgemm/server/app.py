@@ -27,13 +27,13 @@ from starlette.requests import ClientDisconnect, Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from edgemm.errors import EdgemmError
-from edgemm.util.generation_limits import LimitError, check_text
+from edgemm.errors import EdgemmError, Overloaded
+from edgemm.util.errors import LimitError
+from edgemm.util.generation_limits import check_text
 from edgemm.server.liveview import live_view_routes
 from edgemm.server.metrics import CONTENT_TYPE, MeasuredApp
 from edgemm.server.protocol import (DEFAULT_PROMPT, ApiError, completion, error_body, generation_options, load_image_url,
                                parse_chat_request, parse_json_body)
-from edgemm.engine.pipeline import Overloaded
 from edgemm.server.service import Service, describe, sse
 from edgemm.streams.manager import END, BodyLimit, stream_body_limit, stream_spec
 

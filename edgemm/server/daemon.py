@@ -29,7 +29,8 @@ from edgemm.config import Config, ServerConfig
 from edgemm.server.sockets import creatable_socket, socket_choices
 from edgemm.errors import EdgemmError
 from edgemm.power.offload import OffloadClient
-from edgemm.engine.pipeline import Pipeline, encoder_batch_limits
+from edgemm.engine.batching import encoder_batch_limits
+from edgemm.engine.pipeline import Pipeline
 from edgemm.power.telemetry import Sampler
 from edgemm.power.router import Router
 from edgemm.engine.runtime import Runtime

@@ -37,7 +37,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from edgemm.server.protocol import ApiError
-from edgemm.engine.pipeline import Overloaded
+from edgemm.errors import Overloaded
 from edgemm.server.service import Service
 from edgemm.streams.manager import END, AllStreamsListener, StreamSpecError, stream_body_limit
 from edgemm.streams.view import LatestFrame

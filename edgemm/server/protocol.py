@@ -26,7 +26,8 @@ import numpy as np
 import pybase64
 
 from edgemm.errors import EdgemmError
-from edgemm.util.generation_limits import LimitError, check_generation, check_text
+from edgemm.util.errors import LimitError
+from edgemm.util.generation_limits import check_generation, check_text
 
 DEFAULT_PROMPT = "describe the image"
 ROLES = ("system", "developer", "user", "assistant", "tool")

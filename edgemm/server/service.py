@@ -40,10 +40,10 @@ from starlette.requests import Request as HttpRequest
 from edgemm.streams.alerts import alert_metrics
 from edgemm.engine.answering import InferenceResult
 from edgemm.config import Config, ServerConfig
-from edgemm.errors import EdgemmError, internal_message
+from edgemm.errors import EdgemmError, Overloaded, internal_message
 from edgemm.server.metrics import ServiceMetrics
 from edgemm.server.protocol import ApiError, ChatRequest, ImagePolicy, chunk, error_body, extras, finish_reason, usage
-from edgemm.engine.pipeline import Health, Overloaded, Pipeline, Request, mark_logged, was_logged
+from edgemm.engine.pipeline import Health, Pipeline, Request, mark_logged, was_logged
 from edgemm.power.router import Router
 from edgemm.engine.runtime import Runtime
 from edgemm.streams.manager import StreamManager

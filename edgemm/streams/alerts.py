@@ -73,10 +73,10 @@ from httpcore._backends.sync import SyncStream  # httpcore's socket stream; its 
 
 from edgemm.util.backoff import Backoff
 from edgemm.config import AlertConfig, WebhookConfig
-from edgemm.errors import one_line
+from edgemm.errors import Overloaded, one_line
 from edgemm.util.prometheus import Gauge, Registry
 from edgemm.power.offload import CredentialsError, read_key_file
-from edgemm.engine.pipeline import Overloaded, Pipeline, Request
+from edgemm.engine.pipeline import Pipeline, Request
 from edgemm.streams.sources import Frame, redact_uri
 
 log = logging.getLogger("edgemm")

@@ -39,10 +39,10 @@ from typing import Any
 
 from edgemm.streams.alerts import ALERT_SHARE, StreamAlerts, check_webhooks, without_secrets
 from edgemm.util.backoff import Backoff
-from edgemm.config import MAX_ALERTS, ConfigError, LimitsConfig, StreamConfig, config_from_dict
+from edgemm.config import MAX_ALERTS, LimitsConfig, StreamConfig, config_from_dict
+from edgemm.errors import ConfigError, EdgemmError, InputError, Overloaded
 from edgemm.net.allowlist import host_allowed, url_host, webhook_allowed
-from edgemm.errors import EdgemmError, InputError
-from edgemm.engine.pipeline import Overloaded, Pipeline
+from edgemm.engine.pipeline import Pipeline
 from edgemm.streams.sources import Source, SourceError, SourceUnusable, check_uri, network_address, open_source, parse_uri
 from edgemm.streams.run import StreamOptions, run_stream
 from edgemm.streams.view import LatestFrame

@@ -23,7 +23,7 @@ import re
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from edgemm.errors import InputError
+from edgemm.util.errors import LimitError
 
 MAX_NEW_TOKENS = 4096  # most tokens one answer may ask for
 MAX_BEAMS = 16  # widest beam search (also the most decoder rows an engine is built for)
@@ -32,18 +32,6 @@ MAX_BEAMS = 16  # widest beam search (also the most decoder rows an engine is bu
 MIN_TEMPERATURE = 1e-3
 MAX_SEED = 2**64 - 1  # numpy's SeedSequence words are uint64; OpenAI's seed is an int64
 FIELDS = ("max_new_tokens", "temperature", "top_p", "seed", "num_beams", "beam_gate")
-
-
-class LimitError(InputError):
-    """One generation option out of its limits. `field` is its name as the caller spells it;
-    `rule` completes "must …"."""
-
-    def __init__(self, field: str, rule: str, value: Any):
-        self.field, self.rule, self.value = field, rule, value
-        shown = repr(value)
-        if len(shown) > 60:  # a number of 400 digits is not repeated back whole
-            shown = shown[:57] + "..."
-        super().__init__(f"{field!r} must {rule}, got {shown}")
 
 
 def check_generation(*, max_new_tokens: Any = None, temperature: Any = None, top_p: Any = None,

@@ -12,18 +12,11 @@ from __future__ import annotations
 import contextlib
 import io
 
-from edgemm.errors import EdgemmError
+from edgemm.util.errors import OpenCVUnavailable
 
 INSTALL_HINT = ("install it with: pip install 'edgemm[opencv]' (PyPI's wheel, no GStreamer); on a Jetson, "
                 "use JetPack's python3-opencv in a venv made with --system-site-packages and "
                 "pip install 'edgemm[jetson]' (NumPy 1, which that cv2 is built for)")
-
-
-class OpenCVUnavailable(EdgemmError, ImportError):
-    """cv2 cannot be imported. Exit code 2 like a bad config: the user fixes the install."""
-    exit_code = 2
-    http_status = 500
-    kind = "environment_error"
 
 
 def why_not_importable(error: ImportError) -> str:

@@ -45,7 +45,8 @@ import numpy as np
 
 from edgemm.backends.base import RunStats, TensorSpec
 from edgemm.backends.tensorrt.manifest import EngineEntry, rebuild_command, select_engines
-from edgemm.backends.tensorrt.cuda import Cuda, CudaError
+from edgemm.backends.errors import CudaError
+from edgemm.backends.tensorrt.cuda import Cuda
 from edgemm.backends.tensorrt.platform import (Platform, TrtLog, dla_core, import_cuda, import_tensorrt, probe,
                                      require_device, trt_log, trt_runtime)
 from edgemm.errors import BackendError, EngineError

@@ -16,18 +16,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edgemm.errors import EngineError, one_line
+from edgemm.backends.errors import CudaError, CudaMissing
+from edgemm.errors import one_line
 
 NO_CUDA = ("neither cuda-python nor pycuda is installed here: pip install 'edgemm[jetson,tensorrt]' "
            "on JetPack 6, 'edgemm[jetpack7,tensorrt]' on JetPack 7, else 'edgemm[tensorrt]'")
-
-
-class CudaError(EngineError):
-    """CUDA refused: the driver did not start, no device, or an allocation or copy failed."""
-
-
-class CudaMissing(CudaError):
-    """Neither cuda-python nor pycuda imports: nothing here could start the driver."""
 
 
 @dataclass(frozen=True)
