@@ -29,7 +29,8 @@ from test_server import assert_error, in_background, metric, raw_client, running
 from edgemm.cli.main import main
 from edgemm.config import ConfigError, load_config
 from edgemm.server.connections import BODY_GRACE_S
-from edgemm.server.protocol import ApiError, json_depth_exceeds, json_values_exceed, parse_json_body
+from edgemm.server.errors import ApiError
+from edgemm.server.protocol import json_depth_exceeds, json_values_exceed, parse_json_body
 from edgemm.engine.pipeline import Overloaded
 
 WAIT_S = 30  # bound for anything that should happen "now"; never a timing assumption

@@ -36,11 +36,12 @@ import pytest
 import yaml
 
 from edgemm.config import Config, ServerConfig, StreamConfig, load_config
-from edgemm.server.daemon import Daemon, ListenError, bind_unix
+from edgemm.server.daemon import Daemon, bind_unix
+from edgemm.server.errors import ApiError, ListenError
 from edgemm.util.prometheus import Counter, Gauge, Histogram, Registry
-from edgemm.server.protocol import ApiError, parse_chat_request
+from edgemm.server.protocol import parse_chat_request
 from edgemm.engine.pipeline import Overloaded
-from edgemm.server.app import infer_query
+from edgemm.server.inference_routes import infer_query
 from edgemm.server.service import Admission
 
 REPO = Path(__file__).resolve().parent.parent
