@@ -1,7 +1,7 @@
 """`edgemm serve`'s HTTP side: every endpoint in one table, and how errors become responses.
 
     client ─► uvicorn (UNIX socket, systemd's socket, or loopback TCP) ─► MeasuredApp (/metrics)
-           ─► a route of ENDPOINTS: body (≤ server.max_body_bytes or the route's smaller limit, else 413;
+           ─► its endpoint (create_app's table): body (≤ server.max_body_bytes or the route's smaller limit, else 413;
               within server.body_timeout_s of its headers, else 408; before admission: edgemm.server.bodies)
               ─► JSON (a large body on its own thread, off the event loop) ─► OpenAI schema (edgemm.server.protocol)
            ─► the service (edgemm.server.service: admission, the pipeline, cancellation)
