@@ -14,8 +14,9 @@ from edgemm.errors import ConfigError, InputError
 from edgemm.engine.generate import GenerationOptions, sample_token
 from edgemm.util.errors import LimitError
 from edgemm.util.generation_limits import MAX_BEAMS, MAX_NEW_TOKENS, MAX_SEED, MIN_TEMPERATURE, check_generation
-from edgemm.server.protocol import ApiError, parse_chat_request
-from edgemm.server.app import infer_query
+from edgemm.server.errors import ApiError
+from edgemm.server.protocol import parse_chat_request
+from edgemm.server.inference_routes import infer_query
 
 IMAGE = "data:image/png;base64,iVBORw0KGgo="  # never decoded: the options are refused first
 

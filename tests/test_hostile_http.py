@@ -30,7 +30,8 @@ from edgemm.cli.main import main
 from edgemm.config import load_config
 from edgemm.errors import ConfigError, Overloaded
 from edgemm.server.connections import BODY_GRACE_S
-from edgemm.server.protocol import ApiError, json_depth_exceeds, json_values_exceed, parse_json_body
+from edgemm.server.errors import ApiError
+from edgemm.server.protocol import json_depth_exceeds, json_values_exceed, parse_json_body
 
 WAIT_S = 30  # bound for anything that should happen "now"; never a timing assumption
 SHORT = {"header_timeout_s": 0.5, "idle_timeout_s": 0.5, "request_timeout_s": 2.0, "body_timeout_s": 1.0,

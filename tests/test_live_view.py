@@ -295,6 +295,24 @@ def test_the_all_streams_listener_is_one_of_max_stream_listeners(runtime):
         wait_until(lambda: d.service.streams.listener_count() == 0, 10, "the listener to go")
 
 
+@pytest.mark.parametrize("path", ["/v1/streams/cam/events", "/v1/events"])
+def test_both_listener_endpoints_send_keepalives_while_quiet(runtime, monkeypatch, path):
+    """A listener that got no event for sse.KEEPALIVE_S gets a comment, so idle proxies keep it
+    open; the events still come between them."""
+    monkeypatch.setattr("edgemm.server.sse.KEEPALIVE_S", 0.02)  # a stream at 1 fps is quiet for most of each second
+    stream = {"id": "cam", "source": "synthetic://?fps=1", "prompt": COLOUR, "tier": "low", "max_new_tokens": 1}
+    lines: list[str] = []
+    with running(runtime, {"streams": [stream]}) as d, raw_client(sock_path(d)) as http, \
+            http.stream("GET", path) as events:
+        for line in events.iter_lines():
+            lines.append(line)
+            results = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
+            if results and lines.count(": keepalive") >= 2 or len(results) >= 5:  # 5: about 5 s without any
+                break
+    assert lines.count(": keepalive") >= 2
+    assert results and all(result["stream"] == "cam" for result in results)
+
+
 def test_stopping_the_daemon_ends_the_all_streams_listener_even_with_no_stream(runtime, monkeypatch):
     from edgemm.streams.manager import AllStreamsListener
     from test_server import in_background

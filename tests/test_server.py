@@ -36,12 +36,13 @@ import pytest
 import yaml
 
 from edgemm.config import Config, ServerConfig, StreamConfig, load_config
-from edgemm.server.daemon import Daemon, ListenError, bind_unix
+from edgemm.server.daemon import Daemon, bind_unix
+from edgemm.server.errors import ApiError, ListenError
 from edgemm.util.prometheus import Counter, Gauge, Histogram, Registry
-from edgemm.server.protocol import ApiError, parse_chat_request
+from edgemm.server.protocol import parse_chat_request
 from edgemm.errors import Overloaded
-from edgemm.server.app import infer_query
-from edgemm.server.service import Admission
+from edgemm.server.inference_routes import infer_query
+from edgemm.server.service import Admission, TokenFeed
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "tiny-vlm"
@@ -199,6 +200,39 @@ def test_stream_is_server_sent_events_ending_with_done(http, sample):
     assert all(line.startswith("data: ") for line in events)
     assert events[-1] == "data: [DONE]"
     assert all(json.loads(line[6:])["object"] == "chat.completion.chunk" for line in events[:-1])
+
+
+def test_a_streamed_answer_waiting_for_its_tokens_sends_keepalives(http, sample, monkeypatch):
+    """No token for sse.KEEPALIVE_S (the answer queued behind others): a keepalive comment, which
+    clients skip, and the answer whole after it. The decoder is held after its first token
+    until the comment has come, so no timing decides the test."""
+    monkeypatch.setattr("edgemm.server.sse.KEEPALIVE_S", 0.02)
+    kept_alive, real_push, pushes = threading.Event(), TokenFeed.push, []
+
+    def held_push(feed: TokenFeed, text: str | None, finished: bool = False) -> None:
+        pushes.append(text)
+        if len(pushes) == 2:
+            kept_alive.wait(10)
+        real_push(feed, text, finished)
+
+    monkeypatch.setattr(TokenFeed, "push", held_push)
+    body = {"model": MODEL, "messages": user_message(data_url(sample)), "max_tokens": 4, "temperature": 0}
+    lines = []
+    try:
+        with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
+            for line in response.iter_lines():
+                lines.append(line)
+                if line == ": keepalive":
+                    kept_alive.set()
+    finally:
+        kept_alive.set()
+    assert ": keepalive" in lines
+    events = [line for line in lines if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and len(events) == len([line for line in lines if line and line[0] != ":"])
+    chunks = [json.loads(event[6:]) for event in events[:-1]]
+    streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    monkeypatch.setattr(TokenFeed, "push", real_push)
+    assert streamed == http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
 
 
 def test_models(client):

@@ -10,7 +10,7 @@ hostile. A connection is always in one of three phases:
                      server.max_header_bytes (counted as bytes arrive, so a header line
                      that never ends is not buffered whole)
             ─► busy  the request is in the app (its body is read within
-                     server.body_timeout_s: edgemm.server.app) ─► idle again (keep-alive)
+                     server.body_timeout_s: edgemm.server.bodies) ─► idle again (keep-alive)
 
 At most server.max_connections connections are open. One more evicts the connection that
 has been idle or sending its head the longest, so stalled and idle clients cannot lock
@@ -39,7 +39,7 @@ event stream whose writes are paused is cut off at once. A response still being 
 keeps its send timeout as ever.
 
 A route that keeps its connection for long (a stream's SSE listeners, bounded by
-server.max_stream_listeners in edgemm.server.app) marks it long-lived through the scope's
+server.max_stream_listeners in edgemm.server.stream_routes) marks it long-lived through the scope's
 LONG_LIVED callable; such connections are not counted in server.max_connections, so
 listeners cannot lock ordinary requests out.
 
@@ -63,17 +63,14 @@ from starlette.responses import JSONResponse
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from edgemm.server.protocol import error_body
+from edgemm.server.scope_keys import EVICT_BODY, LONG_LIVED
 
 IDLE, HEAD, BUSY = "idle", "head", "busy"
 LINGER_S = 2.0  # after a refusal: how long the rest of the client's request is read and dropped
 # a body that has been arriving this long may be closed to make room, slowest first: long
 # enough that a body sent at once is in, short enough that a trickler goes soon
 BODY_GRACE_S = 1.0
-LONG_LIVED = "edgemm.long_lived"  # scope key: call it to take the connection out of the count
 DRAIN_SEND_S = 1.0  # while the daemon drains: how long a client may take to flush what it was sent
-# scope key: call it to close the slowest body upload of another connection (True if one was
-# closed), for edgemm.server.app's body-byte pool, which stalled uploads could otherwise fill
-EVICT_BODY = "edgemm.evict_body"
 
 
 @dataclass
@@ -445,7 +442,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
             min(slow, key=lambda c: c.body_bytes / (now - c.since))._evict_body(now)
 
     def _evict_slowest_body(self) -> bool:
-        """For the body-byte pool (edgemm.server.app), full: close the upload, of another
+        """For the body-byte pool (edgemm.server.bodies), full: close the upload, of another
         connection, that has been arriving for BODY_GRACE_S at the lowest rate (408
         body_evicted); its reader then releases its bytes. False if there is none."""
         now = self.loop.time()

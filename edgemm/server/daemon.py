@@ -27,7 +27,6 @@ import uvicorn
 
 from edgemm.config import Config, ServerConfig
 from edgemm.server.sockets import creatable_socket, socket_choices
-from edgemm.errors import EdgemmError
 from edgemm.power.offload import OffloadClient
 from edgemm.engine.batching import encoder_batch_limits
 from edgemm.engine.pipeline import Pipeline
@@ -35,6 +34,7 @@ from edgemm.power.telemetry import Sampler
 from edgemm.power.router import Router
 from edgemm.engine.runtime import Runtime
 from edgemm.server.app import create_app
+from edgemm.server.errors import ListenError
 from edgemm.server.service import Service
 from edgemm.streams.manager import check_configured, reserved_places
 from edgemm.server.systemd import Notifier, listen_sockets, watchdog_interval
@@ -54,12 +54,6 @@ def run_loop(main: Coroutine) -> object:
 log = logging.getLogger("edgemm")
 
 BACKLOG = 128
-
-
-class ListenError(EdgemmError):
-    """The socket cannot be created (path in use, no permission, unknown group)."""
-    exit_code = 2
-    kind = "listen_error"
 
 
 # ---- listening sockets ---------------------------------------------------------------------

@@ -10,55 +10,41 @@
     GET /v1/streams/{id}/frame.jpg     the latest answered frame, a JPEG of at most 640 px a side
                                        (edgemm.streams.view.LatestFrame: encoded once per answer, on a pool of
                                        ENCODE_THREADS of its own); 404 before one
-    PATCH /v1/streams/{id}             {"prompt": …}: the prompt of the frames submitted from now on
 
 Everything is bounded as the rest of the API: a page's /v1/events is one of
 server.max_stream_listeners (503 beyond) and loses its oldest events when the browser reads
 slowly (counted in the streams' `lagged`); frame.jpg serves the latest frame only, nothing
-is queued for it. The page itself uses the existing API for the rest (GET/POST/DELETE
-/v1/streams, /v1/status, /v1/alerts where the daemon has alerts).
+is queued for it. The page itself uses the API for the rest (GET/POST/PATCH/DELETE
+/v1/streams, /v1/status, /v1/alerts where the daemon has alerts: edgemm.server.stream_routes).
 """
 from __future__ import annotations
 
 import asyncio
 import base64
-import json
 import logging
 import math
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 
 from starlette.requests import Request as HttpRequest
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
+from starlette.responses import Response
 
-from edgemm.server.protocol import ApiError
-from edgemm.errors import Overloaded
+from edgemm.server import sse
+from edgemm.server.errors import ApiError
+from edgemm.server.scope_keys import mark_long_lived
 from edgemm.server.service import Service
-from edgemm.streams.manager import END, AllStreamsListener, StreamSpecError, stream_body_limit
+from edgemm.streams.manager import AllStreamsListener
 from edgemm.streams.view import LatestFrame
 
 log = logging.getLogger("edgemm")
 
-# the scope key of edgemm.server.connections.LONG_LIVED (see edgemm.server.app for why it is not imported)
-LONG_LIVED = "edgemm.long_lived"
-KEEPALIVE_S = 15.0  # an SSE comment this often on a quiet /v1/events, so idle proxies keep it open
-PATCHABLE = ("prompt",)
-
 
 def page() -> bytes:
     return resources.files("edgemm").joinpath("server/web/index.html").read_bytes()
-
-
-def event_text(record: dict, event: str | None) -> str:
-    """One SSE event: a result as a plain one, an alert's change as `event: alert` (as the stream's own
-    /v1/streams/{id}/events sends them; their ids are per stream, so none is sent here)."""
-    kind = f"event: {event}\n" if event else ""
-    return f"{kind}data: {json.dumps(record)}\n\n"
 
 
 # frame.jpg's encodes: a bounded pool of the daemon's own. Its queue holds at most one encode per
@@ -259,49 +245,41 @@ class ThinnedListener(AllStreamsListener):
             self._schedule()
 
 
-def live_view_routes(service: Service, read_json: Callable[..., Awaitable[object]]) -> list[Route]:
-    """The page's routes; `read_json` is edgemm.server.app's body reader (its limits and timeouts)."""
-    html = page()  # read once: the page is part of the package
+class LiveView:
+    """The page and the endpoints it needs beyond the API's."""
 
-    async def index(http: HttpRequest) -> Response:
-        return Response(html, media_type="text/html; charset=utf-8", headers={"Cache-Control": "no-cache"})
+    def __init__(self, service: Service):
+        self.service = service
+        self.html = page()  # read once: the page is part of the package
 
-    async def all_events(http: HttpRequest) -> Response:
-        manager = service.streams
+    async def index(self, http: HttpRequest) -> Response:
+        return Response(self.html, media_type="text/html; charset=utf-8", headers={"Cache-Control": "no-cache"})
+
+    async def all_events(self, http: HttpRequest) -> Response:
+        """Every stream's results and alert events, as the stream's own /v1/streams/{id}/events sends
+        them but without ids (theirs are per stream)."""
+        manager = self.service.streams
         rate = parse_rate(http.query_params.getlist("rate"))  # before the listener's place is taken
         frames = parse_frames(http.query_params.getlist("frames"), rate)
-        limit = service.server.max_stream_listeners
-        if manager.listener_count() >= limit:
-            raise Overloaded(f"server busy: {limit} stream listeners are connected (server.max_stream_listeners); "
-                             f"retry in {service.server.retry_after_s} s")
-        if callable(mark := http.scope.get(LONG_LIVED)):
-            mark()  # out of server.max_connections, as a stream's own listener
+        self.service.check_listener_room()
+        mark_long_lived(http.scope)  # out of server.max_connections, as a stream's own listener
         listener = manager.listen_all(ThinnedListener(rate) if rate is not None else None)
 
-        async def events():
-            try:
-                yield ": edgemm live view\n\n"  # the headers and a first byte now: EventSource opens at once
-                while True:
-                    try:
-                        item = await asyncio.wait_for(listener.get(), KEEPALIVE_S)
-                    except asyncio.TimeoutError:
-                        yield ": keepalive\n\n"
-                        continue
-                    if item is END:
-                        break
-                    _, record, event = item
-                    if frames and event is None and "answer" in record:
-                        record = await with_frame(service, record)
-                    yield event_text(record, event)
-            finally:
-                manager.unlisten_all(listener)
-                if not listener.closed:
-                    listener.close()  # the client left: a thinned one's timer goes with it
+        async def render(item: tuple) -> str:
+            _, record, name = item
+            if frames and name is None and "answer" in record:
+                record = await with_frame(self.service, record)
+            return sse.event(record, name)
 
-        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        def close() -> None:
+            manager.unlisten_all(listener)
+            if not listener.closed:
+                listener.close()  # the client left: a thinned one's timer goes with it
 
-    async def frame_jpeg(http: HttpRequest) -> Response:
-        stream = service.streams.get(http.path_params["id"])  # 404 for no such stream
+        return sse.response(sse.listener_events(listener, render, close, opening=": edgemm live view\n\n"))
+
+    async def frame_jpeg(self, http: HttpRequest) -> Response:
+        stream = self.service.streams.get(http.path_params["id"])  # 404 for no such stream
         latest = stream.latest
         # encoding (a few ms for 640 px) off the event loop, on the live view's own threads (not
         # asyncio's default executor, which remote image fetches use); a frame already encoded is
@@ -312,22 +290,3 @@ def live_view_routes(service: Service, read_json: Callable[..., Awaitable[object
         number, data = encoded
         return Response(data, media_type="image/jpeg",
                         headers={"Cache-Control": "no-store", "X-Edgemm-Answer": str(number)})
-
-    async def patch_stream(http: HttpRequest) -> Response:
-        limit = stream_body_limit(service.runtime.config.limits, service.server, prompts=1)
-        body = await read_json(http, admit=False, limit=limit)  # like POST /v1/streams: no request slot
-        if not isinstance(body, dict) or not body:
-            raise StreamSpecError("a stream change is a JSON object: {\"prompt\": …}")
-        unknown = sorted(set(body) - set(PATCHABLE))
-        if unknown:
-            raise StreamSpecError(f"only {', '.join(PATCHABLE)} can be changed on a running stream, "
-                                  f"not {unknown[0]!r} (DELETE it and POST it anew)", unknown[0])
-        stream = service.streams.change_prompt(http.path_params["id"], body["prompt"])
-        return JSONResponse(stream.describe())
-
-    return [
-        Route("/", index, methods=["GET"]),
-        Route("/v1/events", all_events, methods=["GET"]),
-        Route("/v1/streams/{id}/frame.jpg", frame_jpeg, methods=["GET"]),
-        Route("/v1/streams/{id}", patch_stream, methods=["PATCH"]),
-    ]

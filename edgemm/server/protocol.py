@@ -1,8 +1,8 @@
 """The OpenAI chat-completions schema: requests in, answers and stream chunks out.
 
-No HTTP here: edgemm.server.app reads the body and hands it to `parse_chat_request`,
+No HTTP here: edgemm.server.inference_routes reads the body and hands it to `parse_chat_request`,
 turns the image URL into bytes or a path with `load_image_url`, runs the pipeline,
-and shapes the result with `completion` / `chunk`. Every refusal is an `ApiError`
+and shapes the result with `completion` / `chunk`. Every refusal is an `ApiError` (edgemm.server.errors)
 carrying its HTTP status and OpenAI's error fields (type, param, code).
 
 How a conversation maps onto a single-image model (the built-in one has no chat
@@ -25,22 +25,12 @@ from typing import Any
 import numpy as np
 import pybase64
 
-from edgemm.errors import EdgemmError
+from edgemm.server.errors import ApiError
 from edgemm.util.errors import LimitError
 from edgemm.util.generation_limits import check_generation, check_text
 
 DEFAULT_PROMPT = "describe the image"
 ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
-class ApiError(EdgemmError):
-    """A request the API refuses; str(e) is the message clients see."""
-
-    def __init__(self, message: str, status: int = 400, kind: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.http_status, self.kind, self.param, self.code = status, kind, param, code
-        self.exit_code = 2 if status < 500 else 1
 
 
 def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:

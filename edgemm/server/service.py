@@ -1,6 +1,6 @@
 """The service behind the HTTP API: admission, jobs in the pipeline, cancellation, SSE.
 
-    the body, read before admission (within server.body_timeout_s: edgemm.server.app)
+    the body, read before admission (within server.body_timeout_s: edgemm.server.bodies)
     ─► admission: at most server.queue_size requests at once; beyond, Overloaded (503 + Retry-After);
       from admission on, server.request_timeout_s covers the answer
     ─► Router.submit (the power policy: the local pipeline, or the cloud) ─► concurrent Future
@@ -25,24 +25,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import math
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from starlette.exceptions import HTTPException
 from starlette.requests import Request as HttpRequest
 
 from edgemm.streams.alerts import alert_metrics
 from edgemm.engine.answering import InferenceResult
 from edgemm.config import Config, ServerConfig
 from edgemm.errors import EdgemmError, Overloaded, internal_message
+from edgemm.server import sse
+from edgemm.server.errors import ApiError, describe
 from edgemm.server.metrics import ServiceMetrics
-from edgemm.server.protocol import ApiError, ChatRequest, ImagePolicy, chunk, error_body, extras, finish_reason, usage
+from edgemm.server.protocol import ChatRequest, ImagePolicy, chunk, error_body, extras, finish_reason, usage
 from edgemm.engine.pipeline import Health, Pipeline, Request, mark_logged, was_logged
 from edgemm.power.router import Router
 from edgemm.engine.runtime import Runtime
@@ -167,6 +167,13 @@ class Service:
             raise Overloaded(f"server busy: {self.admission.limit} requests in flight (server.queue_size); "
                              f"retry in {self.server.retry_after_s} s")
 
+    def check_listener_room(self) -> None:
+        """Overloaded (503) if server.max_stream_listeners SSE listeners are connected."""
+        limit = self.server.max_stream_listeners
+        if self.streams.listener_count() >= limit:
+            raise Overloaded(f"server busy: {limit} stream listeners are connected (server.max_stream_listeners); "
+                             f"retry in {self.server.retry_after_s} s")
+
     @contextlib.contextmanager
     def admitted(self) -> Iterator[Ticket]:
         """A slot, or Overloaded (503); taken once the request's body is in. The slot goes back
@@ -238,13 +245,14 @@ class Service:
                 mark_logged(e)
             raise EdgemmError(message) from e
 
-    async def chunks(self, job: Job, chat: ChatRequest, request_id: str, created: int):
-        """The SSE body: a role chunk, content deltas, a finish chunk, [usage], [DONE]."""
+    async def chunks(self, job: Job, chat: ChatRequest, request_id: str, created: int) -> AsyncIterator[str]:
+        """The SSE body: a role chunk, content deltas, a finish chunk, [usage], [DONE]; a
+        keepalive comment whenever no token came for sse.KEEPALIVE_S (the answer queued behind others)."""
         feed = job.feed
         assert feed is not None
 
         def piece(delta: dict | None, finish: str | None = None, **more) -> str:
-            return sse(chunk(request_id, self.model_id, created, delta, finish, **more))
+            return sse.event(chunk(request_id, self.model_id, created, delta, finish, **more))
 
         sent = ""
         try:
@@ -256,16 +264,20 @@ class Service:
                 if feed.finished:
                     break
                 feed.changed.clear()
+                remaining = job.remaining()
                 try:
-                    await asyncio.wait_for(feed.changed.wait(), job.remaining())
+                    await asyncio.wait_for(feed.changed.wait(), min(remaining, sse.KEEPALIVE_S))
                 except asyncio.TimeoutError:
+                    if remaining > sse.KEEPALIVE_S:
+                        yield sse.KEEPALIVE
+                        continue
                     job.cancelled.set()
-                    yield sse(error_body(f"no answer within {self.server.request_timeout_s} s", "timeout",
-                                         code="timeout"))
+                    yield sse.event(error_body(f"no answer within {self.server.request_timeout_s} s", "timeout",
+                                               code="timeout"))
                     break
             if feed.finished:
                 yield self.last_chunks(job, chat, sent, piece)
-            yield "data: [DONE]\n\n"
+            yield sse.DONE
         finally:
             if not job.future.done():
                 job.cancelled.set()  # the client went away mid-answer
@@ -276,7 +288,7 @@ class Service:
             result = self.outcome(job)
         except Exception as e:  # headers are sent: OpenAI's way is an error event in the stream
             _, kind, message = describe(e)
-            return sse(error_body(message, kind, code=getattr(e, "code", None)))
+            return sse.event(error_body(message, kind, code=getattr(e, "code", None)))
         self.metrics.answered(result)
         tail = result.text[len(sent):] if result.text.startswith(sent) else ""
         out = piece({"content": tail}) if tail else ""
@@ -343,22 +355,7 @@ def components(runtime: Runtime) -> dict:
             for c in runtime.components.all()}
 
 
-def sse(data: dict) -> str:
-    """One server-sent event."""
-    return f"data: {json.dumps(data)}\n\n"
-
-
 async def disconnected(http: HttpRequest) -> None:
     """Returns when the client closes the connection (the request body is read by then)."""
     while (await http.receive())["type"] != "http.disconnect":
         pass
-
-
-def describe(error: BaseException) -> tuple[int, str, str]:
-    """(HTTP status, OpenAI error type, message) for any error."""
-    if isinstance(error, HTTPException):
-        return error.status_code, "invalid_request_error" if error.status_code < 500 else "server_error", \
-            str(error.detail)
-    if isinstance(error, EdgemmError):
-        return error.http_status, error.kind, str(error)
-    return 500, "server_error", internal_message(error)
