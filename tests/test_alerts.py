@@ -31,7 +31,7 @@ from edgemm.streams.alerts import ALERT_SHARE, Debounce, Rule, StreamAlerts, Web
 from edgemm.config import AlertConfig, ConfigError, WebhookConfig, config_from_dict, load_config
 from edgemm.server.daemon import Daemon
 from edgemm.errors import InputError
-from edgemm.streams.sources import Frame, Source
+from edgemm.streams.sources.base import Frame, Source
 from edgemm.streams.run import StreamOptions, run_stream
 
 WAIT_S = 30  # upper bound for anything that should happen "now"; never a timing assumption

@@ -39,7 +39,8 @@ from starlette.routing import Route
 from edgemm.server.protocol import ApiError
 from edgemm.engine.pipeline import Overloaded
 from edgemm.server.service import Service
-from edgemm.streams.manager import END, AllStreamsListener, StreamSpecError, stream_body_limit
+from edgemm.streams.errors import StreamSpecError
+from edgemm.streams.manager import END, AllStreamsListener, stream_body_limit
 from edgemm.streams.view import LatestFrame
 
 log = logging.getLogger("edgemm")

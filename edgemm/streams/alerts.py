@@ -77,7 +77,8 @@ from edgemm.errors import one_line
 from edgemm.util.prometheus import Gauge, Registry
 from edgemm.power.offload import CredentialsError, read_key_file
 from edgemm.engine.pipeline import Overloaded, Pipeline, Request
-from edgemm.streams.sources import Frame, redact_uri
+from edgemm.streams.sources.base import Frame
+from edgemm.streams.sources.uri import redact_uri
 
 log = logging.getLogger("edgemm")
 

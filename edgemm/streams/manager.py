@@ -43,7 +43,11 @@ from edgemm.config import MAX_ALERTS, ConfigError, LimitsConfig, StreamConfig, c
 from edgemm.net.allowlist import host_allowed, url_host, webhook_allowed
 from edgemm.errors import EdgemmError, InputError
 from edgemm.engine.pipeline import Overloaded, Pipeline
-from edgemm.streams.sources import Source, SourceError, SourceUnusable, check_uri, network_address, open_source, parse_uri
+from edgemm.streams.errors import (SourceError, SourceUnusable, StreamConflict, StreamForbidden, StreamNotFound,
+                                   StreamSpecError)
+from edgemm.streams.sources import check_uri, open_source
+from edgemm.streams.sources.base import Source
+from edgemm.streams.sources.uri import network_address, parse_uri
 from edgemm.streams.run import StreamOptions, run_stream
 from edgemm.streams.view import LatestFrame
 
@@ -56,32 +60,6 @@ API_SOURCE_KINDS = ("csi", "v4l2", "rtsp", "synthetic")
 FIRST_RETRY_S, MAX_RETRY_S = 0.5, 30.0  # a stream that fails restarts after 0.5, 1, 2 … s, at most 30
 STREAM_SHARE = 2  # frames of one stream in the pipeline at once: one encoding, one decoding
 END = None  # the last item a listener gets: the stream is gone
-
-
-class StreamConflict(EdgemmError):
-    exit_code = 2
-    http_status = 409
-    kind = "invalid_request_error"
-
-
-class StreamForbidden(EdgemmError):
-    exit_code = 2
-    http_status = 403
-    kind = "permission_error"
-
-
-class StreamNotFound(EdgemmError):
-    exit_code = 2
-    http_status = 404
-    kind = "invalid_request_error"
-
-
-class StreamSpecError(InputError):
-    """A 400 for a POST /v1/streams body; `param` names the field (OpenAI's error shape)."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
 
 
 _NAMED = re.compile(r"'([A-Za-z_][\w.\[\]]*)' must")  # the key a config check names: 'streams[0].fps' must …

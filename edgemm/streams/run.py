@@ -35,7 +35,7 @@ import numpy as np
 from edgemm.errors import InputError
 from edgemm.util.opencv import cv2
 from edgemm.engine.pipeline import Pipeline, Request
-from edgemm.streams.sources import Frame, Source
+from edgemm.streams.sources.base import Frame, Source
 
 _END = object()
 PENDING_EXTRA = 8  # reused frames and errors queued for emitting beyond the frames in flight
