@@ -13,8 +13,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from edgemm.config import OffloadConfig, load_config
-from edgemm.power.offload import (CircuitBreaker, CredentialsError, OffloadClient, OffloadError, OffloadTimeout,
-                            OffloadUnavailable, data_url, read_api_key)
+from edgemm.power.errors import OffloadError, OffloadTimeout, OffloadUnavailable
+from edgemm.power.offload import CircuitBreaker, OffloadClient, data_url, read_api_key
+from edgemm.util.errors import CredentialsError
 
 KEY = "sk-test-5f3c2a9e-SECRET"
 PNG = b"\x89PNG\r\n\x1a\n" + b"\0" * 32

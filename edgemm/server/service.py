@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from starlette.exceptions import HTTPException
 from starlette.requests import Request as HttpRequest
 
-from edgemm.streams.alerts import alert_metrics
+from edgemm.streams.alerts.metrics import alert_metrics
 from edgemm.engine.answering import InferenceResult
 from edgemm.config import Config, ServerConfig
 from edgemm.errors import EdgemmError, internal_message
