@@ -47,6 +47,7 @@ from edgemm.engine.pipeline import Health, Overloaded, Pipeline, Request, mark_l
 from edgemm.power.router import Router
 from edgemm.engine.runtime import Runtime
 from edgemm.streams.manager import StreamManager
+from edgemm.streams.state import StreamState
 
 log = logging.getLogger("edgemm")
 
@@ -325,7 +326,7 @@ class Service:
         health = self.health()
         if not health.ok:
             state = f"unhealthy ({health.reason}), {state}"
-        running = sum(s.figures.state == "running" for s in self.streams.streams.values())
+        running = sum(s.figures.state is StreamState.RUNNING for s in self.streams.streams.values())
         stopping = len(self.streams.still_stopping())
         return (f"{state} {self.model_id}: {self.admission.count} in flight, {stats.completed} answered, "
                 f"{stats.failed} failed, {self.metrics.refused} refused; "

@@ -50,6 +50,7 @@ from edgemm.streams.sources.uri import parse_uri
 from edgemm.streams.api_policy import (api_may_connect_to, api_may_post_to, api_may_start, api_may_use_tokens,
                                        without_secrets)
 from edgemm.streams.run import StreamOptions, run_stream
+from edgemm.streams.state import StreamState
 from edgemm.streams.view import LatestFrame
 
 log = logging.getLogger("edgemm")
@@ -117,8 +118,7 @@ class AllStreamsListener(ListenerQueue):
 
 @dataclass
 class StreamFigures:
-    state: str = "starting"  # starting | running | retrying | failed | ended | stopped
-    # (and "stopping" in what the API shows of a deleted stream whose thread has not ended: describe())
+    state: StreamState = StreamState.STARTING
     frames: int = 0  # answered frames
     errors: int = 0
     dropped: int = 0  # live frames replaced by newer ones before processing (the current run)
@@ -159,7 +159,7 @@ class ManagedStream:
             figures = asdict(self.figures)
         source = self._source
         if self.deleted_at is not None:  # deleted, its thread not ended yet (a camera call under way)
-            figures["state"] = "stopping"
+            figures["state"] = StreamState.STOPPING
             figures["stopping_s"] = round(time.monotonic() - self.deleted_at, 1)  # since the DELETE
         return {"id": self.spec.id, "object": "stream", **without_secrets(asdict(self.spec)), **figures,
                 # a live camera that stops delivering is first reopened by the source itself
@@ -227,21 +227,21 @@ class ManagedStream:
                 error = self._run_once()
             except SourceUnusable as e:  # no retry can fix it: say so once, and stay down
                 log.error("stream %s: %s; not retried", self.spec.id, e)
-                self._set(state="failed", last_error=str(e))
+                self._set(StreamState.FAILED, last_error=str(e))
                 break
             if self._stop.is_set():
                 break
             if error is None:
-                self._set(state="ended")
+                self._set(StreamState.ENDED)
                 break
             if self.figures.frames > answered:  # a run that answered frames worked: start over
                 retry.reset()
             delay = retry.next()
             log.warning("stream %s: %s; retrying in %.1f s", self.spec.id, error, delay)
-            self._set(state="retrying", last_error=error, retries=self.figures.retries + 1)
+            self._set(StreamState.RETRYING, last_error=error, retries=self.figures.retries + 1)
             self._stop.wait(delay)
         if self._stop.is_set():
-            self._set(state="stopped")
+            self._set(StreamState.STOPPED)
         if self.alerts is not None:
             self.alerts.settle()  # its last alert events go out before the stream's end
             self.alerts.close()
@@ -298,12 +298,13 @@ class ManagedStream:
     def _source_health(self, reason: str | None) -> None:
         """From the source's reading thread: it delivers (None) or it failed and retries."""
         with self._lock:
-            if self._stop.is_set() or self.figures.state not in ("starting", "running", "retrying"):
+            if self._stop.is_set() or not self.figures.state.live:
                 return
             if reason is None:
-                self.figures.state = "running"
+                self.figures.state = self.figures.state.to(StreamState.RUNNING)
             else:
-                self.figures.state, self.figures.last_error = "retrying", reason
+                self.figures.state = self.figures.state.to(StreamState.RETRYING)
+                self.figures.last_error = reason
 
     def _post(self, record: dict | None) -> None:
         with contextlib.suppress(RuntimeError):  # the loop is gone: the daemon is exiting
@@ -314,8 +315,9 @@ class ManagedStream:
         with contextlib.suppress(RuntimeError):
             self.loop.call_soon_threadsafe(self._deliver, event, "alert")
 
-    def _set(self, **changes) -> None:
+    def _set(self, state: StreamState, **changes: Any) -> None:
         with self._lock:
+            self.figures.state = self.figures.state.to(state)
             for key, value in changes.items():
                 setattr(self.figures, key, value)
 
