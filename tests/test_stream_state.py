@@ -374,3 +374,20 @@ def test_a_password_in_the_query_or_unescaped_in_the_user_info_is_never_shown(ru
         refused = http.post("/v1/streams", json={**spec, "id": "hash", "source": f"rtsp://admin:{secret}#1@127.0.0.1:1/s"})
         assert refused.status_code == 400 and secret not in refused.text
         assert refused.json()["error"]["message"].startswith("rtsp://***@127.0.0.1:1/s: ")
+
+
+def test_stream_states_show_as_their_strings_and_move_only_as_the_table_allows():
+    """The API and /metrics show the same strings as ever; a change the table lacks is a bug, raised."""
+    import json
+
+    from edgemm.streams.state import StreamState
+    assert [s.value for s in StreamState] == ["starting", "running", "retrying", "failed", "ended", "stopped",
+                                              "stopping"]
+    assert json.dumps({"state": StreamState.RETRYING}) == '{"state": "retrying"}'
+    assert f"{StreamState.FAILED}" == "failed" and StreamState.RUNNING == "running"
+    assert StreamState.STARTING.to(StreamState.RUNNING) is StreamState.RUNNING
+    assert StreamState.FAILED.to(StreamState.STOPPED) is StreamState.STOPPED
+    for stuck, new in [(StreamState.STOPPED, StreamState.RUNNING), (StreamState.FAILED, StreamState.RETRYING),
+                       (StreamState.ENDED, StreamState.RUNNING), (StreamState.RUNNING, StreamState.STOPPING)]:
+        with pytest.raises(ValueError, match=f"from {stuck.value} to {new.value}"):
+            stuck.to(new)
