@@ -1,4 +1,4 @@
-"""Alerts (edgemm/streams/alerts.py): rules read answers, debounce turns readings into states, the
+"""Alerts (edgemm/streams/alerts/): rules read answers, debounce turns readings into states, the
 state changes reach SSE listeners, GET /v1/alerts, /metrics and webhooks, and nothing a
 slow or hanging webhook does slows the stream.
 
@@ -26,12 +26,17 @@ import numpy as np
 import pytest
 from test_server import assert_error, metric, raw_client, running, sock_path, wait_until
 
-import edgemm.streams.alerts
-from edgemm.streams.alerts import ALERT_SHARE, Debounce, Rule, StreamAlerts, WebhookSender
+import edgemm.net.outbound
+import edgemm.streams.alerts.schedule
+import edgemm.streams.alerts.webhook
+from edgemm.streams.alerts.rules import Rule
+from edgemm.streams.alerts.schedule import ALERT_SHARE, Debounce, StreamAlerts
+from edgemm.streams.alerts.webhook import WebhookSender
 from edgemm.config import AlertConfig, WebhookConfig, config_from_dict, load_config
-from edgemm.errors import ConfigError, InputError
 from edgemm.server.daemon import Daemon
-from edgemm.streams.sources import Frame, Source
+from edgemm.errors import ConfigError, InputError
+from edgemm.util.errors import CredentialsError
+from edgemm.streams.sources.base import Frame, Source
 from edgemm.streams.run import StreamOptions, run_stream
 
 WAIT_S = 30  # upper bound for anything that should happen "now"; never a timing assumption
@@ -245,7 +250,7 @@ def test_an_alert_is_deferred_while_the_stream_is_behind_but_asked_at_least_ever
             if not request.future.done():
                 request.future.set_result(SimpleNamespace(text="no"))
     asked = {p: [r.tag.index for r in pipeline.requests if r.prompt == p] for p in {r.prompt for r in pipeline.requests}}
-    assert edgemm.streams.alerts.SPARE_AFTER == 3
+    assert edgemm.streams.alerts.schedule.SPARE_AFTER == 3
     assert asked["is there a cat ?"] == [0, 4, 8, 12, 13]  # the floor while behind, every frame once keeping up
     assert asked["is there a dog ?"] == [0, 4, 8, 12]  # due every 3rd frame: deferred to the floor, 4
     assert asked["is there a cow ?"] == [0, 6, 12]  # `every` above max_every: `every` is its floor
@@ -743,7 +748,7 @@ def test_a_webhook_token_file_must_be_the_owners_only(tmp_path, hook):
     token = tmp_path / "token"
     token.write_text(TOKEN + "\n")
     token.chmod(0o644)
-    with pytest.raises(edgemm.streams.alerts.CredentialsError) as info:
+    with pytest.raises(CredentialsError) as info:
         WebhookSender(WebhookConfig(url=hook.url, token_file=str(token)), "streams (cam).webhook")
     assert str(info.value) == (f"streams (cam).webhook.token_file: refusing {token}: mode 0644 lets group or "
                                f"others access it (chmod 600 {token})")
@@ -1047,7 +1052,7 @@ def test_a_proxy_webhooks_cannot_use_fails_each_event_saying_why_and_starts_noth
 
 
 def test_no_proxy_is_read_by_host_name_ipv6_included(monkeypatch):
-    from edgemm.streams.alerts import environment_proxy
+    from edgemm.net.outbound import environment_proxy
     for name in PROXY_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HTTP_PROXY", "proxy.example:3128")
@@ -1084,7 +1089,7 @@ def test_timeout_s_covers_a_name_lookup_that_hangs_and_hung_lookups_are_bounded(
         return resolve(host, *args, **kwargs)
 
     monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
-    monkeypatch.setattr(edgemm.streams.alerts, "NAME_LOOKUPS", edgemm.streams.alerts.NameLookups(limit=1))
+    monkeypatch.setattr(edgemm.net.outbound, "NAME_LOOKUPS", edgemm.net.outbound.NameLookups(limit=1))
     try:
         sender = WebhookSender(WebhookConfig(url="http://hangs.invalid:8080/", timeout_s=0.5, retries=0), "w")
         sender.send(EVENT)
@@ -1120,8 +1125,8 @@ def test_a_webhooks_tls_context_is_made_on_its_own_thread_not_the_callers(monkey
     """Making a TLS context loads the CA bundle (tens of ms): a stream created on the event loop
     must not hold every other client up for it."""
     makers: list[str] = []
-    real = edgemm.streams.alerts.httpx.create_ssl_context
-    monkeypatch.setattr(edgemm.streams.alerts.httpx, "create_ssl_context",
+    real = edgemm.net.outbound.httpx.create_ssl_context
+    monkeypatch.setattr(edgemm.net.outbound.httpx, "create_ssl_context",
                         lambda *a, **k: makers.append(threading.current_thread().name) or real(*a, **k))
     sender = WebhookSender(WebhookConfig(url="https://127.0.0.1:9/hook", timeout_s=1, retries=0), "w")
     assert threading.current_thread().name not in makers
@@ -1134,7 +1139,7 @@ def test_a_webhooks_tls_context_is_made_on_its_own_thread_not_the_callers(monkey
 def test_a_webhook_that_cannot_make_its_client_drops_its_events_counted(monkeypatch, caplog):
     def no_bundle(*a, **k):
         raise OSError("no CA bundle at /etc/ssl/certs")
-    monkeypatch.setattr(edgemm.streams.alerts.httpx, "create_ssl_context", no_bundle)
+    monkeypatch.setattr(edgemm.net.outbound.httpx, "create_ssl_context", no_bundle)
     sender = WebhookSender(WebhookConfig(url="https://127.0.0.1:9/hook", timeout_s=1, retries=0), "w")
     sender.thread.join(30)
     assert not sender.thread.is_alive()
@@ -1146,7 +1151,7 @@ def test_a_webhook_that_cannot_make_its_client_drops_its_events_counted(monkeypa
 def test_beyond_max_draining_a_closed_webhook_is_abandoned_at_once(monkeypatch):
     """With MAX_DRAINING closed webhooks draining already, close() shuts the connection in
     flight and drops the queue: the thread ends now, not after its 60 s timeout."""
-    monkeypatch.setattr(edgemm.streams.alerts, "MAX_DRAINING", 0)
+    monkeypatch.setattr(edgemm.streams.alerts.webhook, "MAX_DRAINING", 0)
     with hanging() as url:
         sender = WebhookSender(WebhookConfig(url=url, timeout_s=60, retries=3), "w")
         sender.send({**EVENT, "frame": 0})
@@ -1209,7 +1214,7 @@ def webhook_threads() -> int:
 def test_an_abandoned_webhook_connecting_to_a_host_that_drops_syns_ends_within_1_s(monkeypatch):
     """A connect in progress is shut by abandon(), as a connection is: the thread ends within
     1 s, not after its 60 s timeout, and its socket is closed."""
-    monkeypatch.setattr(edgemm.streams.alerts, "MAX_DRAINING", 0)
+    monkeypatch.setattr(edgemm.streams.alerts.webhook, "MAX_DRAINING", 0)
     with blackhole() as (url, port):
         baseline = sockets_to(port)  # the fillers'
         sender = WebhookSender(WebhookConfig(url=url, timeout_s=60, retries=3), "w")
@@ -1246,7 +1251,7 @@ def test_ended_streams_webhooks_to_a_host_that_drops_syns_leave_only_max_drainin
     host that drops SYNs, each stream closed with its webhooks mid-connect. At most
     MAX_DRAINING keep draining (each for at most its timeout_s); the others end within
     about a second, their sockets closed; after timeout_s every one is gone."""
-    draining = edgemm.streams.alerts.MAX_DRAINING
+    draining = edgemm.streams.alerts.webhook.MAX_DRAINING
     with blackhole() as (url, port):
         baseline_sockets, baseline_threads = sockets_to(port), webhook_threads()
         hook = {"url": url, "timeout_s": 5, "retries": 0}
@@ -1277,7 +1282,7 @@ def test_a_webhook_tries_its_hosts_addresses_in_turn_ipv6_included_with_tcp_node
     server = Hook(host="::1")
     used: list[tuple[int, int]] = []  # (family, TCP_NODELAY) of each socket handed to httpcore
 
-    class Recorded(edgemm.streams.alerts.SyncStream):
+    class Recorded(edgemm.net.outbound.SyncStream):
         def __init__(self, sock: socket.socket) -> None:
             used.append((sock.family, sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)))
             super().__init__(sock)
@@ -1287,8 +1292,8 @@ def test_a_webhook_tries_its_hosts_addresses_in_turn_ipv6_included_with_tcp_node
         return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", server.port)),  # nobody there
                 (socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", server.port, 0, 0))]
 
-    monkeypatch.setattr(edgemm.streams.alerts, "SyncStream", Recorded)
-    monkeypatch.setattr(edgemm.streams.alerts.NAME_LOOKUPS, "resolve", resolve)
+    monkeypatch.setattr(edgemm.net.outbound, "SyncStream", Recorded)
+    monkeypatch.setattr(edgemm.net.outbound.NAME_LOOKUPS, "resolve", resolve)
     try:
         sender = WebhookSender(WebhookConfig(url=f"http://hook.test:{server.port}/edgemm", retries=0), "w")
         sender.send(EVENT)
@@ -1325,7 +1330,7 @@ def test_daemon_alerts_post_their_changes_to_the_webhook(runtime, hook, monkeypa
 def test_every_frame_is_answered_and_every_change_counted_while_the_webhook_hangs(runtime, monkeypatch):
     """By counts: the stream answers every one of its frames while its webhook's one attempt
     hangs, delivers nothing, and every change is held by it, queued (at most 2) or dropped."""
-    monkeypatch.setattr(edgemm.streams.alerts, "WEBHOOK_QUEUE", 2)
+    monkeypatch.setattr(edgemm.streams.alerts.webhook, "WEBHOOK_QUEUE", 2)
     frames = 40
     with hanging() as url:
         spec = counting_stream("shapes", frames, webhook={"url": url, "timeout_s": 60, "retries": 0})
@@ -1427,7 +1432,7 @@ def test_a_webhook_token_file_is_relative_to_the_config_file(tmp_path):
 def test_an_abandoned_https_webhook_in_its_tls_handshake_ends_within_1_s(monkeypatch):
     """A host that accepts the connection and never answers the TLS hello: abandon() shuts the
     socket the handshake waits on (httpcore's own start_tls took its fd from the one registered)."""
-    monkeypatch.setattr(edgemm.streams.alerts, "MAX_DRAINING", 0)
+    monkeypatch.setattr(edgemm.streams.alerts.webhook, "MAX_DRAINING", 0)
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen(8)

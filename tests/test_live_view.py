@@ -596,7 +596,7 @@ def test_view_to_rtp_sends_h264_over_rtp(tmp_path):
     """The real GStreamer pipeline: runs where OpenCV has GStreamer and x264enc (CI's Jetson
     stand-in: Debian's python3-opencv and GStreamer's good and ugly plugins; on a Jetson,
     nvv4l2h264enc)."""
-    from edgemm.streams.sources import gstreamer_available, gstreamer_element_exists
+    from edgemm.streams.sources.gstreamer import gstreamer_available, gstreamer_element_exists
     needed = ("appsrc", "videoconvert", "rtph264pay", "udpsink")
     if not gstreamer_available() or not all(map(gstreamer_element_exists, needed)) \
             or edgemm.streams.view._h264_encoder() is None:

@@ -13,8 +13,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from edgemm.config import OffloadConfig, load_config
-from edgemm.power.offload import (CircuitBreaker, CredentialsError, OffloadClient, OffloadError, OffloadTimeout,
-                            OffloadUnavailable, data_url, read_api_key)
+from edgemm.power.errors import OffloadError, OffloadTimeout, OffloadUnavailable
+from edgemm.power.offload import CircuitBreaker, OffloadClient, data_url, read_api_key
+from edgemm.util.errors import CredentialsError
 
 KEY = "sk-test-5f3c2a9e-SECRET"
 PNG = b"\x89PNG\r\n\x1a\n" + b"\0" * 32
@@ -118,6 +119,58 @@ def test_slow_endpoint_times_out(endpoint):
         client.chat(PNG, "describe the image")
     assert time.monotonic() - started < 0.9
     assert "within 0.2 s" in str(info.value) and info.value.http_status == 504
+
+
+def test_requests_at_once_each_keep_their_own_deadline_on_connections_of_their_own(endpoint):
+    """The offload workers send at once (offload.max_concurrent): each attempt has its own deadline
+    (one thread's does not cut another's short) and its own connection (none waits for another's)."""
+    endpoint.script = ["slow"]
+    endpoint.slow_s = 0.6
+    client, _ = make_client(endpoint, timeout_s=2.0, retries=0, max_concurrent=2)
+    replies: list = []
+    started = time.monotonic()
+    threads = [threading.Thread(target=lambda: replies.append(client.chat(PNG, "describe the image")))
+               for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert [r.text for r in replies] == ["three shapes"] * 2
+    assert time.monotonic() - started < 1.1  # side by side, not one after the other (1.2 s)
+
+
+def test_an_attempt_is_bounded_as_a_whole_not_per_read(monkeypatch):
+    """offload.timeout_s holds for the whole attempt: an endpoint that sends its reply a byte at a
+    time (each read well within the timeout) still times out at it."""
+    import socket
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    stop = threading.Event()
+
+    def drip() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.recv(65536)
+            for byte in b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n" + b"x" * 1000:
+                if stop.wait(0.05):
+                    return
+                with contextlib.suppress(OSError):
+                    conn.sendall(bytes([byte]))
+
+    threading.Thread(target=drip, daemon=True).start()
+    config = OffloadConfig(enabled=True, url=f"http://127.0.0.1:{server.getsockname()[1]}/v1", model="m",
+                           timeout_s=0.5, retries=0)
+    client = OffloadClient(config, KEY)
+    started = time.monotonic()
+    try:
+        with pytest.raises(OffloadTimeout, match="within 0.5 s"):
+            client.chat(PNG, "describe the image")
+        assert time.monotonic() - started < 2.0
+    finally:
+        stop.set()
+        client.close()
+        server.close()
 
 
 def test_5xx_is_retried_with_backoff(endpoint):

@@ -147,7 +147,7 @@ def test_a_cv2_built_for_numpy_1_under_numpy_2_is_one_line_not_numpys_page(tmp_p
 
 
 def _system_gstreamer() -> bool:
-    from edgemm.streams.sources import gstreamer_available
+    from edgemm.streams.sources.gstreamer import gstreamer_available
     return gstreamer_available()
 
 
@@ -158,7 +158,10 @@ def test_with_a_gstreamer_opencv_a_csi_pipeline_gets_past_the_check_and_runs():
     csi:// passes edgemm's GStreamer check, and its pipeline runs in this OpenCV's GStreamer once
     the Argus camera and NVIDIA's converter (absent off a Jetson) are replaced by a test source."""
     from edgemm.util.opencv import cv2
-    from edgemm.streams.sources import CsiSource, SourceUnusable, csi_pipeline, open_source
+    from edgemm.streams.errors import SourceUnusable
+    from edgemm.streams.sources import open_source
+    from edgemm.streams.sources.capture import CsiSource
+    from edgemm.streams.sources.gstreamer import csi_pipeline
 
     source = open_source("csi://0")
     assert isinstance(source, CsiSource)

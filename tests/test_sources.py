@@ -14,13 +14,16 @@ import cv2
 import numpy as np
 import pytest
 
-from edgemm.streams import sources
+from edgemm.streams.sources import capture, gstreamer
 from edgemm.errors import InputError
 from edgemm.model.errors import ImageError
 from edgemm.model.scenes import Scene, make_scene
-from edgemm.streams.sources import (CaptureSource, SourceError, SourceSpec, SourceUnusable, SyntheticSource,
-                            check_uri, csi_pipeline, open_source, parse_uri, pipeline_elements, rtsp_capture_args,
-                            rtsp_pipeline)
+from edgemm.streams.errors import SourceError, SourceUnusable
+from edgemm.streams.sources import check_uri, open_source
+from edgemm.streams.sources.capture import CaptureSource
+from edgemm.streams.sources.gstreamer import csi_pipeline, pipeline_elements, rtsp_capture_args, rtsp_pipeline
+from edgemm.streams.sources.synthetic import SyntheticSource
+from edgemm.streams.sources.uri import KINDS, SourceSpec, parse_uri, redact_uri
 
 RED_BGR, GREEN_BGR, BLUE_BGR = (0, 0, 255), (0, 255, 0), (255, 0, 0)
 NO_GSTREAMER = ("csi://0 needs OpenCV built with GStreamer (this OpenCV has none; "
@@ -43,7 +46,7 @@ def write_video(path, colours_bgr, size=64):
 
 @pytest.fixture
 def no_gstreamer(monkeypatch):
-    monkeypatch.setattr(sources, "gstreamer_available", lambda: False)
+    monkeypatch.setattr(gstreamer, "gstreamer_available", lambda: False)
 
 
 # ---- parsing --------------------------------------------------------------------------
@@ -76,7 +79,7 @@ def no_gstreamer(monkeypatch):
 ])
 def test_parse_uri(uri, kind, location, options):
     assert parse_uri(uri) == SourceSpec(kind, location, options)
-    assert kind in sources.KINDS
+    assert kind in KINDS
 
 
 def test_parse_uri_folder(tmp_path):
@@ -147,7 +150,7 @@ def test_rtsp_credentials_stay_out_of_messages():
     ("/dev/video0", "/dev/video0"),
 ])
 def test_redaction_hides_every_part_that_could_be_a_password(uri, shown):
-    assert sources.redact_uri(uri) == shown
+    assert redact_uri(uri) == shown
 
 
 @pytest.mark.parametrize("uri, secret", [("rtsp://admin:pa#ss@10.0.0.5/live", "pa#ss"),
@@ -213,7 +216,7 @@ def test_rtsp_latency_from_uri_or_keyword():
 
 
 def test_gstreamer_available_reads_build_information(monkeypatch):
-    check = sources.gstreamer_available.__wrapped__  # uncached
+    check = gstreamer.gstreamer_available.__wrapped__  # uncached
     monkeypatch.setattr(cv2, "getBuildInformation",
                         lambda: "  Video I/O:\n    GStreamer:                   YES (1.20.3)\n")
     assert check() is True
@@ -242,7 +245,7 @@ def test_rtsp_falls_back_to_ffmpeg(no_gstreamer, monkeypatch):
         opened.append((target, api))
         return None
 
-    monkeypatch.setattr(sources, "_video_capture", fake_capture)
+    monkeypatch.setattr(capture, "video_capture", fake_capture)
     with pytest.raises(SourceError, match=r"could not open camera rtsp://cam/x"):
         open_source("rtsp://cam/x?latency=10", reconnect=False).open()
     assert opened == [("rtsp://cam/x", cv2.CAP_FFMPEG)]
@@ -642,8 +645,8 @@ def test_a_v4l2_path_that_is_no_camera_is_unusable(uri, message):
 
 def test_a_v4l2_device_without_permission_is_unusable(monkeypatch):
     # /dev/null stands in for a camera node (major 81) that this user may not open (tests run as root)
-    monkeypatch.setattr(sources, "V4L2_MAJOR", os.major(os.stat("/dev/null").st_rdev))
-    monkeypatch.setattr(sources.os, "access", lambda path, mode: False)
+    monkeypatch.setattr(capture, "V4L2_MAJOR", os.major(os.stat("/dev/null").st_rdev))
+    monkeypatch.setattr(capture.os, "access", lambda path, mode: False)
     with pytest.raises(SourceUnusable, match=r"^camera /dev/null: permission denied \(add the user to the group"):
         open_source("v4l2:///dev/null").check()
 
@@ -661,49 +664,49 @@ def test_pipeline_elements():
 
 def test_csi_whose_pipeline_cannot_be_built_is_unusable(monkeypatch):
     """GStreamer in OpenCV, but no nvarguscamerasrc (not a Jetson, or no JetPack plugins)."""
-    monkeypatch.setattr(sources, "gstreamer_available", lambda: True)
-    monkeypatch.setattr(sources, "gstreamer_element_exists", lambda name: name != "nvarguscamerasrc")
+    monkeypatch.setattr(gstreamer, "gstreamer_available", lambda: True)
+    monkeypatch.setattr(gstreamer, "gstreamer_element_exists", lambda name: name != "nvarguscamerasrc")
     opened = []
-    monkeypatch.setattr(sources, "_video_capture", lambda *args: opened.append(args))
+    monkeypatch.setattr(capture, "video_capture", lambda *args: opened.append(args))
     with pytest.raises(SourceUnusable) as info:
         open_source("csi://0").open()
     assert str(info.value) == ("csi://0: GStreamer has no element nvarguscamerasrc "
                                "(NVIDIA's GStreamer plugins come with JetPack, on a Jetson only)")
     assert opened == []  # refused before OpenCV was asked
-    monkeypatch.setattr(sources, "gstreamer_element_exists", lambda name: name != "rtspsrc")
+    monkeypatch.setattr(gstreamer, "gstreamer_element_exists", lambda name: name != "rtspsrc")
     with pytest.raises(SourceUnusable, match=r"^rtsp://cam/x\?backend=gstreamer: GStreamer has no element rtspsrc"):
         open_source("rtsp://cam/x?backend=gstreamer").open()
 
 
 @pytest.mark.skipif(ctypes.util.find_library("gstreamer-1.0") is None, reason="needs libgstreamer-1.0")
 def test_gstreamer_element_exists_asks_the_real_registry():
-    sources.gstreamer_element_exists.cache_clear()
+    gstreamer.gstreamer_element_exists.cache_clear()
     try:
-        assert sources.gstreamer_element_exists("fakesrc") is True  # in GStreamer's core
-        assert sources.gstreamer_element_exists("nvarguscamerasrc-nowhere") is False
+        assert gstreamer.gstreamer_element_exists("fakesrc") is True  # in GStreamer's core
+        assert gstreamer.gstreamer_element_exists("nvarguscamerasrc-nowhere") is False
     finally:
-        sources.gstreamer_element_exists.cache_clear()
+        gstreamer.gstreamer_element_exists.cache_clear()
 
 
 @pytest.mark.skipif(shutil.which("gst-inspect-1.0") is None, reason="needs GStreamer's gst-inspect-1.0")
 def test_gstreamer_element_exists_without_the_library_asks_gst_inspect(monkeypatch):
-    monkeypatch.setattr(sources, "_gstreamer_registry", lambda: None)
-    sources.gstreamer_element_exists.cache_clear()
+    monkeypatch.setattr(gstreamer, "_gstreamer_registry", lambda: None)
+    gstreamer.gstreamer_element_exists.cache_clear()
     try:
-        assert sources.gstreamer_element_exists("fakesrc") is True
-        assert sources.gstreamer_element_exists("nvarguscamerasrc-nowhere") is False
+        assert gstreamer.gstreamer_element_exists("fakesrc") is True
+        assert gstreamer.gstreamer_element_exists("nvarguscamerasrc-nowhere") is False
     finally:
-        sources.gstreamer_element_exists.cache_clear()
+        gstreamer.gstreamer_element_exists.cache_clear()
 
 
 def test_gstreamer_element_exists_says_none_when_nobody_can_tell(monkeypatch):
-    monkeypatch.setattr(sources, "_gstreamer_registry", lambda: None)
-    monkeypatch.setattr(sources.shutil, "which", lambda name: None)
-    sources.gstreamer_element_exists.cache_clear()
+    monkeypatch.setattr(gstreamer, "_gstreamer_registry", lambda: None)
+    monkeypatch.setattr(gstreamer.shutil, "which", lambda name: None)
+    gstreamer.gstreamer_element_exists.cache_clear()
     try:
-        assert sources.gstreamer_element_exists("nvarguscamerasrc") is None
+        assert gstreamer.gstreamer_element_exists("nvarguscamerasrc") is None
     finally:
-        sources.gstreamer_element_exists.cache_clear()
+        gstreamer.gstreamer_element_exists.cache_clear()
 
 
 def test_without_gstreamer_csi_is_unusable(no_gstreamer):

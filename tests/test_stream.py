@@ -22,11 +22,15 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from edgemm.streams import sources
+from edgemm.streams.sources import capture, gstreamer
 from edgemm.cli.main import main
 from edgemm.engine.pipeline import Pipeline
 from edgemm.model.scenes import make_scene
-from edgemm.streams.sources import CaptureSource, Frame, Source, SourceError, gstreamer_available, open_source
+from edgemm.streams.errors import SourceError
+from edgemm.streams.sources import open_source
+from edgemm.streams.sources.base import Frame, Source
+from edgemm.streams.sources.capture import CaptureSource
+from edgemm.streams.sources.gstreamer import gstreamer_available
 from edgemm.streams.run import _END, ChangeGate, FrameFilter, LatestSlot, StreamOptions, run_stream
 
 WAIT_S = 30  # upper bound for anything that should happen "now"; never a timing assumption
@@ -471,7 +475,7 @@ def test_stop_answers_every_frame_already_taken(runtime, monkeypatch):
 
 def test_stop_while_a_live_camera_is_reconnecting(runtime, monkeypatch):
     """Ctrl-C with the camera unplugged: the reader is inside read(), retrying; stop must end it."""
-    monkeypatch.setattr(logging.getLogger("edgemm.streams.sources"), "disabled", True)  # reconnect warnings
+    monkeypatch.setattr(logging.getLogger("edgemm.streams.sources.capture"), "disabled", True)  # reconnect warnings
 
     class UnpluggedCamera(CaptureSource):
         def __init__(self):
@@ -713,8 +717,8 @@ def invoke_bounded(cli, *args):
 
 def test_cli_csi_whose_pipeline_cannot_be_built_exits_2(cli, monkeypatch):
     """GStreamer present, nvarguscamerasrc absent (faked: this machine is no Jetson)."""
-    monkeypatch.setattr(sources, "gstreamer_available", lambda: True)
-    monkeypatch.setattr(sources, "gstreamer_element_exists", lambda name: name != "nvarguscamerasrc")
+    monkeypatch.setattr(gstreamer, "gstreamer_available", lambda: True)
+    monkeypatch.setattr(gstreamer, "gstreamer_element_exists", lambda name: name != "nvarguscamerasrc")
     result = invoke_bounded(cli, "csi://0")
     assert result.exit_code == 2
     assert stderr_lines(result) == ["edgemm: error: csi://0: GStreamer has no element nvarguscamerasrc "
@@ -724,9 +728,9 @@ def test_cli_csi_whose_pipeline_cannot_be_built_exits_2(cli, monkeypatch):
 def test_cli_csi_camera_that_does_not_open_exits_2(cli, monkeypatch):
     """The pipeline's elements are there (or nobody can say), but OpenCV cannot open it: no
     camera on that sensor. Reported at once, not retried for ever."""
-    monkeypatch.setattr(sources, "gstreamer_available", lambda: True)
-    monkeypatch.setattr(sources, "gstreamer_element_exists", lambda name: None)
-    monkeypatch.setattr(sources, "_video_capture", lambda *args: None)  # OpenCV: not opened
+    monkeypatch.setattr(gstreamer, "gstreamer_available", lambda: True)
+    monkeypatch.setattr(gstreamer, "gstreamer_element_exists", lambda name: None)
+    monkeypatch.setattr(capture, "video_capture", lambda *args: None)  # OpenCV: not opened
     result = invoke_bounded(cli, "csi://1")
     assert result.exit_code == 2
     assert stderr_lines(result) == ["edgemm: error: could not open camera csi://1 (no camera on sensor 1, "

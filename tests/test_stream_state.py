@@ -20,11 +20,11 @@ from test_server import assert_error, metric, raw_client, running, sock_path, sy
 from test_sources import StalledCamera
 
 import edgemm.streams.manager
-from edgemm.streams import sources
+from edgemm.streams.sources import gstreamer
 from edgemm.config import load_config
-from edgemm.errors import ConfigError, InputError
 from edgemm.server.daemon import Daemon
-from edgemm.streams.sources import CaptureSource
+from edgemm.errors import ConfigError, InputError
+from edgemm.streams.sources.capture import CaptureSource
 
 NEVER_OPENS = "rtsp://127.0.0.1:1/x"  # nothing listens on port 1: every open is refused
 
@@ -37,7 +37,7 @@ def stream(stream_id: str, source: str) -> dict:
 @pytest.fixture
 def quiet(monkeypatch):
     """The sources' and streams' warnings (reconnecting …) stay out of the test output."""
-    for name in ("edgemm.streams.sources", "edgemm"):
+    for name in ("edgemm.streams.sources.capture", "edgemm"):
         monkeypatch.setattr(edgemm.streams.manager.logging.getLogger(name), "disabled", True)
 
 
@@ -68,7 +68,7 @@ def test_a_stream_that_never_delivered_is_retrying_with_the_last_error(runtime, 
                 "on a Jetson use JetPack's python3-opencv)"),
 ])
 def test_the_api_refuses_a_source_that_cannot_work_with_400(runtime, monkeypatch, source, message):
-    monkeypatch.setattr(sources, "gstreamer_available", lambda: False)
+    monkeypatch.setattr(gstreamer, "gstreamer_available", lambda: False)
     with running(runtime) as d, raw_client(sock_path(d)) as http:
         error = assert_error(http.post("/v1/streams", json=stream("cam", source)), 400)
         assert error["message"] == message
@@ -77,15 +77,15 @@ def test_the_api_refuses_a_source_that_cannot_work_with_400(runtime, monkeypatch
 
 def test_the_api_refuses_a_csi_camera_whose_pipeline_cannot_be_built(runtime, monkeypatch):
     """GStreamer, but no nvarguscamerasrc: accepted with 201 and retried for ever, before."""
-    monkeypatch.setattr(sources, "gstreamer_available", lambda: True)
-    monkeypatch.setattr(sources, "gstreamer_element_exists", lambda name: name != "nvarguscamerasrc")
+    monkeypatch.setattr(gstreamer, "gstreamer_available", lambda: True)
+    monkeypatch.setattr(gstreamer, "gstreamer_element_exists", lambda name: name != "nvarguscamerasrc")
     with running(runtime) as d, raw_client(sock_path(d)) as http:
         error = assert_error(http.post("/v1/streams", json=stream("cam", "csi://0")), 400)
         assert "GStreamer has no element nvarguscamerasrc" in error["message"]
 
 
 def test_configured_sources_that_can_never_open_fail_and_are_not_retried(runtime, monkeypatch, quiet):
-    monkeypatch.setattr(sources, "gstreamer_available", lambda: False)
+    monkeypatch.setattr(gstreamer, "gstreamer_available", lambda: False)
     streams = [stream("passwd", "v4l2:///etc/passwd"), stream("csi", "csi://0"), synthetic("synth")]
     with running(runtime, {"streams": streams}) as d, raw_client(sock_path(d)) as http:
         wait_until(lambda: {s["id"]: s["state"] for s in http.get("/v1/streams").json()["data"]}
@@ -374,3 +374,20 @@ def test_a_password_in_the_query_or_unescaped_in_the_user_info_is_never_shown(ru
         refused = http.post("/v1/streams", json={**spec, "id": "hash", "source": f"rtsp://admin:{secret}#1@127.0.0.1:1/s"})
         assert refused.status_code == 400 and secret not in refused.text
         assert refused.json()["error"]["message"].startswith("rtsp://***@127.0.0.1:1/s: ")
+
+
+def test_stream_states_show_as_their_strings_and_move_only_as_the_table_allows():
+    """The API and /metrics show the same strings as ever; a change the table lacks is a bug, raised."""
+    import json
+
+    from edgemm.streams.state import StreamState
+    assert [s.value for s in StreamState] == ["starting", "running", "retrying", "failed", "ended", "stopped",
+                                              "stopping"]
+    assert json.dumps({"state": StreamState.RETRYING}) == '{"state": "retrying"}'
+    assert f"{StreamState.FAILED}" == "failed" and StreamState.RUNNING == "running"
+    assert StreamState.STARTING.to(StreamState.RUNNING) is StreamState.RUNNING
+    assert StreamState.FAILED.to(StreamState.STOPPED) is StreamState.STOPPED
+    for stuck, new in [(StreamState.STOPPED, StreamState.RUNNING), (StreamState.FAILED, StreamState.RETRYING),
+                       (StreamState.ENDED, StreamState.RUNNING), (StreamState.RUNNING, StreamState.STOPPING)]:
+        with pytest.raises(ValueError, match=f"from {stuck.value} to {new.value}"):
+            stuck.to(new)

@@ -1,7 +1,7 @@
 """Cloud offload: one request to any OpenAI-compatible chat-completions endpoint.
 
-    image bytes + prompt ─► data URL ─► POST {offload.url}/chat/completions (httpx)
-        per attempt: offload.timeout_s · retried on timeouts, connection errors, 429 and 5xx,
+    image bytes + prompt ─► data URL ─► POST {offload.url}/chat/completions (edgemm.net.outbound)
+        per attempt, as a whole: offload.timeout_s · retried on timeouts, connection errors, 429 and 5xx,
         waiting backoff_s, 2×, 4× … · CircuitBreaker: after breaker_threshold failed requests
         in a row, no requests for breaker_cooldown_s, then one trial decides
 
@@ -15,78 +15,26 @@ from __future__ import annotations
 
 import base64
 import os
-import stat
 import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import httpx
 
-from edgemm.util.backoff import Backoff
 from edgemm.config import OffloadConfig
-from edgemm.errors import EdgemmError
-
-
-class OffloadError(EdgemmError):
-    """The endpoint failed: unreachable, an error status, or a reply that is no chat completion."""
-    exit_code = 1
-    http_status = 502
-    kind = "offload_error"
-
-
-class OffloadTimeout(OffloadError):
-    http_status = 504
-    kind = "timeout"
-
-
-class OffloadUnavailable(OffloadError):
-    """Offload is off, or the circuit breaker is open: nothing was sent."""
-    http_status = 503
-    kind = "offload_unavailable"
-
-
-class CredentialsError(EdgemmError):
-    """The API key's environment variable or file is missing or unsafe."""
-    exit_code = 2
-    kind = "config_error"
+from edgemm.net.outbound import DeadlineBackend, outbound_client
+from edgemm.power.errors import OffloadError, OffloadTimeout, OffloadUnavailable
+from edgemm.util.backoff import Backoff
+from edgemm.util.secrets import read_secret
 
 
 # ---- the API key ------------------------------------------------------------------------------
 
 def read_api_key(cfg: OffloadConfig, environ: Mapping[str, str] = os.environ) -> str | None:
     """The key from offload.api_key_env, else offload.api_key_file, else None (no key)."""
-    if cfg.api_key_env and environ.get(cfg.api_key_env, "").strip():
-        return environ[cfg.api_key_env].strip()
-    if cfg.api_key_file:
-        return read_key_file(Path(cfg.api_key_file))
-    if cfg.api_key_env:
-        raise CredentialsError(f"offload.api_key_env: the environment variable {cfg.api_key_env} is not set")
-    return None
-
-
-def read_key_file(path: Path, key_name: str = "offload.api_key_file") -> str:
-    """The key in `path`, which must be a regular file no group or other user can access.
-    `key_name` is the config key that named the file, for the messages (webhooks use this too)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO must not block the start
-    except OSError as e:
-        raise CredentialsError(f"{key_name}: cannot open {path}: {e.strerror}") from None
-    try:
-        info = os.fstat(fd)  # the file opened, not whatever the path names by now
-        if not stat.S_ISREG(info.st_mode):
-            raise CredentialsError(f"{key_name}: {path} is not a regular file")
-        if info.st_mode & 0o077:
-            raise CredentialsError(f"{key_name}: refusing {path}: mode {stat.S_IMODE(info.st_mode):04o} "
-                                   f"lets group or others access it (chmod 600 {path})")
-        key = os.read(fd, 64 * 1024).decode("utf-8", errors="replace").strip()
-    finally:
-        os.close(fd)
-    if not key:
-        raise CredentialsError(f"{key_name}: {path} is empty")
-    return key
+    return read_secret(cfg.api_key_env, cfg.api_key_file, "offload.api_key_env", "offload.api_key_file", environ)
 
 
 # ---- the circuit breaker -------------------------------------------------------------------------
@@ -168,8 +116,9 @@ class OffloadClient:
         self.figures = OffloadFigures()
         self._sleep = sleep
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._http = httpx.Client(timeout=httpx.Timeout(cfg.timeout_s), headers=headers, transport=transport,
-                                  follow_redirects=False)  # a redirect must not carry the key elsewhere
+        self._backend = DeadlineBackend()
+        self._http = outbound_client(cfg.url, cfg.timeout_s, headers, self._backend, transport,
+                                     connections=cfg.max_concurrent, senders="offload requests")
 
     @classmethod
     def from_config(cls, cfg: OffloadConfig, environ: Mapping[str, str] = os.environ) -> "OffloadClient":
@@ -209,7 +158,8 @@ class OffloadClient:
                 self.figures.retries += 1
                 self._sleep(backoff.next())
             try:
-                response = self._http.post(self.endpoint, json=body)
+                with self._backend.attempt(self.cfg.timeout_s):
+                    response = self._http.post(self.endpoint, json=body)
             except httpx.TimeoutException:
                 error = OffloadTimeout(f"offload: no reply from {self.host} within {self.cfg.timeout_s:g} s "
                                        "(offload.timeout_s)")

@@ -19,7 +19,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from edgemm.config import Config
-from edgemm.power.offload import OffloadClient, OffloadError, OffloadReply
+from edgemm.power.errors import OffloadError
+from edgemm.power.offload import OffloadClient, OffloadReply
 from edgemm.engine.pipeline import Pipeline, Request
 from edgemm.engine.route import Route
 from edgemm.power.policy import Governor, Load, PowerPolicy

@@ -11,6 +11,7 @@ from typing import Protocol
 
 from edgemm.engine.answering import InferenceResult
 from edgemm.power.router import Router
+from edgemm.streams.state import StreamState
 from edgemm.util.prometheus import CONTENT_TYPE, Counter, Gauge, Histogram, Registry
 
 __all__ = ["CONTENT_TYPE", "MeasuredApp", "ServiceMetrics", "endpoint_label"]
@@ -80,7 +81,7 @@ class ServiceMetrics:
         r.add(Gauge("edgemm_stream_frames_total", "Frames answered per daemon-run stream.", ("stream",),
                     lambda: {(k,): v.figures.frames for k, v in streams.items()}, kind="counter"))
         r.add(Gauge("edgemm_stream_running", "1 while a stream's source delivers, 0 while it is retrying.",
-                    ("stream",), lambda: {(k,): int(v.figures.state == "running") for k, v in streams.items()}))
+                    ("stream",), lambda: {(k,): int(v.figures.state is StreamState.RUNNING) for k, v in streams.items()}))
         cache = getattr(service.runtime, "cache", None)
         if cache is not None:
             r.add(Gauge("edgemm_feature_cache_lookups_total", "Visual-feature cache lookups, by result.",

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 from starlette.requests import Request as HttpRequest
 
-from edgemm.streams.alerts import alert_metrics
+from edgemm.streams.alerts.metrics import alert_metrics
 from edgemm.engine.answering import InferenceResult
 from edgemm.config import Config, ServerConfig
 from edgemm.errors import EdgemmError, Overloaded, internal_message
@@ -47,6 +47,7 @@ from edgemm.engine.pipeline import Health, Pipeline, Request, mark_logged, was_l
 from edgemm.power.router import Router
 from edgemm.engine.runtime import Runtime
 from edgemm.streams.manager import StreamManager
+from edgemm.streams.state import StreamState
 
 log = logging.getLogger("edgemm")
 
@@ -337,7 +338,7 @@ class Service:
         health = self.health()
         if not health.ok:
             state = f"unhealthy ({health.reason}), {state}"
-        running = sum(s.figures.state == "running" for s in self.streams.streams.values())
+        running = sum(s.figures.state is StreamState.RUNNING for s in self.streams.streams.values())
         stopping = len(self.streams.still_stopping())
         return (f"{state} {self.model_id}: {self.admission.count} in flight, {stats.completed} answered, "
                 f"{stats.failed} failed, {self.metrics.refused} refused; "

@@ -18,7 +18,8 @@ from edgemm.server import sse
 from edgemm.server.bodies import BodyReader
 from edgemm.server.scope_keys import mark_long_lived
 from edgemm.server.service import Service
-from edgemm.streams.manager import StreamSpecError, stream_body_limit, stream_spec
+from edgemm.streams.errors import StreamSpecError
+from edgemm.streams.manager import stream_body_limit, stream_spec
 
 PATCHABLE = ("prompt",)  # what PATCH /v1/streams/{id} changes on a running stream
 

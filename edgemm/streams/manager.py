@@ -37,51 +37,28 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from edgemm.streams.alerts import ALERT_SHARE, StreamAlerts, check_webhooks, without_secrets
+from edgemm.streams.alerts.schedule import ALERT_SHARE, StreamAlerts
+from edgemm.streams.alerts.webhook import check_webhooks
 from edgemm.util.backoff import Backoff
 from edgemm.config import MAX_ALERTS, LimitsConfig, StreamConfig, config_from_dict
 from edgemm.errors import ConfigError, EdgemmError, InputError, Overloaded
-from edgemm.net.allowlist import host_allowed, url_host, webhook_allowed
 from edgemm.engine.pipeline import Pipeline
-from edgemm.streams.sources import Source, SourceError, SourceUnusable, check_uri, network_address, open_source, parse_uri
+from edgemm.streams.errors import SourceError, SourceUnusable, StreamConflict, StreamNotFound, StreamSpecError
+from edgemm.streams.sources import check_uri, open_source
+from edgemm.streams.sources.base import Source
+from edgemm.streams.sources.uri import parse_uri
+from edgemm.streams.api_policy import (api_may_connect_to, api_may_post_to, api_may_start, api_may_use_tokens,
+                                       without_secrets)
 from edgemm.streams.run import StreamOptions, run_stream
+from edgemm.streams.state import StreamState
 from edgemm.streams.view import LatestFrame
 
 log = logging.getLogger("edgemm")
 
 EVENTS_BUFFER = 32  # results buffered per listener
-# Sources a client may start with POST /v1/streams; files and folders only from the config file,
-# so the API cannot be used to read the daemon's files.
-API_SOURCE_KINDS = ("csi", "v4l2", "rtsp", "synthetic")
 FIRST_RETRY_S, MAX_RETRY_S = 0.5, 30.0  # a stream that fails restarts after 0.5, 1, 2 … s, at most 30
 STREAM_SHARE = 2  # frames of one stream in the pipeline at once: one encoding, one decoding
 END = None  # the last item a listener gets: the stream is gone
-
-
-class StreamConflict(EdgemmError):
-    exit_code = 2
-    http_status = 409
-    kind = "invalid_request_error"
-
-
-class StreamForbidden(EdgemmError):
-    exit_code = 2
-    http_status = 403
-    kind = "permission_error"
-
-
-class StreamNotFound(EdgemmError):
-    exit_code = 2
-    http_status = 404
-    kind = "invalid_request_error"
-
-
-class StreamSpecError(InputError):
-    """A 400 for a POST /v1/streams body; `param` names the field (OpenAI's error shape)."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
 
 
 _NAMED = re.compile(r"'([A-Za-z_][\w.\[\]]*)' must")  # the key a config check names: 'streams[0].fps' must …
@@ -141,8 +118,7 @@ class AllStreamsListener(ListenerQueue):
 
 @dataclass
 class StreamFigures:
-    state: str = "starting"  # starting | running | retrying | failed | ended | stopped
-    # (and "stopping" in what the API shows of a deleted stream whose thread has not ended: describe())
+    state: StreamState = StreamState.STARTING
     frames: int = 0  # answered frames
     errors: int = 0
     dropped: int = 0  # live frames replaced by newer ones before processing (the current run)
@@ -183,7 +159,7 @@ class ManagedStream:
             figures = asdict(self.figures)
         source = self._source
         if self.deleted_at is not None:  # deleted, its thread not ended yet (a camera call under way)
-            figures["state"] = "stopping"
+            figures["state"] = StreamState.STOPPING
             figures["stopping_s"] = round(time.monotonic() - self.deleted_at, 1)  # since the DELETE
         return {"id": self.spec.id, "object": "stream", **without_secrets(asdict(self.spec)), **figures,
                 # a live camera that stops delivering is first reopened by the source itself
@@ -251,21 +227,21 @@ class ManagedStream:
                 error = self._run_once()
             except SourceUnusable as e:  # no retry can fix it: say so once, and stay down
                 log.error("stream %s: %s; not retried", self.spec.id, e)
-                self._set(state="failed", last_error=str(e))
+                self._set(StreamState.FAILED, last_error=str(e))
                 break
             if self._stop.is_set():
                 break
             if error is None:
-                self._set(state="ended")
+                self._set(StreamState.ENDED)
                 break
             if self.figures.frames > answered:  # a run that answered frames worked: start over
                 retry.reset()
             delay = retry.next()
             log.warning("stream %s: %s; retrying in %.1f s", self.spec.id, error, delay)
-            self._set(state="retrying", last_error=error, retries=self.figures.retries + 1)
+            self._set(StreamState.RETRYING, last_error=error, retries=self.figures.retries + 1)
             self._stop.wait(delay)
         if self._stop.is_set():
-            self._set(state="stopped")
+            self._set(StreamState.STOPPED)
         if self.alerts is not None:
             self.alerts.settle()  # its last alert events go out before the stream's end
             self.alerts.close()
@@ -322,12 +298,13 @@ class ManagedStream:
     def _source_health(self, reason: str | None) -> None:
         """From the source's reading thread: it delivers (None) or it failed and retries."""
         with self._lock:
-            if self._stop.is_set() or self.figures.state not in ("starting", "running", "retrying"):
+            if self._stop.is_set() or not self.figures.state.live:
                 return
             if reason is None:
-                self.figures.state = "running"
+                self.figures.state = self.figures.state.to(StreamState.RUNNING)
             else:
-                self.figures.state, self.figures.last_error = "retrying", reason
+                self.figures.state = self.figures.state.to(StreamState.RETRYING)
+                self.figures.last_error = reason
 
     def _post(self, record: dict | None) -> None:
         with contextlib.suppress(RuntimeError):  # the loop is gone: the daemon is exiting
@@ -338,58 +315,11 @@ class ManagedStream:
         with contextlib.suppress(RuntimeError):
             self.loop.call_soon_threadsafe(self._deliver, event, "alert")
 
-    def _set(self, **changes) -> None:
+    def _set(self, state: StreamState, **changes: Any) -> None:
         with self._lock:
+            self.figures.state = self.figures.state.to(state)
             for key, value in changes.items():
                 setattr(self.figures, key, value)
-
-
-def _api_may_start(kind: str) -> None:
-    if kind not in API_SOURCE_KINDS:
-        raise StreamForbidden(f"a {kind} source can only be configured in the config file's streams: "
-                              f"the API starts {', '.join(API_SOURCE_KINDS)} sources")
-
-
-def _api_may_use_tokens(spec: StreamConfig) -> None:
-    """A webhook's token names a variable or a file of the daemon's: only the config file may
-    (else a client could have the daemon send its secrets to a URL of the client's choosing)."""
-    hooks = [spec.webhook, *(alert.webhook for alert in spec.alerts.values())]
-    if any(h is not None and (h.token_env is not None or h.token_file is not None) for h in hooks):
-        raise StreamForbidden("a webhook's token_env or token_file can only be configured in the config file's "
-                              "streams: the API may give a webhook url only")
-
-
-def _api_may_post_to(spec: StreamConfig, hosts: list[str]) -> None:
-    """A webhook URL from the API is a request the daemon makes for the client: only to the
-    hosts of server.webhook_hosts (else a client could reach what only the daemon can: its
-    own loopback ports, the cloud's metadata address, the LAN)."""
-    hooks = [spec.webhook, *(alert.webhook for alert in spec.alerts.values())]
-    for hook in hooks:
-        if hook is None or webhook_allowed(hook.url, hosts):
-            continue
-        if not hosts:
-            raise StreamForbidden("the API may not give webhook URLs: server.webhook_hosts is empty (list there the "
-                                  "hosts POST /v1/streams may send alert events to)")
-        host, port = url_host(hook.url) or ("?", 0)
-        raise StreamForbidden(f"a webhook to {host} port {port} is not in server.webhook_hosts "
-                              f"({', '.join(hosts)})")
-
-
-def _api_may_connect_to(spec: StreamConfig, hosts: list[str]) -> None:
-    """A network source from the API is a connection the daemon makes for the client: only to
-    the hosts of server.source_hosts (else a client could reach its loopback ports, the cloud's
-    metadata address, the LAN, and read from the stream's state whether a port answers)."""
-    try:
-        target = network_address(spec.source)
-    except SourceError as e:
-        raise StreamSpecError(str(e), "source") from None
-    if target is None or host_allowed(target, hosts):
-        return
-    if not hosts:
-        raise StreamForbidden("the API may not start network sources: server.source_hosts is empty (list there "
-                              "the cameras' hosts POST /v1/streams may connect to)")
-    raise StreamForbidden(f"a source at {target[0]} port {target[1]} is not in server.source_hosts "
-                          f"({', '.join(hosts)})")
 
 
 @dataclass(frozen=True)
@@ -479,10 +409,10 @@ class StreamManager:
         denied, a synthetic size over limits.max_pixels or max_synthetic_pixels. May ask
         GStreamer's registry (a subprocess, once per element): call it off the event loop."""
         kind = self._kind(spec)
-        _api_may_start(kind)  # before anything looks at the daemon's files
-        _api_may_connect_to(spec, self.source_hosts)
-        _api_may_use_tokens(spec)
-        _api_may_post_to(spec, self.webhook_hosts)
+        api_may_start(kind)  # before anything looks at the daemon's files
+        api_may_connect_to(spec, self.source_hosts)
+        api_may_use_tokens(spec)
+        api_may_post_to(spec, self.webhook_hosts)
         self.check_settings(spec)
         try:
             open_source(spec.source, **self.source_limits).check()
@@ -535,10 +465,10 @@ class StreamManager:
                              f"under way, or frames in flight; server.max_streams is {self.limit}); retry shortly")
         kind = self._kind(spec)
         if from_api:
-            _api_may_start(kind)
-            _api_may_connect_to(spec, self.source_hosts)
-            _api_may_use_tokens(spec)
-            _api_may_post_to(spec, self.webhook_hosts)
+            api_may_start(kind)
+            api_may_connect_to(spec, self.source_hosts)
+            api_may_use_tokens(spec)
+            api_may_post_to(spec, self.webhook_hosts)
         stream = ManagedStream(spec, self.pipeline, self.loop, self.route, self.pool, self.alert_pool)
         stream.listeners.update(self.all_listeners)
         self.streams[spec.id] = stream

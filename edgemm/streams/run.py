@@ -35,7 +35,7 @@ import numpy as np
 from edgemm.errors import InputError
 from edgemm.util.opencv import cv2
 from edgemm.engine.pipeline import Pipeline, Request
-from edgemm.streams.sources import Frame, Source
+from edgemm.streams.sources.base import Frame, Source
 
 _END = object()
 PENDING_EXTRA = 8  # reused frames and errors queued for emitting beyond the frames in flight
@@ -203,62 +203,128 @@ def run_stream(pipeline: Pipeline, source: Source, options: StreamOptions,
     go on using it, and this stream's frames in flight are answered whatever happens here.
     It returns, or raises what emit or the view raised, only once its own threads have ended.
     """
-    stop = stop or threading.Event()
-    summary = StreamSummary()
-    gate = ChangeGate(options.change_threshold) if options.change_threshold is not None else None
-    share_size = options.share(source.live)
-    share = threading.BoundedSemaphore(share_size)
-    pool = options.pool
-    # in frame order: the frames in flight (at most the share) and the reused or failed ones
-    # between them; when it is full the reader waits (files) or the slot drops (live)
-    view = options.view
-    every_frame = view is not None and view.every_frame
-    # a view of a file is shown the skipped frames in order too: room for those between answers
-    pending: queue.Queue = queue.Queue(maxsize=share_size * (options.every if every_frame else 1) + PENDING_EXTRA)
-    slot = LatestSlot() if source.live else None
-    frame_filter = FrameFilter(options.every, options.fps)
-    taken = 0
-    last: Future | None = None  # the last processed frame's answer: what a reused frame is given
-    last_prompt = options.prompt  # what `last` answered: a new prompt (PATCH) is never answered with it
-    view_failed: list[Exception] = []  # the view's error in the reader (live): it ends the stream
-    started = time.perf_counter()
+    return StreamRun(pipeline, source, options, emit, stop).run()
 
-    def take_share() -> float | None:
+
+class StreamRun:
+    """One run of a source through the pipeline: run_stream's threads and what they share.
+
+    Which thread runs which method:
+        the caller's    run(): starts the others, emits every item of `pending` in order
+                        (the answers, errors, passed frames), then ends the others
+        edgemm-reader   _read_frames(): reads the source; a file's frame takes a place and is
+                        submitted here, a live one goes to `slot`
+        edgemm-feeder   _feed_latest() (live sources only): a place, then the newest frame in
+                        `slot`, submitted
+        edgemm-stopper  _close_on_stop(): closes the source once `stop` is set
+        the pipeline's  _give_back(), _forget_if_failed(): callbacks of a submitted frame's future
+
+    What each shared field is guarded by:
+        taken, last, last_prompt   one thread only: the one that submits (_submit: the reader
+                                   for files, the feeder for live sources)
+        share, pool                semaphores: taken by the submitting thread, given back from
+                                   the pipeline's callbacks
+        pending                    queue.Queue (its own lock), bounded: the reader or feeder
+                                   waits when the emitting thread is behind
+        slot                       LatestSlot (its own condition)
+        gate                       the submitting thread; forget() from a callback is one assignment
+        view_failed                appended by the reader before it puts its end marker, read by
+                                   run() after taking that marker
+        summary                    skipped: the reader; dropped, the answered figures: run() only
+        stop                       threading.Event
+    """
+
+    def __init__(self, pipeline: Pipeline, source: Source, options: StreamOptions,
+                 emit: Callable[[dict], None], stop: threading.Event | None = None):
+        self.pipeline, self.source, self.options, self.emit = pipeline, source, options, emit
+        self.stop = stop or threading.Event()
+        self.summary = StreamSummary()
+        self.gate = ChangeGate(options.change_threshold) if options.change_threshold is not None else None
+        share_size = options.share(source.live)
+        self.share = threading.BoundedSemaphore(share_size)
+        self.pool = options.pool
+        self.view = options.view
+        self.every_frame = self.view is not None and self.view.every_frame
+        # in frame order: the frames in flight (at most the share) and the reused or failed ones
+        # between them; when it is full the reader waits (files) or the slot drops (live). A view
+        # of a file is shown the skipped frames in order too: room for those between answers
+        self.pending: queue.Queue = queue.Queue(
+            maxsize=share_size * (options.every if self.every_frame else 1) + PENDING_EXTRA)
+        self.slot = LatestSlot() if source.live else None
+        self.frame_filter = FrameFilter(options.every, options.fps)
+        self.taken = 0
+        self.last: Future | None = None  # the last processed frame's answer: what a reused frame is given
+        self.last_prompt = options.prompt  # what `last` answered: a new prompt (PATCH) is never answered with it
+        self.view_failed: list[Exception] = []  # the view's error in the reader (live): it ends the stream
+
+    # -- the caller's thread --
+
+    def run(self) -> StreamSummary:
+        started = time.perf_counter()
+        summary, slot, view = self.summary, self.slot, self.view
+        threads = [threading.Thread(target=self._read_frames, name="edgemm-reader", daemon=True),
+                   threading.Thread(target=self._close_on_stop, name="edgemm-stopper", daemon=True)]
+        if slot is not None:
+            threads.append(threading.Thread(target=self._feed_latest, name="edgemm-feeder", daemon=True))
+        for t in threads:
+            t.start()
+        try:
+            while (item := self.pending.get()) is not _END:
+                if isinstance(item, Exception):
+                    summary.errors += 1
+                    self.emit({"error": str(item)})
+                    continue
+                if isinstance(item, _Passed):
+                    view.frame(item.frame)
+                    continue
+                summary.dropped = slot.dropped if slot is not None else 0
+                record = _answer(item, summary)
+                if view is not None:
+                    view.answer(item.frame, record)
+                    if self.every_frame and slot is None:
+                        view.frame(item.frame)
+                self.emit(record)
+            if self.view_failed:
+                raise self.view_failed[0]
+        finally:
+            self.stop.set()
+            self.source.close()  # wakes a reader waiting on a camera or a paced source
+            _wait_for_threads(threads, self.pending)
+            summary.dropped = slot.dropped if slot is not None else 0
+            summary.seconds = time.perf_counter() - started
+            stats = self.pipeline.stats  # the whole pipeline's (in the daemon: shared with the API and other streams)
+            summary.stage_ms = {k: 1e3 * stats.busy_s[k] / max(1, stats.items[k]) for k in stats.busy_s}
+        return summary
+
+    # -- the submitting thread (the reader for files, the feeder for live sources) --
+
+    def _take_share(self) -> float | None:
         """One of this stream's places in the pipeline (and one of the daemon's pool): the
         wait ends when a frame of ours (or, for the pool, of a stream just removed) is answered.
         Returns when (time.time()) the place came if it had to wait for it, else None."""
-        waited = not share.acquire(blocking=False)
+        waited = not self.share.acquire(blocking=False)
         if waited:
-            share.acquire()
-        if pool is not None and not pool.acquire(blocking=False):
+            self.share.acquire()
+        if self.pool is not None and not self.pool.acquire(blocking=False):
             waited = True
-            pool.acquire()
+            self.pool.acquire()
         return time.time() if waited else None
 
-    def give_back(_: Future | None = None) -> None:
-        if pool is not None:
-            pool.release()
-        share.release()
-
-    def forget_if_failed(future: Future) -> None:
-        if gate is not None and not future.cancelled() and future.exception() is not None:
-            gate.forget()
-
-    def submit(frame: Frame, behind: bool = False) -> bool:
+    def _submit(self, frame: Frame, behind: bool = False) -> bool:
         """A frame holding a share: into the pipeline, or answered with the last processed
         frame's answer when the gate says it barely changed. False once max_frames were taken.
         `behind`: the frame had to wait for its place (said to also_ask)."""
-        nonlocal taken, last, last_prompt
-        if options.max_frames is not None and taken >= options.max_frames:
-            give_back()
-            stop.set()
+        options, gate = self.options, self.gate
+        if options.max_frames is not None and self.taken >= options.max_frames:
+            self._give_back()
+            self.stop.set()
             return False
-        taken += 1
+        self.taken += 1
         request = None
         try:
             prompt = options.prompt  # read once: the daemon may change it meanwhile
-            if gate is not None and gate(frame.image) and last is not None and last_prompt == prompt:
-                future, reused = last, True
+            if gate is not None and gate(frame.image) and self.last is not None and self.last_prompt == prompt:
+                future, reused = self.last, True
             else:
                 request = Request(frame.image, prompt, dict(options.generation), tag=frame)
                 if options.route is not None:
@@ -267,24 +333,27 @@ def run_stream(pipeline: Pipeline, source: Source, options: StreamOptions,
                     options.also_ask(frame, behind, request)
                 # The shares keep the pipeline's inbox from filling, so this does not wait in
                 # practice; it must not (a waiting submit holds the pipeline's admission lock).
-                future, reused = pipeline.submit(request, timeout=SUBMIT_WAIT_S), False
+                future, reused = self.pipeline.submit(request, timeout=SUBMIT_WAIT_S), False
         except BaseException:
-            give_back()
+            self._give_back()
             for question in request.followers if request is not None else ():
                 question.future.cancel()  # never submitted (a refusal cancelled them already): their places back
             raise
         if reused:
-            give_back()  # it never entered the pipeline
+            self._give_back()  # it never entered the pipeline
         else:
-            future.add_done_callback(give_back)
-            future.add_done_callback(forget_if_failed)
-            last, last_prompt = future, prompt
-        pending.put(_Taken(frame, future, reused))
+            future.add_done_callback(self._give_back)
+            future.add_done_callback(self._forget_if_failed)
+            self.last, self.last_prompt = future, prompt
+        self.pending.put(_Taken(frame, future, reused))
         return True
 
-    def read_frames() -> None:
+    # -- edgemm-reader --
+
+    def _read_frames(self) -> None:
+        source, slot, view, pending = self.source, self.slot, self.view, self.pending
         try:
-            while not stop.is_set():
+            while not self.stop.is_set():
                 try:
                     frame = source.read()
                 except InputError as e:
@@ -294,89 +363,74 @@ def run_stream(pipeline: Pipeline, source: Source, options: StreamOptions,
                     continue
                 if frame is None:
                     break
-                if every_frame and slot is not None:
+                if self.every_frame and slot is not None:
                     try:
                         view.frame(frame)  # live: shown as it comes, with the latest answer there is
                     except Exception as e:  # the view's failure (a full disk), not the source's:
-                        view_failed.append(e)  # raised by run_stream, as one in the emit loop is
+                        self.view_failed.append(e)  # raised by run(), as one in the emit loop is
                         break
-                if not frame_filter.keep(frame):
-                    summary.skipped += 1
-                    if every_frame and slot is None:
+                if not self.frame_filter.keep(frame):
+                    self.summary.skipped += 1
+                    if self.every_frame and slot is None:
                         pending.put(_Passed(frame))
                 elif slot is not None:
                     slot.put(frame)
                 else:
                     # lossless: the reader waits here until the stream has room; a frame that
                     # waited for it is one the stream is behind on
-                    waited = take_share() is not None
-                    if stop.is_set():
-                        give_back()
+                    waited = self._take_share() is not None
+                    if self.stop.is_set():
+                        self._give_back()
                         break
-                    if not submit(frame, behind=waited):
+                    if not self._submit(frame, behind=waited):
                         break
         except Exception as e:  # the source failed for good: say so after what was read
             (slot.put(e) if slot is not None else pending.put(e))
         finally:
             slot.put(_END) if slot is not None else pending.put(_END)
 
-    def feed_latest() -> None:  # live only: the newest frame from the slot into the pipeline
+    # -- edgemm-feeder (live sources only) --
+
+    def _feed_latest(self) -> None:
+        """The newest frame from the slot into the pipeline."""
+        slot = self.slot
+        assert slot is not None
         try:
             while True:
                 # a share first, the frame second: the frame taken is the newest when there is room
-                place_at = take_share()
+                place_at = self._take_share()
                 item = slot.get()
                 if item is _END or isinstance(item, Exception):
-                    give_back()
+                    self._give_back()
                     if item is not _END:
-                        pending.put(item)
+                        self.pending.put(item)
                     break
                 # behind: the frame was captured while the stream waited for a place (it, or
                 # the frames it replaced, waited for the stream, not the stream for it)
-                if not submit(item, behind=place_at is not None and item.capture_time <= place_at):
+                if not self._submit(item, behind=place_at is not None and item.capture_time <= place_at):
                     break
         except Exception as e:  # e.g. the pipeline is closing: this stream ends, with the reason
-            pending.put(e)
+            self.pending.put(e)
         finally:
-            pending.put(_END)
+            self.pending.put(_END)
 
-    def close_on_stop() -> None:  # a reader stuck on a camera (or reconnecting) wakes up
-        stop.wait()
-        source.close()
+    # -- edgemm-stopper --
 
-    threads = [threading.Thread(target=read_frames, name="edgemm-reader", daemon=True),
-               threading.Thread(target=close_on_stop, name="edgemm-stopper", daemon=True)]
-    if slot is not None:
-        threads.append(threading.Thread(target=feed_latest, name="edgemm-feeder", daemon=True))
-    for t in threads:
-        t.start()
-    try:
-        while (item := pending.get()) is not _END:
-            if isinstance(item, Exception):
-                summary.errors += 1
-                emit({"error": str(item)})
-                continue
-            if isinstance(item, _Passed):
-                view.frame(item.frame)
-                continue
-            summary.dropped = slot.dropped if slot is not None else 0
-            record = _answer(item, summary)
-            if view is not None:
-                view.answer(item.frame, record)
-                if every_frame and slot is None:
-                    view.frame(item.frame)
-            emit(record)
-        if view_failed:
-            raise view_failed[0]
-    finally:
-        stop.set()
-        source.close()  # wakes a reader waiting on a camera or a paced source
-        _wait_for_threads(threads, pending)
-        summary.dropped = slot.dropped if slot is not None else 0
-        summary.seconds = time.perf_counter() - started
-        stats = pipeline.stats  # the whole pipeline's (in the daemon: shared with the API and other streams)
-        summary.stage_ms = {k: 1e3 * stats.busy_s[k] / max(1, stats.items[k]) for k in stats.busy_s}
-    return summary
+    def _close_on_stop(self) -> None:
+        """A reader stuck on a camera (or reconnecting) wakes up."""
+        self.stop.wait()
+        self.source.close()
+
+    # -- the pipeline's threads (a submitted frame's future is done) --
+
+    def _give_back(self, _: Future | None = None) -> None:
+        if self.pool is not None:
+            self.pool.release()
+        self.share.release()
+
+    def _forget_if_failed(self, future: Future) -> None:
+        if self.gate is not None and not future.cancelled() and future.exception() is not None:
+            self.gate.forget()
 
 
 def _wait_for_threads(threads: list[threading.Thread], pending: queue.Queue) -> None:

@@ -24,7 +24,8 @@ import numpy as np
 
 from edgemm.errors import InputError
 from edgemm.util.opencv import cv2
-from edgemm.streams.sources import Frame, gstreamer_available, gstreamer_element_exists
+from edgemm.streams.sources.base import Frame
+from edgemm.streams.sources.gstreamer import gstreamer_available, gstreamer_element_exists
 
 VIDEO_CODECS = {".mp4": "mp4v", ".avi": "MJPG"}  # fourccs every OpenCV build writes without extra codecs
 DEFAULT_FPS = 10.0  # the output's frame rate when the source does not say its own

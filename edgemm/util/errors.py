@@ -1,4 +1,5 @@
-"""The errors of edgemm.util: an environment that lacks OpenCV, a generation option out of its limits."""
+"""The errors of edgemm.util: an environment that lacks OpenCV, a generation option out of its
+limits, a secret (an API key, a webhook's token) that cannot be read safely."""
 from __future__ import annotations
 
 from typing import Any
@@ -23,3 +24,9 @@ class LimitError(InputError):
         if len(shown) > 60:  # a number of 400 digits is not repeated back whole
             shown = shown[:57] + "..."
         super().__init__(f"{field!r} must {rule}, got {shown}")
+
+
+class CredentialsError(EdgemmError):
+    """The API key's environment variable or file is missing or unsafe."""
+    exit_code = 2
+    kind = "config_error"
