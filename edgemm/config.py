@@ -544,10 +544,14 @@ class OffloadConfig:
 
 @dataclass
 class Config:
-    model: ModelConfig = field(default_factory=ModelConfig)  # which model folder, at which precision, and its TensorRT engines
-    backend: BackendConfig = field(default_factory=BackendConfig)  # how onnxruntime runs what is placed on the CPU, and the warm-up
-    limits: LimitsConfig = field(default_factory=LimitsConfig)  # what an image or a prompt may cost before it is refused (docs/limits.md)
-    generation: GenerationConfig = field(default_factory=GenerationConfig)  # how answers are decoded, unless a request says otherwise
+    # which model folder, at which precision, and its TensorRT engines
+    model: ModelConfig = field(default_factory=ModelConfig)
+    # how onnxruntime runs what is placed on the CPU, and the warm-up
+    backend: BackendConfig = field(default_factory=BackendConfig)
+    # what an image or a prompt may cost before it is refused (docs/limits.md)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    # how answers are decoded, unless a request says otherwise
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
