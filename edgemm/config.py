@@ -76,7 +76,7 @@ class ModelConfig:
     # auto | fp32 | fp16 | int8 | q4 | q4f16 | quantized | uint8 | bnb4: the graphs' variant, by file suffix
     # (decoder_model_merged_q4.onnx …), or the TensorRT engines' (int8 | fp16). auto = the fastest one present
     # for each component's device: on the CPU q4, else fp32 (never the QDQ int8, slower than fp32 there, nor
-    # dynamic int8, whose rows depend on their batch mates), on TensorRT int8 > fp16 (README "Precisions")
+    # dynamic int8, whose rows depend on their batch mates), on TensorRT int8 > fp16 (docs/models.md, "Precisions")
     precision: str = "auto"
     engines: str | None = None  # TensorRT engine folder (with manifest.yaml); null = <engines root>/<model name>: $EDGEMM_ENGINES, /var/lib/edgemm/engines for root, else ~/.cache/edgemm/engines
 
@@ -369,7 +369,7 @@ class AlertConfig:
     prompt: str = ""  # the question asked about the stream's frames
     every: int = 1  # ask on every Nth frame the stream processes
     # on a stream that is behind, the alert is deferred, but asked at least on every max_every-th
-    # frame (or every `every`-th, if larger): a floor, so it is never starved (README "Alerts")
+    # frame (or every `every`-th, if larger): a floor, so it is never starved (docs/streams.md, "Alerts")
     max_every: int = 30
     on_after: int = 2  # the state becomes true after this many true readings in a row
     off_after: int = 3  # ... false after this many false ones (unknown: after the larger of the two)
@@ -511,9 +511,13 @@ class OffloadConfig:
 
 @dataclass
 class Config:
+    # which model folder, at which precision, and its TensorRT engines
     model: ModelConfig = field(default_factory=ModelConfig)
+    # how onnxruntime runs what is placed on the CPU, and the warm-up
     backend: BackendConfig = field(default_factory=BackendConfig)
+    # what an image or a prompt may cost before it is refused (docs/limits.md)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
+    # how answers are decoded, unless a request says otherwise
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)

@@ -196,7 +196,7 @@ def test_each_jetpacks_install_gets_the_cuda_bindings_of_its_driver(extras, admi
                   if Requirement(r).name == "cuda-bindings"]
     assert specifiers and all(s.contains(admitted) for s in specifiers)
     assert not all(s.contains(refused) for s in specifiers)
-    assert f"[{','.join(extras)}]" in (REPO / "README.md").read_text()  # the install steps name these extras
+    assert f"[{','.join(extras)}]" in (REPO / "docs" / "jetson.md").read_text()  # the install steps name these extras
 
 
 def test_the_installed_onnx_writes_an_ir_version_the_installed_onnxruntime_reads(tmp_path):
