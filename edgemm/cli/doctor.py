@@ -176,7 +176,7 @@ def gstreamer_check(cfg: Config) -> Check:
     return Check("opencv gstreamer", needed(uses_csi),
                  f"OpenCV {cv2.__version__} lacks GStreamer, so csi:// cameras cannot open: use JetPack's "
                  "python3-opencv instead of the pip wheel (pip uninstall opencv-python-headless; "
-                 "install with the jetson extra: README, 'Install as a service on a Jetson')")
+                 "install with the jetson extra: docs/jetson.md, 'Install as a service on a Jetson')")
 
 
 def camera_checks(root: Path) -> list[Check]:

@@ -15,7 +15,7 @@ if TYPE_CHECKING:  # imported where it is used: importing edgemm.config takes lo
 
 PRECISION_CHOICE = click.Choice([AUTO, *PRECISIONS])
 PRECISION_HELP = ("Graph variant to load, by its file suffix (default: model.precision, auto: the fastest "
-                  "present for each device; README 'Precisions').")
+                  "present for each device; docs/models.md, 'Precisions').")
 
 DEFAULT_PROMPT = "describe the image"
 # the generation options' flags; their values are checked by edgemm.util.generation_limits, so the

@@ -11,7 +11,7 @@ The template is the model folder's code, run in Jinja's sandbox: it cannot reach
 internals, and what the sandbox lets through but would exhaust memory (`'x' * 10**9`, a huge
 power) is refused by size. Its running time has no bound that is sound (loops nest: two
 loops over 100 000 items are 10**10 steps, each allowed alone), so like the folder's ONNX
-graphs it is code the operator trusts (README, "Using your own model"); it is rendered once
+graphs it is code the operator trusts (docs/limits.md, "Model folders are trusted code"); it is rendered once
 at load (edgemm.model.family.family_for), so a template that fails or hangs does so there.
 """
 from __future__ import annotations

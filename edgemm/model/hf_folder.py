@@ -28,7 +28,7 @@ ONNX_FILES = {"vision_encoder": "onnx/vision_encoder.onnx", "embed_tokens": "onn
               "decoder": "onnx/decoder_model_merged.onnx"}
 CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json", "processor_config.json",
                        "tokenizer_config.json")
-# the README's promise: the model never sees more than 4096 px a side, so no folder may ask
+# docs/limits.md's promise: the model never sees more than 4096 px a side, so no folder may ask
 # for a resize beyond it (a 100000x100000 target would need 28 GiB before any check ran)
 MAX_IMAGE_SIDE = 4096
 MAX_IMAGE_PIXELS = MAX_IMAGE_SIDE * MAX_IMAGE_SIDE

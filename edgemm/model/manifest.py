@@ -49,7 +49,7 @@ def _tiers(raw: dict, where: str) -> dict[str, ResolutionTier]:
         dims = [_require(spec, k, int, f"{where}: tiers.{name}") for k in ("height", "width", "image_tokens")]
         if min(dims) <= 0:
             raise ModelError(f"{where}: tiers.{name} values must be positive")
-        if max(dims[:2]) > MAX_IMAGE_SIDE:  # the README's promise, as for a Hugging Face folder
+        if max(dims[:2]) > MAX_IMAGE_SIDE:  # docs/limits.md's promise, as for a Hugging Face folder
             raise ModelError(f"{where}: tiers.{name} is {dims[0]}x{dims[1]}, more than {MAX_IMAGE_SIDE} px a side")
         tiers[str(name)] = ResolutionTier(str(name), *dims)
     if not tiers:
