@@ -287,6 +287,24 @@ def test_the_top_level_holds_few_modules_and_no_module_is_long():
     assert not long, long
 
 
+def test_error_classes_live_in_one_module_per_package():
+    """Every exception class edgemm defines is in edgemm/errors.py (the base classes, and those
+    several packages raise) or in its own package's errors.py, so a package's failures are
+    read in one place."""
+    import importlib
+    import inspect
+
+    found = {}
+    for module in modules():
+        for name, obj in vars(importlib.import_module(module)).items():
+            if inspect.isclass(obj) and issubclass(obj, BaseException) and obj.__module__ == module:
+                found[f"{module}.{name}"] = module
+    assert {"edgemm.errors.EdgemmError", "edgemm.server.errors.ApiError"} <= set(found)  # the reader finds them
+    elsewhere = sorted(name for name, module in found.items()
+                       if module != "edgemm.errors" and module != f"edgemm.{package_of(module)}.errors")
+    assert not elsewhere, elsewhere
+
+
 OUTSIDE = re.compile(r"\.\./(\.\./)*" + "shared" + r"|" + "shared" + r"/DESIGN")  # spelled apart: not a match itself
 
 
