@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """edgemm benchmarks. Medians and ratios measured side by side in one run.
 
-    python tools/bench.py runtime [--n 50] [--model DIR] [--threads 1]
-    python tools/bench.py pipeline [--frames 200] [--soak 10000]
-    python tools/bench.py scheduler [--n 500] [--cache-images 10000] [--beam-n 200]
-    python tools/bench.py detokenize
+    python -m bench.bench runtime [--n 50] [--model DIR] [--threads 1]
+    python -m bench.bench pipeline [--frames 200] [--soak 10000]
+    python -m bench.bench scheduler [--n 500] [--cache-images 10000] [--beam-n 200]
+    python -m bench.bench detokenize
 
 `runtime` (runtime core):
   overhead   end-to-end infer latency minus the time inside the backend's raw run
@@ -22,7 +22,7 @@
              each answer (capture → answer) vs the pipeline latency (submit → answer)
   soak       RSS growth over many frames through the pipeline, twice in one process
              (the first run also carries the allocator's warm-up; a leak grows in both)
-`scheduler` (tier scheduler, feature cache, gated beams): see tools/bench_scheduler.py
+`scheduler` (tier scheduler, feature cache, gated beams): see bench/bench_scheduler.py
 `detokenize` (streamed answers): total time to turn N streamed tokens into text pieces,
              decoding the whole answer again after every token (edgemm before the
              one-loop change) vs edgemm.engine.detokenize.TextStream, for each tokenizer
@@ -44,15 +44,15 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 from edgemm.config import load_config  # noqa: E402
 from edgemm.engine.decode import BatchItem, generate  # noqa: E402
 from edgemm.engine.generate import GenerationOptions, Generator  # noqa: E402
 from edgemm.engine.runtime import Runtime  # noqa: E402
 from edgemm.model.scenes import make_scene  # noqa: E402
-from reference_decode import greedy_without_cache  # noqa: E402  (tools/, beside this file)
-from procstat import rss_mb  # noqa: E402
+from tests.support.pipeline_bound import pipeline_bound
+from tests.support.reference_decode import greedy_without_cache
+from bench.procstat import rss_mb
 
 BENCH_SEED_BASE = 300_000
 SOURCE_FPS = 240  # freshness: a live source well above what the model answers
@@ -209,22 +209,6 @@ def _run_stream(rt: Runtime, source, options, emit, stop: threading.Event | None
     from edgemm.streams.run import run_stream
     with Pipeline(rt, queue_size=options.share(source.live)) as pipeline:
         return run_stream(pipeline, source, options, emit, stop)
-
-
-def pipeline_bound(stage_s: dict[str, float], prepare_workers: int, cores: int) -> float:
-    """The most frames per second the pipeline could give, from the stage times per frame
-    (seconds, mean busy time per item, measured while the stages overlap).
-
-    Each stage bounds it by its threads over its time: prepare runs on a pool of
-    `prepare_workers` threads (prepare_workers / prepare), encode and decode on one each
-    (1 / encode, 1 / decode). The CPU bounds it too: each frame costs the sum of its stage
-    times in core-seconds (one onnxruntime thread per graph), and only `cores` cores run
-    them (cores / sum); on 2 cores this is usually the tighter bound. It is honest only as
-    far as the stage times are: it leaves out the source's reader thread, the GIL between
-    the stage threads, and anyone else's work on a shared machine, so the pipeline may
-    fall short of it, not exceed it by much."""
-    per_thread = [stage_s["prepare"] / prepare_workers] + [t for stage, t in stage_s.items() if stage != "prepare"]
-    return min(1 / max(per_thread), cores / sum(stage_s.values()))
 
 
 def bench_throughput(rt: Runtime, frames: int, prompt: str, repeats: int = 3) -> dict:
@@ -404,7 +388,7 @@ def main() -> None:
         args.n = args.n or 50
         results, table = runtime_section(args), markdown
     elif args.section == "scheduler":
-        from bench_scheduler import scheduler_markdown, scheduler_section  # tools/ is on sys.path
+        from bench.bench_scheduler import scheduler_markdown, scheduler_section
         args.n = args.n or 500
         results, table = scheduler_section(args), scheduler_markdown
     elif args.section == "detokenize":

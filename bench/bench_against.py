@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The runtime overhead of this tree and of an earlier commit, side by side.
 
-    python tools/bench_against.py REV [--rounds 3] [--n 50] [--precision fp32]
+    python -m bench.bench_against REV [--rounds 3] [--n 50] [--precision fp32]
 
 `bench.py runtime`'s overhead measure (end-to-end `Runtime.infer` minus the time inside
 the backend's run calls, median of N requests at the top tier) for the working tree and
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -22,10 +23,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# run from the tree's root (-c: the tree, not this one, is first on the path); `bench` is
+# bench/bench.py, or tools/bench.py in a tree from before bench/ (its folder then on PYTHONPATH)
 RUN = """
-import json, sys
-sys.path[:0] = ["tools", "."]
-import bench
+import importlib, json
+bench = importlib.import_module(%r)
 from edgemm.config import load_config
 from edgemm.engine.runtime import Runtime
 rt = Runtime(load_config({"model": {"path": "models/tiny-vlm", "precision": %r}, "backend": {"intra_op_threads": 1}}))
@@ -34,7 +36,13 @@ print(json.dumps(bench.bench_overhead(rt, %d)))
 
 
 def measure(tree: Path, n: int, precision: str) -> dict:
-    done = subprocess.run([sys.executable, "-c", RUN % (precision, n)], cwd=tree, capture_output=True, text=True, check=False)
+    env = dict(os.environ)
+    if (tree / "bench" / "bench.py").is_file():
+        module = "bench.bench"
+    else:
+        module, env["PYTHONPATH"] = "bench", str(tree / "tools")
+    done = subprocess.run([sys.executable, "-c", RUN % (module, precision, n)], cwd=tree, env=env,
+                          capture_output=True, text=True, check=False)
     if done.returncode:
         raise SystemExit(f"bench_against: the run in {tree} failed:\n{done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Alerts (edgemm/streams/alerts.py): how right and how quick they are, and what they cost a stream.
 
-    python tools/bench_alerts.py [--frames 600] [--fps 10] [--hold 20] [--seconds 8] [--rounds 5]
+    python -m bench.bench_alerts [--frames 600] [--fps 10] [--hold 20] [--seconds 8] [--rounds 5]
                                  [--no-browser] [--skip accuracy|cost]
 
 One daemon (edgemm.server.daemon.Daemon in this process, the built-in model, its shipped
@@ -31,7 +31,7 @@ browser) on a temporary UNIX socket; everything is read through its HTTP API.
                          blue) due on every frame (`every: 1`, max_every as the
                          config's default, or --max-every),
                          and the live view page open in a headless chromium over TCP
-                         (tools/headless_browser.py) at the same time
+                         (tests/support/headless_browser.py) at the same time
                old rule  the same, but max_every 1: every alert asked on every frame
                          whether or not the stream keeps up (the rule before
                          spare-capacity scheduling), for comparison
@@ -45,7 +45,7 @@ browser) on a temporary UNIX socket; everything is read through its HTTP API.
              also name `view` (the browser, no alerts) and `alerts` (the alerts, no
              browser), the two halves of `watched`, and `remote view` / `remote
              watched`: instead of the browser, the page's requests made by
-             tools/page_traffic.py in a process of its own (what a page open on
+             tests/support/page_traffic.py in a process of its own (what a page open on
              another computer costs the daemon), alone / with the 3 alerts.
 
 The machine may be shared: the figures are medians over rounds and ratios of runs side
@@ -66,15 +66,12 @@ from pathlib import Path
 
 import httpx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from edgemm.config import load_config  # noqa: E402
-from edgemm.engine.runtime import Runtime  # noqa: E402
-from edgemm.model.scenes import make_scene  # noqa: E402
-from bench_view import cpu_s, free_port, tree_cpu_s  # noqa: E402
-from daemon_thread import DaemonThread  # noqa: E402
-from headless_browser import HeadlessBrowser, find_chromium  # noqa: E402
+from edgemm.config import load_config
+from edgemm.engine.runtime import Runtime
+from edgemm.model.scenes import make_scene
+from bench.bench_view import cpu_s, free_port, tree_cpu_s
+from tests.support.daemon_thread import DaemonThread
+from tests.support.headless_browser import HeadlessBrowser, find_chromium
 
 WAIT_S = 60.0
 SEED = 11
@@ -211,7 +208,7 @@ def metric(text: str, start: str) -> float:
 
 SETUPS = ("none", "watched", "old rule")
 # the two halves of `watched` (the browser alone, the alerts alone), and the page's requests without
-# a browser (tools/page_traffic.py: a page open on another computer) alone and with the alerts
+# a browser (tests/support/page_traffic.py: a page open on another computer) alone and with the alerts
 EXTRA_SETUPS = ("view", "alerts", "remote view", "remote watched")
 REMOTE = ("remote view", "remote watched")
 
@@ -226,10 +223,10 @@ class Window:
 
 
 class PageTrafficProcess:
-    """tools/page_traffic.py against the daemon's port, in a process of its own (its CPU is not the daemon's)."""
+    """tests/support/page_traffic.py against the daemon's port, in a process of its own (its CPU is not the daemon's)."""
 
     def __init__(self, port: int):
-        tool = Path(__file__).resolve().parent / "page_traffic.py"
+        tool = Path(__file__).resolve().parent.parent / "tests" / "support" / "page_traffic.py"
         self.process = subprocess.Popen([sys.executable, str(tool), f"http://127.0.0.1:{port}/"])
 
     def cpu_s(self) -> float:

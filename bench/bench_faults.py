@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Fault injection under load: a real daemon keeps answering while some requests blow up.
 
-    python tools/bench_faults.py [--model DIR] [--duration 20] [--clients 8] [--poison-every 20]
+    python -m bench.bench_faults [--model DIR] [--duration 20] [--clients 8] [--poison-every 20]
                                  [--max-tokens 16] [--stall-s 2] [--watchdog-usec 1000000]
                                  [--stalls 3] [--no-stall | --stall]
 
@@ -51,7 +51,6 @@ import itertools
 import json
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -65,11 +64,11 @@ import httpx
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 from edgemm.config import load_config  # noqa: E402
 from edgemm.engine.runtime import Runtime  # noqa: E402
-from daemon_thread import DaemonThread  # noqa: E402
+from tests.support.daemon_thread import DaemonThread
+from tests.support.fake_systemd import FakeSystemd
 
 QUESTIONS = ["describe the image", "how many shapes are there ?", "what color is the circle ?",
              "what does the text say ?"]
@@ -291,55 +290,6 @@ def load_section(runtime: Runtime, model: Path, faulty: FaultyEncoder, images: d
         f"RSS growth <= {RSS_TARGET_MB:g} MB (trend over the load)": trend <= RSS_TARGET_MB,
     }
     return result
-
-
-class FakeSystemd:
-    """A NOTIFY_SOCKET that records (monotonic time, datagram)."""
-
-    def __init__(self, folder: Path):
-        self.path = str(folder / "notify.sock")
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.bind(self.path)
-        self.sock.settimeout(0.1)
-        self.messages: list[tuple[float, str]] = []
-        self.cond = threading.Condition()
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._listen, daemon=True)
-        self.thread.start()
-
-    def _listen(self) -> None:
-        while not self.stop.is_set():
-            try:
-                data = self.sock.recv(4096).decode()
-            except socket.timeout:
-                continue
-            with self.cond:
-                self.messages.append((time.monotonic(), data))
-                self.cond.notify_all()
-
-    def wait_for(self, predicate, after: float | None = None,
-                 timeout: float = WAIT_S) -> tuple[float, str] | None:
-        """(time, message) of the first message received after `after` (default: now) for
-        which `predicate` holds, or None if none came within `timeout`."""
-        after = time.monotonic() if after is None else after
-        with self.cond:
-            return self.cond.wait_for(lambda: next(((t, m) for t, m in self.messages if t > after and predicate(m)),
-                                                   None), timeout)
-
-    def expect(self, predicate, after: float | None = None, timeout: float = WAIT_S) -> tuple[float, str]:
-        found = self.wait_for(predicate, after, timeout)
-        if not found:
-            raise SystemExit("the expected notification never came")
-        return found
-
-    def pings(self) -> list[float]:
-        with self.cond:
-            return [t for t, m in self.messages if "WATCHDOG=1" in m]
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(5)
-        self.sock.close()
 
 
 def stall_section(runtime: Runtime, model: Path, faulty: FaultyEncoder, images: dict[str, bytes],

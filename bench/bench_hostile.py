@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Hostile images against a real `edgemm serve` and `edgemm infer` (issue 17, "limits before work").
 
-    python tools/bench_hostile.py [--model DIR] [--rounds 5]
+    python -m bench.bench_hostile [--model DIR] [--rounds 5]
 
   memory   one daemon (bench_serve.ServeProcess: the shipped config, server.image_dirs
            a temporary folder, server.max_body_bytes 64 MiB so the image check is what
@@ -16,7 +16,7 @@
   two_heavy  two 24 MP PNGs (the largest accepted) at once, a valid request 0.3 s
            later: its latency, the heavy ones' statuses, the peak RSS.
 
-Files come from tools/hostile_images.py. Results are printed as JSON.
+Files come from tests/support/hostile_images.py. Results are printed as JSON.
 """
 from __future__ import annotations
 
@@ -32,10 +32,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
 
-import hostile_images as hostile  # noqa: E402
-from bench_serve import ServeProcess, client  # noqa: E402
+from tests.support import hostile_images as hostile
+from bench.bench_serve import ServeProcess, client
 from edgemm.model.image import MAX_JPEG_SCANS  # noqa: E402
 
 PROMPT = "how many shapes are there ?"

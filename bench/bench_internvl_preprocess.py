@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """InternVL3 preprocessing at real size: edgemm's numpy pixels beside transformers' processors.
 
-    python tools/bench_internvl_preprocess.py [--repeats 7] [--budget 12]
-    python tools/bench_internvl_preprocess.py --against REV [--repeats 7] [--calls 3] [--budget 12]
+    python -m bench.bench_internvl_preprocess [--repeats 7] [--budget 12]
+    python -m bench.bench_internvl_preprocess --against REV [--repeats 7] [--calls 3] [--budget 12]
 
 InternVL3's settings (448 x 448 tiles, max_patches 12, ImageNet mean/std); camera-sized
 images (VGA, 720p, 1080p) of seeded noise. Per size, one round runs edgemm's
@@ -37,7 +37,6 @@ from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
@@ -69,9 +68,8 @@ def processors(budget: int) -> dict:
 
 
 ONE_ROUND = """
-import hashlib, json, os, sys, time
+import hashlib, json, os, time
 os.environ["OMP_NUM_THREADS"] = "1"
-sys.path.insert(0, ".")
 import numpy as np
 from edgemm.model.families.internvl import normalisation, tile_grid, tile_pixels
 mean, std = normalisation(%(mean)r, %(std)r, 1 / 255)

@@ -2,7 +2,7 @@
 """The decoder's KV cache between steps: `session.run` with numpy feeds against onnxruntime's
 IOBinding with the cache kept as OrtValues, through edgemm's own decode loop, side by side.
 
-    python tools/bench_kv_binding.py [--model DIR] [--rounds 20] [--threads 1] [--tokens 32]
+    python -m bench.bench_kv_binding [--model DIR] [--rounds 20] [--threads 1] [--tokens 32]
 
 Both candidates run the same Generator and DecodingBatch (edgemm/engine/decode.py) on the same
 onnxruntime session; only the decoder component's run differs:
@@ -11,7 +11,7 @@ onnxruntime session; only the decoder component's run differs:
                 a C-contiguous numpy input without copying it and hands each output back as a
                 numpy array over onnxruntime's own buffer (no copy either), so a step's present
                 tensors become the next step's past without a copy already
-  IOBinding     BoundDecoder below: every present output stays the OrtValue onnxruntime
+  IOBinding     BoundDecoder (tests/support/bound_decoder.py): every present output stays the OrtValue onnxruntime
                 allocated and is bound as the next step's past with bind_ortvalue_input (never
                 wrapped again); the loop gets zero-copy numpy views of the same OrtValues for
                 what it does in numpy (row gathers, merges, the prefix cache's views)
@@ -30,58 +30,17 @@ import argparse
 import dataclasses
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-import numpy as np
-import onnxruntime as ort
-
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 from edgemm.config import load_config  # noqa: E402
 from edgemm.engine.decode import BatchItem, generate  # noqa: E402
 from edgemm.engine.generate import Generator  # noqa: E402
 from edgemm.engine.runtime import Runtime  # noqa: E402
 from edgemm.model.scenes import make_scene  # noqa: E402
-
-
-class BoundDecoder:
-    """An onnxruntime decoder component run through IOBinding, the present → past tensors
-    kept in onnxruntime's memory: an input that is the numpy view of one of the last run's
-    outputs is bound as that OrtValue itself. Every run binds its outputs to fresh
-    onnxruntime allocations (never a buffer reused from an earlier step), so a view the
-    prefix cache keeps of an output stays valid after later steps."""
-
-    def __init__(self, component):
-        self.component, self.session = component, component.session
-        self.name, self.precision, self.device = component.name, component.precision, component.device
-        self.inputs, self.outputs, self.stats = component.inputs, component.outputs, component.stats
-        self._output_names = list(component.outputs)
-        self._last: dict[int, tuple[ort.OrtValue, np.ndarray]] = {}  # id(view) → (its OrtValue, the view)
-
-    def release_memory(self) -> None:
-        self.component.release_memory()
-
-    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        started = time.perf_counter()
-        binding = self.session.io_binding()
-        last = self._last
-        for name, value in feeds.items():
-            kept = last.get(id(value))
-            if kept is not None and kept[1] is value:
-                binding.bind_ortvalue_input(name, kept[0])
-            else:
-                binding.bind_cpu_input(name, value)
-        for name in self._output_names:
-            binding.bind_output(name, "cpu")
-        self.session.run_with_iobinding(binding)
-        values = binding.get_outputs()
-        views = [value.numpy() for value in values]  # numpy over onnxruntime's buffer (a copy before 1.19)
-        self._last = {id(view): (value, view) for value, view in zip(values, views)}
-        self.stats.add(started)
-        return dict(zip(self._output_names, views))
+from tests.support.bound_decoder import BoundDecoder  # noqa: E402
 
 
 def request_for(rt: Runtime, model: Path):

@@ -4,7 +4,7 @@ on page variants side by side (issue 23: on a 2-core board the browser's CPU is 
 the stream).
 
     git show 529eebb:edgemm/server/web/index.html > /tmp/before.html
-    python tools/bench_page_cpu.py --rounds 5 before=/tmp/before.html after=edgemm/server/web/index.html \\
+    python -m bench.bench_page_cpu --rounds 5 before=/tmp/before.html after=edgemm/server/web/index.html \\
         after@hidden=edgemm/server/web/index.html
 
 One daemon in this process (backend.intra_op_threads 1) runs one unpaced `synthetic://`
@@ -20,20 +20,16 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+import edgemm.server.liveview
+from bench.bench_alerts import daemon_thread
+from bench.bench_view import cpu_s
+from tests.support.headless_browser import HeadlessBrowser
 
-import edgemm.server.liveview  # noqa: E402
-from bench_alerts import daemon_thread  # noqa: E402
-from bench_view import cpu_s  # noqa: E402
-from headless_browser import HeadlessBrowser  # noqa: E402
-
-from edgemm.config import load_config  # noqa: E402
-from edgemm.engine.runtime import Runtime  # noqa: E402
+from edgemm.config import load_config
+from edgemm.engine.runtime import Runtime
 
 HIDE = """(() => {
   Object.defineProperty(document, 'visibilityState', {configurable: true, get: () => 'hidden'});

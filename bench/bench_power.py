@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """What the telemetry sampler costs: process CPU time over wall time, sampling in the background.
 
-    python tools/bench_power.py                    # fake Orin NX tree, default period, 5 runs of 10 s
-    python tools/bench_power.py --root / --runs 3  # this machine's own sysfs (on a Jetson: the real thing)
+    python -m bench.bench_power                    # fake Orin NX tree, default period, 5 runs of 10 s
+    python -m bench.bench_power --root / --runs 3  # this machine's own sysfs (on a Jetson: the real thing)
 
 Each run starts a Sampler at the period, sleeps for --seconds in the main thread, and
 divides the process CPU time used meanwhile by the wall time: the share of one core the
@@ -15,16 +15,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-from edgemm.config import PowerConfig  # noqa: E402
-from edgemm.power.telemetry import Sampler, Sensors  # noqa: E402
+from edgemm.config import PowerConfig
+from edgemm.power.telemetry import Sampler, Sensors
 
 TARGET = 0.01  # at most 1 % of one core
 
@@ -57,7 +53,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = args.root
         if root is None:
-            from fake_jetson import orin_nx
+            from tests.support.fake_jetson import orin_nx
             orin_nx(Path(tmp))
             root = tmp
         sensors = Sensors.discover(root)

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Real size, side by side: edgemm, a raw onnxruntime loop and transformers + torch on one model.
 
-    python tools/bench_realsize.py [--shape smolvlm-256m | --model DIR] [--warm 10] [--cold 3] [--threads 2]
+    python -m bench.bench_realsize [--shape smolvlm-256m | --model DIR] [--warm 10] [--cold 3] [--threads 2]
                                    [--precisions fp32,q4,quantized] [--candidates edgemm,raw]
-    python tools/bench_realsize.py --cold-only --cold 8      # `edgemm infer` against the raw loop, cold
+    python -m bench.bench_realsize --cold-only --cold 8      # `edgemm infer` against the raw loop, cold
 
 The model is a random-weight model of a real shape (tools/make_sized_model.py, built first
 if its cache folder is not complete). One question about probe.png at one 512×512 tile
@@ -49,10 +49,9 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-TOOLS = Path(__file__).resolve().parent
+TOOLS = ROOT / "tools"
 # make_sized_model.CACHE, not imported: that module imports torch, and the driver stays small
 SIZED_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "edgemm" / "sized"
-sys.path.insert(0, str(ROOT))
 
 
 def peak_rss_mb() -> float:

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Warm only, at real size: edgemm `Runtime.infer` against the raw onnxruntime loop, paired.
 
-    python tools/bench_realsize_warm.py [--shape smolvlm-256m | --model DIR] [--rounds 12] [--threads 2]
+    python -m bench.bench_realsize_warm [--shape smolvlm-256m | --model DIR] [--rounds 12] [--threads 2]
 
-The two warm candidates of tools/bench_realsize.py (its own classes, each a process of its
+The two warm candidates of bench/bench_realsize.py (its own classes, each a process of its
 own, asked in turn request by request with the order swapped every round), without the cold
 starts and without transformers (no torch needed): for the warm target, edgemm ≤ 1.01× the
 raw loop. On a shared machine the ratio of each pair of neighbouring requests is steadier
@@ -19,12 +19,10 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_realsize  # noqa: E402  (tools/, beside this file)
+from bench import bench_realsize
 
 
 def cpu_ms(pid: int) -> float:

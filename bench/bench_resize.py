@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The Pillow-exact resizes (edgemm/model/resample.py) against Pillow itself, on a camera frame.
 
-    OMP_NUM_THREADS=1 python tools/bench_resize.py [--repeats 15] [--frame 1080x1920]
+    OMP_NUM_THREADS=1 python -m bench.bench_resize [--repeats 15] [--frame 1080x1920]
 
 Pillow is not a runtime dependency (the `fixture` extra has it); edgemm resizes in numpy
 so that its pixels equal the reference processors' (SmolVLM: Lanczos, Qwen2-VL: bicubic).
@@ -13,17 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from edgemm.model.families.qwen2_vl import smart_resize  # noqa: E402
-from edgemm.model.resample import resize_bicubic, resize_lanczos  # noqa: E402
+from edgemm.model.families.qwen2_vl import smart_resize
+from edgemm.model.resample import resize_bicubic, resize_lanczos
 
 FILTERS = {"bicubic": (resize_bicubic, Image.BICUBIC), "lanczos": (resize_lanczos, Image.LANCZOS)}
 

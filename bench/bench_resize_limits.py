@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Time and peak memory of edgemm's Pillow-exact resizes on the images that cost the most.
 
-    python tools/bench_resize_limits.py [--repeat 3] [--baseline REV]
+    python -m bench.bench_resize_limits [--repeat 3] [--baseline REV]
 
 Each case runs in a fresh child process (its peak RSS is then the case's own, the input
 image included), the cases interleaved round by round; prints, as JSON, the median and
@@ -41,7 +41,6 @@ BASELINE_CASES = ("5000x5000 → 2048 Lanczos (idefics3's first resize)",
 CHILD = """
 import importlib.util, json, resource, sys, time
 import numpy as np
-sys.path.insert(0, {root!r})
 h, w, oh, ow, f, window = json.loads(sys.argv[1])
 if len(sys.argv) > 2:  # the baseline's resample.py (Lanczos only: resize_lanczos)
     spec = importlib.util.spec_from_file_location("baseline_resample", sys.argv[2])
@@ -54,7 +53,7 @@ else:
 rgb = np.random.default_rng(0).integers(0, 256, (h, w, 3), dtype=np.uint8)
 start = time.perf_counter()
 resize(rgb)
-print(json.dumps({{"s": time.perf_counter() - start, "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}}))
+print(json.dumps({"s": time.perf_counter() - start, "peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 """
 
 
@@ -69,7 +68,6 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--baseline", metavar="REV", help="also run edgemm/model/resample.py of this git revision")
     args = ap.parse_args()
-    code = CHILD.format(root=str(ROOT))
     jobs = [(name, None) for name in CASES]
     with tempfile.TemporaryDirectory() as tmp:
         if args.baseline:
@@ -80,8 +78,10 @@ def main() -> None:
         runs: dict[tuple, list[dict]] = {job: [] for job in jobs}
         for _ in range(args.repeat):  # round by round, so machine noise spreads over every case
             for name, baseline in jobs:
-                out = subprocess.run([sys.executable, "-c", code, json.dumps(CASES[name]), *([baseline] if baseline else [])],
-                                     check=True, capture_output=True, text=True, env={"OMP_NUM_THREADS": "1", "PATH": ""})
+                # -c from the repository root: this tree's edgemm is first on the path
+                out = subprocess.run([sys.executable, "-c", CHILD, json.dumps(CASES[name]), *([baseline] if baseline else [])],
+                                     check=True, capture_output=True, text=True, env={"OMP_NUM_THREADS": "1", "PATH": ""},
+                                     cwd=ROOT)
                 runs[(name, baseline)].append(json.loads(out.stdout))
     report = {name: summary(runs[(name, None)]) for name in CASES}
     for name, baseline in jobs:

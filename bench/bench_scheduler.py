@@ -1,4 +1,4 @@
-"""`python tools/bench.py scheduler`: the resolution scheduler, the feature cache and gated beams.
+"""`python -m bench.bench scheduler`: the resolution scheduler, the feature cache and gated beams.
 
   policies   on N held-out generated scenes (seeds 450 000 + i; with and without text,
              every question kind in random phrasings): always-low, always-top, the
@@ -16,7 +16,7 @@
 A pixel-budget family (Qwen2-VL: tiers are budgets, the tokens follow each image's shape)
 has a mode of its own, run directly:
 
-    python tools/bench_scheduler.py budgets --model tests/fixtures/qwen2-vl-tiny [--frames 120]
+    python -m bench.bench_scheduler budgets --model tests/fixtures/qwen2-vl-tiny [--frames 120]
 
   budgets    a mixed set of frames (scenes with and without text, flat frames, wide, tall
              and square, all larger than the top budget) and two questions (one asking to
@@ -35,20 +35,18 @@ import cv2
 import numpy as np
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tools.calibrate_scheduler import Table, measure, mixed_questions
 
-from calibrate_scheduler import Table, measure, mixed_questions  # noqa: E402
+import argparse
+import json
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-
-from edgemm.config import Config, load_config  # noqa: E402
-from edgemm.engine.decode import BatchItem, generate  # noqa: E402
-from edgemm.engine.generate import GenerationOptions  # noqa: E402
-from edgemm.engine.runtime import Runtime  # noqa: E402
-from edgemm.model.scenes import TASKS, make_scene, normalise_answer  # noqa: E402
-from edgemm.engine.tiers import POLICY_FILE, TierPolicy, saliency_stats  # noqa: E402
-from procstat import rss_mb  # noqa: E402
+from edgemm.config import Config, load_config
+from edgemm.engine.decode import BatchItem, generate
+from edgemm.engine.generate import GenerationOptions
+from edgemm.engine.runtime import Runtime
+from edgemm.model.scenes import TASKS, make_scene, normalise_answer
+from edgemm.engine.tiers import POLICY_FILE, TierPolicy, saliency_stats
+from bench.procstat import rss_mb
 
 EVAL_SEED_BASE = 450_000  # < 500 000 (calibration) and < 1 000 000 (training)
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """`edgemm serve` benchmarks: real daemons on temporary UNIX sockets, real HTTP clients.
 
-    python tools/bench_serve.py [--model DIR] [--rounds 3] [--requests 64]
+    python -m bench.bench_serve [--model DIR] [--rounds 3] [--requests 64]
                                 [--clients 8] [--burst 64] [--overhead-n 100] [--threads 0]
 
 Every daemon is `edgemm serve --config TMP.yaml --socket TMP.sock` as a subprocess (the
@@ -48,7 +48,7 @@ httpx.Client over the UNIX socket, so they share the machine's cores with the da
              library's http.client on a kept-alive UNIX socket ("infer_raw"), whose own
              Python work is small, so it shows the socket round trip more nearly.
 
-    python tools/bench_serve.py --mode stalled [--stalled 200] [--rounds 3] [--requests 64]
+    python -m bench.bench_serve --mode stalled [--stalled 200] [--rounds 3] [--requests 64]
 
   stalled    valid requests while `stalled` connections stay open without finishing a
              request (half of them half a request line, half nothing; one the daemon
@@ -87,12 +87,11 @@ import numpy as np
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 from edgemm.config import load_config  # noqa: E402
 from edgemm.engine.runtime import Runtime  # noqa: E402
 from edgemm.model.scenes import make_scene  # noqa: E402
-from procstat import rss_mb  # noqa: E402
+from bench.procstat import rss_mb
 
 PROMPT = "how many shapes are there ?"
 # batching is measured for a one-word answer (encoder and prefill bound) and a description

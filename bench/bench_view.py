@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What watching costs a stream: its answers per second with and without the live view attached.
 
-    python tools/bench_view.py [--rounds 5] [--window 10] [--threads 1] [--source synthetic://] [--warmup 15]
+    python -m bench.bench_view [--rounds 5] [--window 10] [--threads 1] [--source synthetic://] [--warmup 15]
 
 One `edgemm serve` subprocess (UNIX socket and loopback TCP) runs one stream, `--source`
 (default: unpaced synthetic scenes, so the stream answers as fast as the pipeline can and
@@ -12,7 +12,7 @@ Each round measures, in turn (order reversed every other round, so drift hits al
   requests  what the page asks of the daemon, without a browser: a client in this process
             reading GET /v1/events and fetching frame.jpg after an event, at most 5 times a
             second (the page's rule), over the UNIX socket
-  browser   the live view page open in a headless chromium (tools/headless_browser.py) over
+  browser   the live view page open in a headless chromium (tests/support/headless_browser.py) over
             TCP, on the same machine: its own CPU competes with the daemon's, which a
             browser on another computer would not
 
@@ -48,9 +48,8 @@ from pathlib import Path
 import httpx
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serve import client, edgemm_command  # noqa: E402
-from headless_browser import HeadlessBrowser  # noqa: E402
+from bench.bench_serve import client, edgemm_command
+from tests.support.headless_browser import HeadlessBrowser
 
 STREAM = "bench"
 MODES = ("none", "requests", "browser")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """`edgemm serve`'s start at real size: this tree against an earlier commit, side by side.
 
-    python tools/bench_warmup.py REV [--model DIR] [--rounds 2]
+    python -m bench.bench_warmup REV [--model DIR] [--rounds 2]
 
 Each run is a fresh `edgemm serve` process (`python -m edgemm.cli.main serve`) on the model
 (default: the SmolVLM-256M-shaped folder of tools/make_sized_model.py, which must be

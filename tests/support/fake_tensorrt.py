@@ -7,7 +7,7 @@ It builds and runs for real, in its own way: the parser reads the ONNX graph's i
 outputs and nodes; the builder checks the optimisation profiles as TensorRT does (every
 dynamic input profiled, min <= opt <= max, static on a DLA) and writes a JSON "plan"; an
 execution context runs the graph with onnxruntime on the bytes at the addresses it was
-given (tests/fake_cuda.Memory), so an answer through the fake is an answer. Where TensorRT
+given (tests/support/fake_cuda.Memory), so an answer through the fake is an answer. Where TensorRT
 logs, the fake logs to the ILogger it was given, as TensorRT does: errors when a build,
 deserialisation or execution fails, warnings for layers that fall back from a DLA to the GPU.
 

@@ -2,7 +2,7 @@
 
 Each tests/fixtures/<family>-tiny folder is a tiny random transformers model exported to the
 Hugging Face ONNX layout, with what transformers' processor and greedy `generate` gave for a
-few images and prompts (reference.json; tools/make_*_fixture.py). tests/test_family_conformance.py
+few images and prompts (reference.json; tests/fixtures/make/make_*_fixture.py). tests/test_family_conformance.py
 runs the same cases on every one of them (reference tokens, batch = alone, a cached second
 question, a missing file named, the int8 graphs through the same path, the pipeline, ...);
 a family's own test file keeps only what is its own (its preprocessing maths, special tokens
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,8 +22,9 @@ import numpy as np
 from edgemm.config import load_config
 from edgemm.engine.runtime import Runtime
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures"
-TOOLS = Path(__file__).resolve().parent.parent / "tools"
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURES = ROOT / "tests" / "fixtures"
+TOOLS = ROOT / "tools"
 
 
 def make_runtime(path: Path, **sections) -> Runtime:
@@ -33,13 +35,19 @@ def make_runtime(path: Path, **sections) -> Runtime:
     return Runtime(load_config(cfg))
 
 
+def maker_command(fixture: FamilyFixture, *args: str) -> list[str]:
+    """The fixture maker, run as the repository's scripts outside tools/ are: a module, from the
+    repository root (subprocess.run(..., cwd=ROOT))."""
+    return [sys.executable, "-m", f"tests.fixtures.make.{Path(fixture.tool).stem}", *fixture.tool_args, *args]
+
+
 @dataclass(frozen=True)
 class FamilyFixture:
     """One fixture folder and what its reference cases mean for the shared tests."""
     name: str  # the fixture's name in test ids
     family: str  # the family load_manifest detects
     folder: str  # under tests/fixtures/
-    tool: str  # the tools/ script that makes it
+    tool: str  # the tests/fixtures/make/ script that makes it
     tiers: dict[str, int]  # the folder's tiers in order → their image tokens
     default_tier: str
     precisions: list[str]
@@ -57,7 +65,7 @@ class FamilyFixture:
     pixels_key: str = "case{i}"
     pixel_atol: float = 1e-6
     grid_input: str | None = None  # the encoder input that carries the case's image_grid_thw
-    fake_tensorrt: bool = False  # its int8 engines are built against tests/fake_tensorrt.py
+    fake_tensorrt: bool = False  # its int8 engines are built against tests/support/fake_tensorrt.py
     unknown_model_type: str = "no_such_vlm"
 
     @property

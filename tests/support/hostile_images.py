@@ -1,6 +1,6 @@
 """Hostile image files, made on the fly (struct, zlib, numpy, OpenCV): nothing is checked in.
 
-Used by tests/test_hostile_images.py and tools/bench_hostile.py. Each maker returns the
+Used by tests/test_hostile_images.py and bench/bench_hostile.py. Each maker returns the
 file's bytes; the kinds are those of issue 17 ("limits before work").
 """
 from __future__ import annotations

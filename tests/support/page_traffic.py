@@ -2,7 +2,7 @@
 """The live view page's requests, without a browser: what a page open on another computer
 (an operator's laptop, as the page is meant to be used) asks of the daemon.
 
-    python tools/page_traffic.py http://127.0.0.1:PORT/ [--seconds S]
+    python tests/support/page_traffic.py http://127.0.0.1:PORT/ [--seconds S]
 
 Mirrors edgemm/server/web/index.html: one GET /v1/events?rate=R&frames=jpeg (R = the page's
 FRAMES_PER_S, read from the page the daemon serves; each result carries its frame), a stream's

@@ -8,8 +8,8 @@ import types
 from dataclasses import dataclass
 from pathlib import Path
 
-import fake_cuda  # noqa: F401 (tests reach it as trt_harness.fake_cuda)
-from fake_tensorrt import FakeTensorRT
+from tests.support import fake_cuda  # noqa: F401 (tests reach it as trt_harness.fake_cuda)
+from tests.support.fake_tensorrt import FakeTensorRT
 from edgemm.config import load_config
 from edgemm.backends.tensorrt.build import BuildRequest, build_engines
 from edgemm.backends.tensorrt.platform import probe, version_tuple

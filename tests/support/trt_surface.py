@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """The TensorRT Python API surface edgemm relies on, checked against the real bindings.
 
-    python tools/trt_surface.py check            # 8.6.1, 10.3.0, the newest 10.x and 11.x from PyPI
-    python tools/trt_surface.py dump tensorrt    # the installed module's surface as JSON (on a Jetson)
+    python tests/support/trt_surface.py check            # 8.6.1, 10.3.0, the newest 10.x and 11.x from PyPI
+    python tests/support/trt_surface.py dump tensorrt    # the installed module's surface as JSON (on a Jetson)
 
 The bindings (`tensorrt-bindings`, `tensorrt-cu12-bindings`: about 1 MB each) are fetched with
 `pip download` into a cache folder. Their libraries (libnvinfer …) are not on PyPI, but the
@@ -11,7 +11,7 @@ those symbols is compiled with the C compiler. Nothing is ever called on it.
 
 The surface of a module: for every public class, its members; for every method, its
 parameter names (from the pybind11 signature line of its docstring: keyword calls must
-keep working); for every enum, its members and values. tests/fake_tensorrt.py is compared
+keep working); for every enum, its members and values. tests/support/fake_tensorrt.py is compared
 with it: tests/test_trt_surface.py.
 """
 from __future__ import annotations

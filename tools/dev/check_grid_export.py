@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Does a Qwen2-VL vision_encoder graph really take its grid, or was it frozen at export?
 
-    python tools/check_grid_export.py MODEL_DIR [--precision fp32|int8|fp16]
+    python -m tools.dev.check_grid_export MODEL_DIR [--precision fp32|int8|fp16]
 
 transformers' vision tower reads the grid with `.tolist()`, so a traced export keeps only
 the grid it was traced on: another grid of the same patch count then gives that grid's

@@ -1,21 +1,18 @@
 #!/usr/bin/env python3
 """The README's screenshot of the live view: a daemon with two synthetic:// streams (one with two
 alerts), the page
-in a headless chromium (tools/headless_browser.py), a PNG once both streams show a frame.
+in a headless chromium (tests/support/headless_browser.py), a PNG once both streams show a frame.
 
-    python tools/live_view_screenshot.py [--out docs/live-view.png]
+    python -m tools.dev.live_view_screenshot [--out docs/live-view.png]
 """
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_view import Daemon  # noqa: E402
-from edgemm.util.opencv import cv2  # noqa: E402
-from headless_browser import HeadlessBrowser  # noqa: E402
+from bench.bench_view import Daemon
+from edgemm.util.opencv import cv2
+from tests.support.headless_browser import HeadlessBrowser
 
 STREAMS = [{"id": "yard", "source": "synthetic://?fps=2&seed=5", "prompt": "what color is the circle ?",
             "max_new_tokens": 3},
