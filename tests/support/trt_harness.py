@@ -16,8 +16,8 @@ from edgemm.backends.tensorrt.platform import probe, version_tuple
 from edgemm.model.manifest import load_manifest
 from edgemm.engine.runtime import Runtime
 
-MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "tiny-vlm"
-IDEFICS3_DIR = Path(__file__).resolve().parent / "fixtures" / "idefics3-tiny"
+MODEL_DIR = Path(__file__).resolve().parents[2] / "models" / "tiny-vlm"
+IDEFICS3_DIR = Path(__file__).resolve().parents[1] / "fixtures" / "idefics3-tiny"
 SAMPLE = MODEL_DIR / "samples" / "scene_11.png"
 
 

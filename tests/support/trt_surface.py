@@ -227,7 +227,7 @@ def main(argv=None) -> int:
         import importlib
         print(json.dumps(surface(importlib.import_module(args.module))))
         return 0
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "EDGEMM_TRT_BINDINGS": str(args.cache)}
     return subprocess.run([sys.executable, "-m", "pytest", "-q", str(root / "tests" / "test_trt_surface.py")],
                           env=env).returncode
