@@ -317,3 +317,60 @@ def test_the_repository_links_nothing_outside_it():
                for line in p.read_text(encoding="utf-8", errors="replace").splitlines()
                if OUTSIDE.search(line)]
     assert not outside, outside
+
+
+# ---- the repository's scripts: tools/ for users, bench/ for benchmarks, tests/support/ for tests ----
+
+REPO = Path(__file__).resolve().parent.parent
+# spelled apart so this file is not a match itself
+PATH_EDIT = re.compile(r"sys\.path\s*(\.\s*(" + "insert|append|extend" + r")\b|\[[^\]]*\]\s*=|\+=)")
+IMPORT_MODULE = re.compile(r"import_module\(\s*[\"']([\w.]+)")
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module a file imports, at any level, by absolute dotted name (with `from m import
+    n`, both m and m.n), and the modules it names to importlib.import_module."""
+    text = path.read_text(encoding="utf-8")
+    names = set(IMPORT_MODULE.findall(text))
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names |= {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
+    return names
+
+
+def test_no_test_imports_a_benchmark():
+    """What a test and a benchmark share (fakes, harnesses, reference decoders) lives in
+    tests/support/; a test never reaches into bench/, by package or by a benchmark's bare name."""
+    benchmarks = {path.stem for path in (REPO / "bench").glob("*.py")}
+    assert "bench_faults" in benchmarks  # the folder this guards is where it is
+    found = sorted(f"{path.relative_to(REPO)}: {name}" for path in (REPO / "tests").rglob("*.py")
+                   for name in imported_modules(path)
+                   if name.split(".")[0] in {"bench", *benchmarks})
+    assert not found, found
+
+
+def test_no_test_edits_the_import_path():
+    """pytest's `pythonpath` (pyproject.toml) puts the repository root on the path; nothing
+    under tests/ edits sys.path itself."""
+    found = sorted(f"{path.relative_to(REPO)}:{n}: {line.strip()[:80]}" for path in (REPO / "tests").rglob("*.py")
+                   for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+                   if PATH_EDIT.search(line))
+    assert not found, found
+
+
+def test_the_path_edit_pattern_finds_what_it_forbids():
+    path = "sys." + "path"  # spelled apart: these lines are not matches themselves
+    for line in [f"{path}.insert(0, str(ROOT))", f"{path}.append('tools')", f'{path}[:0] = ["tools"]', f"{path} += [x]"]:
+        assert PATH_EDIT.search(line), line
+    assert not PATH_EDIT.search("paths = [p for p in sys.path if p]")
+
+
+def test_tools_holds_only_what_users_run():
+    """tools/ top level: the user commands and the helpers only they need, at most 15; every
+    one of them in tools/README.md's table."""
+    top = sorted(path.name for path in (REPO / "tools").glob("*.py"))
+    assert len(top) <= 15, top
+    table = (REPO / "tools" / "README.md").read_text(encoding="utf-8")
+    assert not [name for name in top if name not in table]

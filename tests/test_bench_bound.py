@@ -1,13 +1,9 @@
-"""tools/bench.py's pipeline bound: each stage by its threads, and the CPU by its cores."""
+"""bench/bench.py's pipeline bound: each stage by its threads, and the CPU by its cores."""
 from __future__ import annotations
-
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-from bench import pipeline_bound  # noqa: E402
+from tests.support.pipeline_bound import pipeline_bound
 
 
 def test_prepare_is_bounded_by_its_pool_not_by_one_thread():

@@ -70,7 +70,7 @@ def test_any_error_while_rendering_is_one_line_naming_the_template(template, err
 
 def folder_with_template(tmp_path: Path, template: str) -> Path:
     """The idefics3 fixture's files, linked, with `template` as its chat_template.jinja."""
-    from family_conformance import IDEFICS3
+    from tests.support.family_conformance import IDEFICS3
     folder = tmp_path / "ct"
     folder.mkdir()
     for entry in IDEFICS3.path.iterdir():

@@ -2,11 +2,8 @@
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-from eval_tiny_vlm import agreement  # noqa: E402
+from tools.eval_tiny_vlm import agreement
 
 
 def test_agreement_counts_discordant_pairs_and_their_standard_error():

@@ -1,6 +1,6 @@
 """The cases every model family passes against its reference implementation, transformers.
 
-The families' fixtures and what their cases mean are in tests/family_conformance.py. Each
+The families' fixtures and what their cases mean are in tests/support/family_conformance.py. Each
 test here runs on every fixture (gemma3, llava, fastvlm, idefics3, internvl, qwen2_vl,
 qwen2_5_vl); a family's own file tests what is its own. Neither torch nor transformers is
 needed here, except by the slow tests that regenerate the fixtures.
@@ -11,7 +11,6 @@ import importlib.util
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +21,8 @@ from edgemm.errors import ModelError
 from edgemm.model.family import adapter_for
 from edgemm.model.manifest import load_manifest
 from edgemm.engine.pipeline import Pipeline, Request
-from family_conformance import FAMILIES, TOOLS, FamilyFixture, answer, make_runtime, prepare, runtime_of
+from tests.support.family_conformance import (FAMILIES, ROOT, FamilyFixture, answer, make_runtime, maker_command,
+                                              prepare, runtime_of)
 
 ALL = list(FAMILIES.values())
 CASES = [(f, i) for f in ALL for i in range(len(f.cases))]
@@ -241,10 +241,10 @@ def test_int8_variant_runs_through_the_same_family_path(which):
 
 @pytest.mark.parametrize("fixture", [f for f in ALL if f.fake_tensorrt], ids=fixture_id)
 def test_int8_engines_build_and_answer_as_onnxruntime_through_the_fake_tensorrt(fixture, monkeypatch, tmp_path):
-    """TensorRT cannot run here: tests/fake_tensorrt.py builds the three int8 graphs from the
+    """TensorRT cannot run here: tests/support/fake_tensorrt.py builds the three int8 graphs from the
     profiles edgemm derives from their named dimensions, and its plans compute what ONNX Runtime
     computes. Every component placed on the GPU answers like the CPU, case by case."""
-    import trt_harness as h
+    from tests.support import trt_harness as h
     h.install(monkeypatch, "10.3.0")
     h.build(tmp_path, "gpu", model_dir=fixture.path)
     on_gpu = h.runtime(tmp_path, model_dir=fixture.path)
@@ -272,8 +272,7 @@ def _importable(names: tuple[str, ...]) -> bool:
 def test_regenerated_reference_is_the_committed_one(fixture, tmp_path):
     if importlib.util.find_spec("transformers") is None or not _importable(fixture.tool_imports):
         pytest.skip(f"needs the fixture extra {' and '.join(fixture.tool_imports)}".rstrip())
-    subprocess.run([sys.executable, str(TOOLS / fixture.tool), *fixture.tool_args, "--out", str(tmp_path)],
-                   check=True, capture_output=True)
+    subprocess.run(maker_command(fixture, "--out", str(tmp_path)), check=True, capture_output=True, cwd=ROOT)
     fresh = json.loads((tmp_path / "reference.json").read_text())
     assert [(c["input_ids"], c["tokens"]) for c in fresh["cases"]] == \
         [(c["input_ids"], c["tokens"]) for c in fixture.cases]

@@ -4,7 +4,7 @@ tests/fixtures/fastvlm-tiny is a tiny random transformers FastVlmForConditionalG
 real vision tower type (timm's FastViT-HD, `fastvit_mci3` reparameterised, tiny widths, stride
 64), the GELU projector and a Qwen2 text model, exported to the Hugging Face ONNX layout, with
 what LlavaProcessor (CLIP image processor, mean 0 / std 1, patch_size 64, strategy "full") and
-greedy `generate` gave for a few images and prompts (tools/make_fastvlm_fixture.py). The cases
+greedy `generate` gave for a few images and prompts (tests/fixtures/make/make_fastvlm_fixture.py). The cases
 every family passes against that reference are tests/test_family_conformance.py's.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 
 from edgemm.model.manifest import load_manifest
 from edgemm.engine.runtime import Runtime
-from family_conformance import FASTVLM, runtime_of
+from tests.support.family_conformance import FASTVLM, runtime_of
 
 FIXTURE = FASTVLM.path
 CASES = FASTVLM.cases

@@ -17,17 +17,14 @@ import json
 import logging
 import os
 import shutil
-import sys
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-from bench_faults import FakeSystemd  # noqa: E402  (tools/: the fake systemd the benchmark uses too)
+from tests.support.fake_systemd import FakeSystemd  # the benchmark uses it too
 from test_server import assert_error, in_background, metric, raw_client, running, short_dir, sock_path, wait_until
 
 import edgemm.streams.manager

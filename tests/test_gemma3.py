@@ -2,7 +2,7 @@
 
 tests/fixtures/gemma3-tiny is a tiny random Gemma3ForConditionalGeneration exported to the
 Hugging Face ONNX layout, with what transformers' processor and greedy `generate` gave for a
-few images and prompts (tools/make_gemma3_fixture.py), `generate` run without token_type_ids
+few images and prompts (tests/fixtures/make/make_gemma3_fixture.py), `generate` run without token_type_ids
 (the causal attention a 2-D mask expresses; see edgemm/model/families/gemma3.py). Its text
 model has sliding-window layers with a window shorter than every prompt. The cases every
 family passes against that reference are tests/test_family_conformance.py's.
@@ -22,7 +22,7 @@ from edgemm.model.manifest import load_manifest
 from edgemm.model import resample as resample_module
 from edgemm.model.resample import resize_pil
 from edgemm.engine.runtime import Runtime
-from family_conformance import GEMMA3, answer, make_runtime, runtime_of
+from tests.support.family_conformance import GEMMA3, answer, make_runtime, runtime_of
 
 FIXTURE = GEMMA3.path
 REFERENCE = GEMMA3.reference

@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,8 +10,6 @@ import pytest
 from edgemm.errors import InputError
 from edgemm.engine.decode import BatchItem, generate
 from edgemm.engine.generate import GenerationOptions, Generator, sample_token
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))  # reference_decode
 
 PROMPT = "describe the image"
 
@@ -190,7 +186,7 @@ def test_streamed_pieces_make_the_answer_for_byte_level_tokens(model_dir):
 
 
 def test_cache_and_no_cache_give_the_same_tokens(runtime, request_inputs):
-    from reference_decode import greedy_without_cache  # tools/
+    from tests.support.reference_decode import greedy_without_cache
     endless = generator_with_stops(runtime, set())
     cached = run(endless, request_inputs, max_new_tokens=8)
     assert (cached.tokens, cached.finish_reason) == greedy_without_cache(endless, *request_inputs, 8)

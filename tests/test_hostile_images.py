@@ -2,7 +2,7 @@
 line and the documented status; a slow image does not hold up another request; no
 library noise on stderr; EXIF orientation from PNG eXIf and WebP EXIF.
 
-Every file is made here (tools/hostile_images.py). Each kind is tried against
+Every file is made here (tests/support/hostile_images.py). Each kind is tried against
 load_image, the CLI (`edgemm infer`, exit 2) and a real daemon on a temporary socket
 (400 in OpenAI's error shape).
 """
@@ -22,9 +22,8 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-import hostile_images as hostile  # noqa: E402  (tools/: the benchmark makes the same files)
-from test_server import (assert_error, child_env, in_background, raw_client, running, short_dir,  # noqa: E402
+from tests.support import hostile_images as hostile  # the benchmark makes the same files
+from test_server import (assert_error, child_env, in_background, raw_client, running, short_dir,
                          sock_path, wait_ready, write_config)
 
 from edgemm.cli.main import main
@@ -32,6 +31,7 @@ from edgemm.model.errors import DecodeBusy, ImageError
 from edgemm.model.image import DecodeBudget, load_image
 from edgemm.model.image_header import MAX_JPEG_SCANS
 
+ROOT = Path(__file__).resolve().parent.parent
 WAIT_S = 60
 
 # kind → (the file's bytes, what the refusal says)
@@ -117,12 +117,12 @@ def test_the_memory_limit_counts_bit_depth_and_channels():
 
 PEAK_OF_LOAD = """
 import sys
-sys.path.insert(0, sys.argv[1])
-import hostile_images as hostile, numpy as np
+import numpy as np
+from tests.support import hostile_images as hostile
 from edgemm.model import image, image_header
 def kb(field):
     return int(next(l for l in open("/proc/self/status") if l.startswith(field)).split()[1])
-data = eval(sys.argv[2])
+data = eval(sys.argv[1])
 header = image_header.read_header(data, image_header.sniff_format(data))
 open("/proc/self/clear_refs", "w").write("5")
 before = kb("VmRSS")
@@ -149,9 +149,8 @@ def test_the_memory_an_accepted_image_takes_is_what_the_limit_counts(make):
     than it (an intermediate it does not know about) would let the limit be outrun."""
     if ".tif'" in make and not _writes_float_tiff():
         pytest.skip("this OpenCV cannot write a 64-bit float TIFF (Debian's 4.6)")
-    tools = str(Path(__file__).resolve().parent.parent / "tools")
-    out = subprocess.run([sys.executable, "-c", PEAK_OF_LOAD, tools, make], capture_output=True, text=True,
-                         timeout=WAIT_S)
+    out = subprocess.run([sys.executable, "-c", PEAK_OF_LOAD, make], capture_output=True, text=True,
+                         timeout=WAIT_S, cwd=ROOT)  # -c: the repository root (cwd) is on the path
     assert out.returncode == 0, out.stderr
     assert 0.5 < float(out.stdout) <= 1.25, (make, out.stdout)
 

@@ -2,7 +2,7 @@
 
 tests/fixtures/idefics3-tiny is a tiny random Idefics3ForConditionalGeneration exported
 to the Hugging Face ONNX layout, with what transformers' processor and greedy `generate`
-gave for a few images and prompts (tools/make_idefics3_fixture.py). The cases every family
+gave for a few images and prompts (tests/fixtures/make/make_idefics3_fixture.py). The cases every family
 passes against that reference are tests/test_family_conformance.py's.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from edgemm.model.families.idefics3 import expand_image
 from edgemm.model.resample import resize_lanczos
 from edgemm.model.tiling import tile_layout
 from edgemm.engine.runtime import Runtime
-from family_conformance import IDEFICS3, make_runtime, runtime_of
+from tests.support.family_conformance import IDEFICS3, make_runtime, runtime_of
 
 FIXTURE = IDEFICS3.path
 CASES = IDEFICS3.cases

@@ -3,7 +3,7 @@
 tests/fixtures/internvl-tiny is a tiny random InternVLForConditionalGeneration exported
 to the Hugging Face ONNX layout by tools/export_hf_vlm.py, with what transformers'
 InternVLProcessor (default torchvision image processor) and greedy `generate` gave for a
-few images, prompts and tile budgets (tools/make_internvl_fixture.py). The cases every
+few images, prompts and tile budgets (tests/fixtures/make/make_internvl_fixture.py). The cases every
 family passes against that reference are tests/test_family_conformance.py's. Neither torch
 nor transformers is needed here, except by the slow tests of the exporter.
 """
@@ -24,7 +24,7 @@ from edgemm.model.families.internvl import expand_image, tile_grid, tiers
 from edgemm.model.manifest import load_manifest
 from edgemm.model.resample_torch import resize_bicubic_torch
 from edgemm.engine.runtime import Runtime
-from family_conformance import INTERNVL, TOOLS, answer, make_runtime, runtime_of
+from tests.support.family_conformance import INTERNVL, ROOT, TOOLS, answer, make_runtime, maker_command, runtime_of
 
 FIXTURE = INTERNVL.path
 CASES = INTERNVL.cases
@@ -179,8 +179,8 @@ def test_export_hf_vlm_on_a_checkpoint_folder_answers_as_the_fixture(tmp_path):
     """tools/export_hf_vlm.py, run as a user runs it on a downloaded checkpoint, makes a
     folder whose answers are transformers' (the fixture's reference) token for token."""
     checkpoint, out = tmp_path / "checkpoint", tmp_path / "exported"
-    subprocess.run([sys.executable, str(TOOLS / INTERNVL.tool), "--checkpoint-only",
-                    "--checkpoint", str(checkpoint)], check=True, capture_output=True)
+    subprocess.run(maker_command(INTERNVL, "--checkpoint-only", "--checkpoint", str(checkpoint)),
+                   check=True, capture_output=True, cwd=ROOT)
     subprocess.run([sys.executable, str(TOOLS / "export_hf_vlm.py"), str(checkpoint), str(out)],
                    check=True, capture_output=True)
     assert sorted(p.name for p in (out / "onnx").iterdir()) == [
@@ -219,7 +219,7 @@ def test_gpu_profile_covers_one_tile_to_the_richest_tier_with_its_thumbnail():
 def test_encoder_engine_builds_and_runs_through_the_fake_tensorrt(monkeypatch, tmp_path):
     """The GPU plan of the InternVL encoder (5-D tiles, no mask) takes every tier's tile count
     for a wide and a tall image and answers what ONNX Runtime does."""
-    import trt_harness as h
+    from tests.support import trt_harness as h
     fakes = h.install(monkeypatch, "10.3.0")
     h.build(tmp_path, "gpu", model_dir=FIXTURE, components=["vision_encoder"])
     assert len(fakes.trt._built) == 1 and set(fakes.trt._built[0]["profiles"][0]) == {"pixel_values"}

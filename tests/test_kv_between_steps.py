@@ -1,13 +1,10 @@
 """The decoder's KV cache between steps, for both ways of calling onnxruntime that
-tools/bench_kv_binding.py measures: `session.run` (edgemm's OrtComponent, what ships) and
+bench/bench_kv_binding.py measures: `session.run` (edgemm's OrtComponent, what ships) and
 IOBinding with the cache kept as OrtValues (its BoundDecoder). What keeping the cache in
 onnxruntime's memory could break: a cached prefix is a view of a decoder output, so an
 output buffer reused by a later step would change it; rows that join or leave mid-batch
 and beams gather and merge rows of that cache."""
 from __future__ import annotations
-
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,8 +13,7 @@ from edgemm.engine.decode import BatchItem, DecodingBatch, generate
 from edgemm.engine.generate import GenerationOptions, Generator, PrefixReuse
 from edgemm.model.scenes import make_scene
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-from bench_kv_binding import BoundDecoder  # noqa: E402  (tools/)
+from tests.support.bound_decoder import BoundDecoder
 
 QUESTIONS = ["describe the image", "how many shapes ?", "what does the text say ?", "what color is the circle ?"]
 

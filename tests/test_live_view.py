@@ -2,14 +2,13 @@
 daemon on TCP, the endpoints it uses (GET /v1/events, frame.jpg, PATCH a stream) over the
 UNIX socket, their bounds, and `edgemm stream --view OUT`.
 
-The browser is Debian's chromium driven over its DevTools protocol (tools/headless_browser.py);
+The browser is Debian's chromium driven over its DevTools protocol (tests/support/headless_browser.py);
 CI installs it (.ci/run). The browser tests skip, saying so, only where no chromium is on PATH.
 """
 from __future__ import annotations
 
 import json
 import socket
-import sys
 import time
 from pathlib import Path
 
@@ -28,8 +27,7 @@ from edgemm.model.scenes import make_scene
 from edgemm.streams.manager import EVENTS_BUFFER
 from edgemm.streams.view import JPEG_MAX_SIDE, LatestFrame, annotate
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-from headless_browser import HeadlessBrowser, find_chromium  # noqa: E402
+from tests.support.headless_browser import HeadlessBrowser, find_chromium
 
 COLOUR = "what color is the circle ?"
 COUNT = "how many shapes are there ?"
@@ -59,7 +57,7 @@ def shown(browser: HeadlessBrowser) -> dict:
 
 @needs_browser
 def test_the_page_shows_a_running_streams_frame_and_answer_and_follows_it(runtime):
-    """The issue's "within 3 s" is a figure tools/bench_view.py measures (docs/BENCHMARKS.md),
+    """The issue's "within 3 s" is a figure bench/bench_view.py measures (docs/BENCHMARKS.md),
     not asserted here: on a loaded 2-core box only generous bounds are."""
     stream = {"id": "yard", "source": "synthetic://?fps=10", "prompt": COLOUR, "tier": "low", "max_new_tokens": 2}
     with running(runtime, {"streams": [stream]}, tcp_port=0) as d, raw_client(sock_path(d)) as http:
@@ -962,9 +960,9 @@ def test_a_hidden_page_closes_its_event_stream_and_stops_polling_until_shown(run
 
 
 def test_page_traffic_asks_what_the_page_asks():
-    """tools/page_traffic.py (bench_alerts' page on another computer) reads the page's rate, and
+    """tests/support/page_traffic.py (bench_alerts' page on another computer) reads the page's rate, and
     the page asks the daemon for that rate."""
-    from page_traffic import page_rate
+    from tests.support.page_traffic import page_rate
 
     from edgemm.server.liveview import page
     text = page().decode()

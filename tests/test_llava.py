@@ -3,7 +3,7 @@
 tests/fixtures/llava-tiny is a tiny random LlavaForConditionalGeneration (CLIP vision tower,
 second-to-last layer without CLS, GELU projector, Llama text model) exported to the Hugging
 Face ONNX layout, with what transformers' processor and greedy `generate` gave for a few
-images and prompts (tools/make_llava_fixture.py). The cases every family passes against that
+images and prompts (tests/fixtures/make/make_llava_fixture.py). The cases every family passes against that
 reference are tests/test_family_conformance.py's.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from edgemm.model.families.llava import LlavaAdapter, center_crop, resized_size
 from edgemm.model.manifest import load_manifest
 from edgemm.model.resample import resize_pil
 from edgemm.engine.runtime import Runtime
-from family_conformance import LLAVA, make_runtime, runtime_of
+from tests.support.family_conformance import LLAVA, make_runtime, runtime_of
 
 FIXTURE = LLAVA.path
 CASES = LLAVA.cases

@@ -219,7 +219,8 @@ def test_training_tools_without_torch_name_the_extra(tool):
     path = str(REPO / "tools" / tool)
     code = ("import runpy, sys\nsys.modules['torch'] = None  # as if torch were not installed\n"
             f"sys.argv = [{path!r}, '--help']\nrunpy.run_path({path!r}, run_name='__main__')\n")
+    # cwd tools/: first on the path (-c), as a script's own folder is; the tool imports extras from it
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env=clean_env(), cwd=REPO)
+                          env=clean_env(), cwd=REPO / "tools")
     assert done.returncode == 2
     assert done.stderr == f"error: tools/{tool} needs torch, which the train extra installs: pip install -e '.[train]'\n"

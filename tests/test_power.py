@@ -5,7 +5,7 @@ import os
 import time
 
 import pytest
-from fake_jetson import FakeJetson, agx_orin, orin_nano, orin_nx
+from tests.support.fake_jetson import FakeJetson, agx_orin, orin_nano, orin_nx
 
 from edgemm.config import PlacementConfig, PowerConfig, load_config
 from edgemm.engine.route import Route

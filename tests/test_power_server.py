@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 import pytest
-from fake_jetson import orin_nx
+from tests.support.fake_jetson import orin_nx
 from test_offload import FakeEndpoint
 from test_server import metric, raw_client, running, sock_path, user_message
 

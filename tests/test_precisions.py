@@ -13,7 +13,7 @@ import onnx
 import pytest
 from click.testing import CliRunner
 
-import trt_harness as h
+from tests.support import trt_harness as h
 from edgemm.cli.main import main
 from edgemm.config import load_config
 from edgemm.errors import ModelError

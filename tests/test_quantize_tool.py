@@ -1,7 +1,6 @@
 """tools/quantize.py on a two-layer graph: symmetric QDQ, and --keep-float leaves a layer in float."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -13,8 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 # the runtime's floor is onnxruntime 1.20; the tool's q4 quantizer module is 1.22's (README "Set-up")
 pytest.importorskip("onnxruntime.quantization.matmul_nbits_quantizer",
                     reason="tools/quantize.py needs onnxruntime 1.22 or newer")
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-from quantize import matching_nodes, quantize_graph  # noqa: E402
+from tools.quantize import matching_nodes, quantize_graph
 
 
 def two_matmuls(path: Path) -> None:
@@ -90,7 +88,7 @@ def test_percentile_clips_the_range_that_one_outlier_would_set(tmp_path):
 
 
 def test_the_model_folder_names_its_float_layers(tmp_path, model_dir):
-    from quantize import model_keep_float
+    from tools.quantize import model_keep_float
     keep = model_keep_float(model_dir)
     assert keep and matching_nodes(model_dir / "vision_encoder.onnx", keep)  # the globs name real layers
     assert model_keep_float(tmp_path) == []  # no model.yaml (a Hugging Face folder): nothing kept
@@ -100,7 +98,7 @@ def test_the_model_folder_names_its_float_layers(tmp_path, model_dir):
 
 
 def test_the_shipped_int8_encoder_leaves_exactly_those_layers_float(model_dir):
-    from quantize import model_keep_float
+    from tools.quantize import model_keep_float
     kept = set(matching_nodes(model_dir / "vision_encoder.onnx", model_keep_float(model_dir)))
     model = onnx.load(str(model_dir / "vision_encoder_int8.onnx"))
     convs = [n.name for n in model.graph.node if n.op_type == "Conv"]
@@ -118,7 +116,7 @@ def ranges_from_every_activation(prepared: Path, feeds: list, method: str, movin
     samples picked by the same rule (value floor(u·n) of a tensor of n > SAMPLES_PER_FEED)."""
     from onnxruntime.quantization.qdq_loss_debug import (_TENSOR_SAVE_POSTFIX as SAVED,
                                                          modify_model_output_intermediate_tensors)
-    from quantize import MOVING_AVERAGE, SAMPLES_PER_FEED
+    from tools.quantize import MOVING_AVERAGE, SAMPLES_PER_FEED
     rng = np.random.default_rng(0)
     augmented = prepared.with_name("every_activation.onnx")
     modify_model_output_intermediate_tensors(str(prepared), str(augmented), ["Conv", "MatMul", "Gemm"])
@@ -156,7 +154,7 @@ def calibration_case(request, model_dir, tmp_path_factory):
     """(prepared decoder or encoder graph, its calibration feeds) of the built-in model and of
     the idefics3 fixture (SmolVLM's family), from a few generated scenes."""
     from onnxruntime.quantization.shape_inference import quant_pre_process
-    from quantize import SceneFeeds, fp32_runtime
+    from tools.quantize import SceneFeeds, fp32_runtime
     folder = model_dir if request.param == "tiny-vlm" else model_dir.parent.parent / "tests/fixtures/idefics3-tiny"
     rt = fp32_runtime(folder)
     cases = {}
@@ -171,7 +169,7 @@ def calibration_case(request, model_dir, tmp_path_factory):
 @pytest.mark.parametrize("method, moving_average", [("minmax", False), ("minmax", True), ("percentile", False)])
 def test_ranges_reduced_in_the_graph_equal_every_activation_reduced_in_numpy(calibration_case, component,
                                                                           method, moving_average):
-    from quantize import activation_ranges
+    from tools.quantize import activation_ranges
     prepared, feeds = calibration_case[component]
     assert len(feeds) > 4  # several inputs: the maxima and the moving average are over inputs
     expected = ranges_from_every_activation(prepared, feeds, method, moving_average)
@@ -187,7 +185,7 @@ def test_ranges_reduced_in_the_graph_equal_every_activation_reduced_in_numpy(cal
 def test_the_calibration_graph_outputs_nothing_larger_than_its_samples(tmp_path, model_dir, method):
     """Bounded memory: besides the graph's own outputs, only sizes, extremes and samples come
     out, so onnxruntime frees every activation once used, as in an ordinary run."""
-    from quantize import REDUCTION, SAMPLE_INPUT, SAMPLES_PER_FEED, SceneFeeds, fp32_runtime, reduction_graph
+    from tools.quantize import REDUCTION, SAMPLE_INPUT, SAMPLES_PER_FEED, SceneFeeds, fp32_runtime, reduction_graph
     src = model_dir / "vision_encoder.onnx"
     model, tensors = reduction_graph(src, method)
     path = tmp_path / "reduced.onnx"
@@ -207,7 +205,7 @@ def test_the_calibration_graph_outputs_nothing_larger_than_its_samples(tmp_path,
 
 
 def test_the_progress_line_says_scene_inputs_seconds_and_eta(model_dir, capsys):
-    from quantize import SceneFeeds, fp32_runtime
+    from tools.quantize import SceneFeeds, fp32_runtime
     feeds = SceneFeeds(fp32_runtime(model_dir), "decoder", 3)
     count = sum(1 for _ in feeds)
     err = capsys.readouterr().err
@@ -219,7 +217,7 @@ def test_the_progress_line_says_scene_inputs_seconds_and_eta(model_dir, capsys):
 
 
 def test_a_real_size_model_gets_the_few_scenes_default(tmp_path):
-    from quantize import LARGE_MODEL_SCENES, SMALL_MODEL_BYTES, SMALL_MODEL_SCENES, default_scenes
+    from tools.quantize import LARGE_MODEL_SCENES, SMALL_MODEL_BYTES, SMALL_MODEL_SCENES, default_scenes
 
     class Manifest:  # graph_path as a model folder's manifest answers it
         def __init__(self, total: int):
@@ -243,8 +241,8 @@ def test_each_reduction_runs_right_after_its_tensor_is_made(tmp_path, model_dir,
     (shape nodes may: this order runs them first). In onnxruntime's default order this fails:
     the reductions ran late, after layers that made tensors of their own."""
     import json
-    from quantize import REDUCTION, SAMPLE_INPUT, SAMPLES_PER_FEED, SceneFeeds, calibration_options, fp32_runtime
-    from quantize import reduction_graph
+    from tools.quantize import REDUCTION, SAMPLE_INPUT, SAMPLES_PER_FEED, SceneFeeds, calibration_options, fp32_runtime
+    from tools.quantize import reduction_graph
     model, tensors = reduction_graph(model_dir / "vision_encoder.onnx", method)
     path = tmp_path / "reduced.onnx"
     onnx.save(model, str(path))

@@ -3,7 +3,7 @@
 tests/fixtures/qwen2-vl-tiny and qwen2.5-vl-tiny are tiny random models exported to the
 Hugging Face ONNX layout (vision encoder with its grid as a real input, decoder with
 [3, B, S] M-RoPE positions), with what transformers' processor, vision tower and greedy
-`generate` gave for six cases each (tools/make_qwen2vl_fixture.py). The cases every family
+`generate` gave for six cases each (tests/fixtures/make/make_qwen2vl_fixture.py). The cases every family
 passes against that reference are tests/test_family_conformance.py's.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ from edgemm.engine.contract import check_component
 from edgemm.model.families.qwen2_vl import most_image_tokens, rope_positions, smart_resize
 from edgemm.model.family import GraphInputs
 from edgemm.model.manifest import load_manifest
-from family_conformance import FIXTURES, QWEN2_5_VL, QWEN2_VL, TOOLS, answer, make_runtime, prepare, runtime_of
+from tests.support.family_conformance import FIXTURES, QWEN2_5_VL, QWEN2_VL, TOOLS, answer, make_runtime, prepare, runtime_of
 
 QWEN = [QWEN2_VL, QWEN2_5_VL]
 BOTH = pytest.mark.parametrize("family", QWEN, ids=lambda f: f.name)
@@ -196,7 +196,7 @@ def _frozen_copy(folder: Path, grid: list[int]) -> None:
 
 
 def test_check_grid_export_tells_a_frozen_grid_from_a_real_input(broken, tmp_path):
-    tool = [sys.executable, str(TOOLS / "check_grid_export.py")]
+    tool = [sys.executable, str(TOOLS / "dev" / "check_grid_export.py")]
     for family in QWEN:
         run = subprocess.run([*tool, str(family.path), "--precision", "int8"], capture_output=True, text=True)
         assert run.returncode == 0 and "the grid is an input" in run.stdout, run.stdout + run.stderr

@@ -13,8 +13,7 @@ from edgemm.errors import ConfigError, ModelError
 from edgemm.engine.tiers import (POLICY_FILE, STATISTICS, SaliencyStats, Scheduler, TierPolicy,
                               analysis_grey, saliency_stats, spectral_residual)
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-import calibrate_scheduler  # noqa: E402
+from tools import calibrate_scheduler
 
 TIERS = ["low", "mid", "high"]
 H, W = 480, 640

@@ -9,7 +9,7 @@ import types
 
 import pytest
 from click.testing import CliRunner
-from fake_jetson import agx_orin, orin_nano, orin_nx
+from tests.support.fake_jetson import agx_orin, orin_nano, orin_nx
 from test_server import running, sock_path
 
 import edgemm.cli.doctor
@@ -243,7 +243,7 @@ def test_doctor_finds_the_engines_placement_needs(tmp_path, socket_config, monke
 
 
 def test_doctor_starts_cuda_as_the_runtime_does(tmp_path, socket_config, monkeypatch):
-    import trt_harness
+    from tests.support import trt_harness
     (tmp_path / "root").mkdir()
     gpu = {**socket_config, "placement": {"decoder": ["gpu", "cpu"]}}
     # both bindings installed, pycuda sees no device: the runtime uses cuda-python, which does

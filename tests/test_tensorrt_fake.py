@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import yaml
 
-import trt_harness as h
+from tests.support import trt_harness as h
 from edgemm.backends.tensorrt.component import TensorRTBackend, capacity_for, _Profile
 from edgemm.config import load_config
 from edgemm.backends.tensorrt.build import BuildRequest, build_engines, decoder_profiles, _input_dims
@@ -28,7 +28,7 @@ from edgemm.backends.tensorrt.platform import probe
 from edgemm.errors import BackendError, EngineError
 from edgemm.model.manifest import load_manifest
 from edgemm.engine.runtime import Runtime
-from fake_cuda import CUresult
+from tests.support.fake_cuda import CUresult
 
 QUESTION = "how many shapes are there ?"
 
@@ -500,13 +500,8 @@ def test_infer_and_status_json_say_why_a_gpu_placement_answered_on_the_cpu(monke
 # ---- tools/hil_check.py against the fakes --------------------------------------------------------
 
 def _hil_check():
-    import importlib
-    import sys
-    sys.path.insert(0, str(h.MODEL_DIR.parent.parent / "tools"))
-    try:
-        return importlib.import_module("hil_check")
-    finally:
-        sys.path.pop(0)
+    from tools import hil_check
+    return hil_check
 
 
 HIL_ARGS = ["--encoder", "gpu", "--embed", "gpu", "--decoder", "gpu", "--n", "1", "--tiers", "low",

@@ -1,6 +1,6 @@
 """The surface check: every tensorrt name edgemm's paths touch on a release, as recorded on the
 fake while those paths run, exists in that release's real bindings with the fake's parameter
-names and enum values (tools/trt_surface.py fetches them from PyPI into a cache:
+names and enum values (tests/support/trt_surface.py fetches them from PyPI into a cache:
 $EDGEMM_TRT_BINDINGS, else ~/.cache/edgemm-trt-bindings). Skipped, with the reason, where
 PyPI or a C compiler is unavailable, unless EDGEMM_REQUIRE_TRT_SURFACE is set (as .ci/run does):
 then that is a failure, so CI cannot go green without the check."""
@@ -9,17 +9,15 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
-import fake_tensorrt
-import trt_harness as h
+from tests.support import fake_tensorrt
+from tests.support import trt_harness as h
+from tests.support import trt_surface
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
-import trt_surface  # noqa: E402
 
 CACHE = Path(os.environ.get("EDGEMM_TRT_BINDINGS") or Path.home() / ".cache" / "edgemm-trt-bindings")
 # the fake release each real one is checked for: DLA returned in 11.4.1, newer than PyPI's newest 11.4.0

@@ -12,11 +12,8 @@ same options, one-line errors, exit codes 0 / 1 / 2.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from edgemm.cli.main import main  # noqa: E402
+from edgemm.cli.main import main
 
 if __name__ == "__main__":
     main(["engines", "build", *sys.argv[1:]], prog_name="build_engines.py")

@@ -16,7 +16,7 @@
    points of always-top-tier wins.
 3. write it to MODEL_DIR/scheduler.yaml, which `scheduler.policy: calibrated` loads.
 
-tools/bench_scheduler.py reuses `measure` and `mixed_questions` on held-out scenes.
+bench/bench_scheduler.py reuses `measure` and `mixed_questions` on held-out scenes.
 """
 from __future__ import annotations
 
@@ -30,16 +30,13 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from edgemm.config import load_config  # noqa: E402
-from edgemm.engine.decode import BatchItem, generate  # noqa: E402
-from edgemm.engine.generate import GenerationOptions  # noqa: E402
-from edgemm.engine.runtime import Runtime  # noqa: E402
-from edgemm.model.scenes import (PROMPTS, Question, make_scene, normalise_answer,  # noqa: E402
+from edgemm.config import load_config
+from edgemm.engine.decode import BatchItem, generate
+from edgemm.engine.generate import GenerationOptions
+from edgemm.engine.runtime import Runtime
+from edgemm.model.scenes import (PROMPTS, Question, make_scene, normalise_answer,
                            questions_for)
-from edgemm.engine.tiers import (DETAIL_WORDS, POLICY_FILE, STATISTICS, SaliencyStats,  # noqa: E402
+from edgemm.engine.tiers import (DETAIL_WORDS, POLICY_FILE, STATISTICS, SaliencyStats,
                               TierPolicy, saliency_stats)
 
 CALIBRATION_SEED_BASE = 500_000

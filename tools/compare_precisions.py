@@ -17,13 +17,10 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from edgemm.config import load_config  # noqa: E402
-from edgemm.errors import EdgemmError  # noqa: E402
-from edgemm.engine.runtime import Runtime  # noqa: E402
-from edgemm.model.scenes import PROMPTS, make_scene  # noqa: E402
+from edgemm.config import load_config
+from edgemm.errors import EdgemmError
+from edgemm.engine.runtime import Runtime
+from edgemm.model.scenes import PROMPTS, make_scene
 
 SEED_BASE = 480_000  # evaluation range (< 500 000), apart from eval_tiny_vlm's seeds
 ASKS = [PROMPTS["describe"][0], PROMPTS["count"][0], PROMPTS["read"][0]]

@@ -20,8 +20,9 @@ The graphs are fp32; `python tools/quantize.py OUT_DIR` adds the _int8 variants.
 
 Families, by config.json's model_type (one `VisionExport` each; a new family adds one):
 idefics3 / smolvlm (SmolVLM) and internvl (InternVL3 -hf). The text model and lm_head
-are exported the same way for all (tools/hf_fixture.py): a transformers decoder with its
-cache as flat tensors.
+are exported the same way for all (`EmbedTokens`, `MergedDecoder`, `export_text_graphs`: a
+transformers decoder with its cache as flat tensors). The fixture makers
+(tests/fixtures/make/) and tools/make_sized_model.py build their folders with these too.
 """
 from __future__ import annotations
 
@@ -36,8 +37,108 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from transformers.cache_utils import DynamicCache
 
-from hf_fixture import OPSET, EmbedTokens, MergedDecoder, export_text_graphs  # (tools/, beside this file)
+OPSET = 17
+
+# SmolVLM's chat template (HuggingFaceTB/SmolVLM-*-Instruct)
+SMOLVLM_CHAT_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{message['role'] | capitalize}}"
+    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}{% endfor %}<end_of_utterance>\n"
+    "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}")
+
+
+def save_folder(model, processor, out: Path, *, processor_files: bool = True) -> None:
+    """config.json, generation_config.json, the processor's files and tokenizer.json.
+
+    processor_files=False saves the tokenizer's files alone, for a processor built without
+    the video processor its own save_pretrained wants."""
+    (processor if processor_files else processor.tokenizer).save_pretrained(out)
+    # transformers 5 nests the image processor's settings in processor_config.json; published
+    # folders (and edgemm) have them in preprocessor_config.json
+    processor.image_processor.save_pretrained(out)
+    model.config.save_pretrained(out)
+    model.generation_config.save_pretrained(out)
+
+# ---- the text side of the ONNX layout ---------------------------------------------------------
+
+class EmbedTokens(torch.nn.Module):
+    """input_ids [B,S] → inputs_embeds [B,S,D]: the model's own embedding."""
+
+    def __init__(self, embedding: torch.nn.Module):
+        super().__init__()
+        self.embed = embedding
+
+    def forward(self, input_ids):
+        return self.embed(input_ids)
+
+
+class MergedDecoder(torch.nn.Module):
+    """A transformers text model + its head, with the cache as flat past/present tensors.
+
+    The cache keeps every position, sliding-window layers too: the window is the attention
+    mask the text model builds from the positions, not a shorter cache, so every present.N
+    has past + S positions (the model contract). `logits` is applied to the head's output
+    (Gemma 3's soft cap)."""
+
+    def __init__(self, text_model: torch.nn.Module, head: torch.nn.Module, layers: int,
+                 logits: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        super().__init__()
+        self.text, self.head, self.layers, self.logits = text_model, head, layers, logits
+
+    def forward(self, inputs_embeds, attention_mask, position_ids, *past):
+        cache = DynamicCache()  # full layers only: no sliding-window cache that drops positions
+        for i in range(self.layers):
+            cache.update(past[2 * i], past[2 * i + 1], i)
+        # transformers 5 names the cache argument `cache` (past_key_values, deprecated, is mapped to it)
+        out = self.text(inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
+                        cache=cache, use_cache=True)
+        presents = []
+        for i in range(self.layers):
+            presents += [cache.layers[i].keys, cache.layers[i].values]
+        logits = self.head(out.last_hidden_state)
+        return (logits if self.logits is None else self.logits(logits), *presents)
+
+
+def export_text_graphs(onnx_dir: Path, embed: EmbedTokens, decoder: MergedDecoder, hidden: int, kv_heads: int,
+                       head_dim: int, position_axes: int = 1) -> None:
+    """embed_tokens.onnx and decoder_model_merged.onnx under onnx_dir. position_axes 3 is
+    M-RoPE's position_ids [3, B, S] (Qwen2-VL); 1 is [B, S]."""
+    layers = decoder.layers
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # tracer warnings about shape-dependent Python values
+        torch.onnx.export(
+            embed, (torch.zeros(1, 5, dtype=torch.long),), onnx_dir / "embed_tokens.onnx",
+            input_names=["input_ids"], output_names=["inputs_embeds"],
+            dynamic_axes={"input_ids": {0: "batch_size", 1: "sequence_length"},
+                          "inputs_embeds": {0: "batch_size", 1: "sequence_length"}},
+            opset_version=OPSET, dynamo=False)
+        # trace with a non-empty past so nothing specialises on past length 0
+        b, s, p = 2, 3, 4
+        past = [torch.randn(b, kv_heads, p, head_dim) for _ in range(2 * layers)]
+        names_in = [f"past_key_values.{i}.{k}" for i in range(layers) for k in ("key", "value")]
+        names_out = [f"present.{i}.{k}" for i in range(layers) for k in ("key", "value")]
+        if position_axes == 3:  # three position streams, offset so none is another's copy
+            streams = torch.stack([torch.arange(p + a, p + s + a) for a in range(3)])
+            positions = streams[:, None].expand(3, b, s).contiguous()
+            position_dims = {1: "batch_size", 2: "sequence_length"}
+        else:
+            positions = torch.arange(p, p + s).repeat(b, 1)
+            position_dims = {0: "batch_size", 1: "sequence_length"}
+        axes = {"inputs_embeds": {0: "batch_size", 1: "sequence_length"},
+                "attention_mask": {0: "batch_size", 1: "total_sequence_length"},
+                "position_ids": position_dims,
+                "logits": {0: "batch_size", 1: "sequence_length"},
+                **{n: {0: "batch_size", 2: "past_sequence_length"} for n in names_in},
+                **{n: {0: "batch_size", 2: "total_sequence_length"} for n in names_out}}
+        torch.onnx.export(
+            decoder, (torch.randn(b, s, hidden), torch.ones(b, p + s, dtype=torch.long), positions, *past),
+            onnx_dir / "decoder_model_merged.onnx",
+            input_names=["inputs_embeds", "attention_mask", "position_ids", *names_in],
+            output_names=["logits", *names_out], dynamic_axes=axes, opset_version=OPSET, dynamo=False)
+
 
 
 # ---- the vision encoders, one per family ------------------------------------------------------

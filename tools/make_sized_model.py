@@ -22,7 +22,7 @@ the same time. So this builds, with transformers and a fixed seed:
    flip greedy tokens between runtimes).
 3. The Hugging Face model folder (config, processor, tokenizer, chat template,
    model.safetensors for transformers) and the three graphs in the Hugging Face ONNX
-   layout under onnx/ (tools/idefics3_export.py, shared with the test fixture).
+   layout under onnx/ (tools/export_hf_vlm.py, shared with the test fixture).
 4. reference.json: transformers' own greedy `generate` on probe.png (one 512×512 tile),
    so edgemm and the benchmarks can be checked token for token.
 
@@ -51,8 +51,7 @@ from tqdm import tqdm
 from transformers import (Idefics3Config, Idefics3ForConditionalGeneration, Idefics3ImageProcessorPil,
                           Idefics3Processor, PreTrainedTokenizerFast)
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from idefics3_export import CHAT_TEMPLATE, export_graphs, save_folder  # noqa: E402  (tools/, beside this file)
+from export_hf_vlm import SMOLVLM_CHAT_TEMPLATE, export_graphs, save_folder  # (tools/, beside this file)
 
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "edgemm" / "sized"
 SEED = 0
@@ -210,7 +209,7 @@ def idefics3_processor(shape: SizedShape, tokenizer) -> Idefics3Processor:
                                        image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
     seq_len = (v.image_size // v.patch) ** 2 // shape.scale_factor ** 2
     return Idefics3Processor(image_processor=images, tokenizer=tokenizer, image_seq_len=seq_len,
-                             chat_template=CHAT_TEMPLATE)
+                             chat_template=SMOLVLM_CHAT_TEMPLATE)
 
 
 def make_probe(path: Path, side: int) -> None:
@@ -256,7 +255,7 @@ def build_idefics3(shape: SizedShape, out: Path, progress: bool) -> dict:
     model = idefics3_model(shape, processor.tokenizer)
     step("folder")
     save_folder(model, processor, out)
-    model.save_pretrained(out)  # model.safetensors: the same weights for transformers (tools/bench_realsize.py)
+    model.save_pretrained(out)  # model.safetensors: the same weights for transformers (bench/bench_realsize.py)
     make_probe(out / "probe.png", shape.vision.image_size)
     step("onnx export")
     export_graphs(model, out)

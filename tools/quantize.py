@@ -58,14 +58,11 @@ logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(lo
 from onnxruntime.quantization.calibrate import CalibraterBase
 from onnxruntime.quantization.shape_inference import quant_pre_process
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from edgemm.config import load_config  # noqa: E402
-from edgemm.errors import EdgemmError  # noqa: E402
-from edgemm.model.manifest import COMPONENTS, load_manifest  # noqa: E402
-from edgemm.engine.runtime import Runtime  # noqa: E402
-from edgemm.model.scenes import make_scene, sample_question  # noqa: E402
+from edgemm.config import load_config
+from edgemm.errors import EdgemmError
+from edgemm.model.manifest import COMPONENTS, load_manifest
+from edgemm.engine.runtime import Runtime
+from edgemm.model.scenes import make_scene, sample_question
 
 CALIBRATION_SEED_BASE = 500_000  # disjoint from training (≥ 1e6) and eval (< 1e5) seeds
 QUANTIZED_OPS = ["Conv", "MatMul", "Gemm"]

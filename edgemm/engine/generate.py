@@ -238,7 +238,7 @@ class Generator:
         back as a numpy array over its own buffer, freshly allocated every run (so the
         prefix cache's views of it stay valid), and takes it as the next past as it is.
         IOBinding with the cache kept as OrtValues was measured against this and kept out:
-        it costs more Python per step and saves no copy (tools/bench_kv_binding.py,
+        it costs more Python per step and saves no copy (bench/bench_kv_binding.py,
         docs/BENCHMARKS.md). Below 1.19 session.run copied every output (the floor is 1.20)."""
         feeds["inputs_embeds"], feeds["attention_mask"], feeds["position_ids"] = embeds, mask, positions
         out = self.decoder.run(feeds)
