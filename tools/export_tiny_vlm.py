@@ -141,7 +141,7 @@ def main() -> None:
         sys.exit("the vocabulary changed since this checkpoint was trained; retrain it")
     tokenizer.save(str(args.out / "tokenizer.json"))
     (args.out / "model.yaml").write_text(
-        "# edgemm model manifest (see ../../README.md, 'Using your own model')\n"
+        "# edgemm model manifest (see the repository's docs/models.md, 'Using your own model')\n"
         + yaml.safe_dump(model_yaml(model.cfg), sort_keys=False))
     write_samples(args.out)
     sizes = {p.name: p.stat().st_size for p in sorted(args.out.glob("*.onnx"))}
