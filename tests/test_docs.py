@@ -212,3 +212,40 @@ def test_sections_are_read_from_the_module_that_defines_them_with_the_comments_a
 def test_a_key_without_a_comment_stops_the_generator(generator):
     with pytest.raises(SystemExit, match="Undocumented.size has no"):
         generator.sections(RootOfUndocumented)
+
+
+# ---- docs/cli.md's option tables ------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def cli_doc():
+    path = REPO / "tools" / "dev" / "make_cli_doc.py"
+    spec = importlib.util.spec_from_file_location("make_cli_doc", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_cli_pages_option_tables_are_what_the_command_defines(cli_doc):
+    """Regenerate with `python tools/dev/make_cli_doc.py` when an option changes."""
+    page = (DOCS / "cli.md").read_text(encoding="utf-8")
+    assert cli_doc.rewritten(page) == page, "docs/cli.md's option tables are stale: run python tools/dev/make_cli_doc.py"
+
+
+def test_the_option_tables_hold_every_command_and_option(cli_doc):
+    tables = cli_doc.render()
+    for command in ("edgemm infer", "edgemm stream", "edgemm serve", "edgemm status", "edgemm doctor",
+                    "edgemm engines build"):
+        assert f"### `{command}`" in tables
+    assert "`--json`" in tables and "`--max-new-tokens INTEGER" in tables and "`--dry-run`" in tables
+    assert "`--help`" not in tables
+
+
+def test_a_stale_option_table_is_found(cli_doc, tmp_path, monkeypatch):
+    text = (DOCS / "cli.md").read_text(encoding="utf-8")
+    head, tables = text.split(cli_doc.BEGIN)
+    page = tmp_path / "cli.md"
+    page.write_text(head + cli_doc.BEGIN + tables.replace("`--json`", "`--jsn`", 1), encoding="utf-8")
+    monkeypatch.setattr(cli_doc, "PAGE", page)
+    monkeypatch.setattr(cli_doc, "REPO", tmp_path)
+    assert cli_doc.main(["--check"]) == 1
+    assert cli_doc.main([]) == 0 and cli_doc.main(["--check"]) == 0
