@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Alerts (edgemm/streams/alerts.py): how right and how quick they are, and what they cost a stream.
+"""Alerts (edgemm/streams/alerts/): how right and how quick they are, and what they cost a stream.
 
     python -m bench.bench_alerts [--frames 600] [--fps 10] [--hold 20] [--seconds 8] [--rounds 5]
                                  [--no-browser] [--skip accuracy|cost]

@@ -322,13 +322,13 @@ def _octal_mode(text: str) -> int | None:
 
 
 STREAM_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
-MAX_ALERTS = 8  # alerts per stream (edgemm/streams/alerts.py bounds what they may hold in the pipeline)
+MAX_ALERTS = 8  # alerts per stream (edgemm/streams/alerts/ bounds what they may hold in the pipeline)
 MAX_ALERT_RUN = 1000  # most consecutive frames an alert's debounce may ask for
 
 
 @dataclass
 class WebhookConfig:
-    """Where an alert's state changes are POSTed as JSON (edgemm/streams/alerts.py), with retries.
+    """Where an alert's state changes are POSTed as JSON (edgemm/streams/alerts/webhook.py), with retries.
 
     The token, if any, is sent as `Authorization: Bearer`; it is never in this file: name an
     environment variable or an owner-only file, as offload.api_key_env / api_key_file do."""
@@ -408,7 +408,7 @@ class StreamConfig:
     change_threshold: float | None = None  # reuse the last answer when a frame changed less than this (0-255)
     tier: str | None = None  # pin the resolution tier; null = the scheduler picks
     max_new_tokens: int | None = None  # null = generation.max_new_tokens
-    alerts: dict[str, AlertConfig] = field(default_factory=dict)  # name → question (edgemm/streams/alerts.py)
+    alerts: dict[str, AlertConfig] = field(default_factory=dict)  # name → question (edgemm/streams/alerts/)
     webhook: WebhookConfig | None = None  # where the alerts' state changes are POSTed; null = nowhere
 
     def validate(self, path: str) -> None:
@@ -479,7 +479,7 @@ class OffloadConfig:
     model: str = ""  # model name sent to the endpoint
     api_key_env: str | None = None  # environment variable holding the API key; null = none
     api_key_file: str | None = None  # file holding the API key, readable by its owner only (mode 0600/0400); relative: to this file
-    timeout_s: float = 30.0  # per attempt: connecting, sending and each wait for the reply
+    timeout_s: float = 30.0  # per attempt, as a whole: the name lookup, connecting, TLS, sending and the reply
     retries: int = 2  # further attempts after a timeout, a connection error, 429 or 5xx
     backoff_s: float = 0.5  # wait before retry n: backoff_s * 2**(n-1)
     breaker_threshold: int = 3  # consecutive failed requests that open the circuit breaker

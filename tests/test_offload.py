@@ -12,6 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+import edgemm.net.outbound
 from edgemm.config import OffloadConfig, load_config
 from edgemm.power.errors import OffloadError, OffloadTimeout, OffloadUnavailable
 from edgemm.power.offload import CircuitBreaker, OffloadClient, data_url, read_api_key
@@ -137,6 +138,26 @@ def test_requests_at_once_each_keep_their_own_deadline_on_connections_of_their_o
         thread.join(10)
     assert [r.text for r in replies] == ["three shapes"] * 2
     assert time.monotonic() - started < 1.1  # side by side, not one after the other (1.2 s)
+
+
+def test_offload_resolves_names_with_lookups_of_its_own_not_the_webhooks(endpoint, monkeypatch):
+    """A webhook host whose resolver hangs holds the webhooks' shared name lookups: offload,
+    which needs a name looked up for its endpoint, still answers."""
+    shared = edgemm.net.outbound.NameLookups(limit=1)
+    assert shared._slots.acquire(blocking=False)  # the only slot, held by a webhook's hung lookup
+    monkeypatch.setattr(edgemm.net.outbound, "NAME_LOOKUPS", shared)
+    config = OffloadConfig(enabled=True, url=endpoint.url.replace("127.0.0.1", "localhost"), model="remote-vlm",
+                           timeout_s=2.0, retries=0)
+    assert OffloadClient(config, KEY).chat(PNG, "describe the image").text == "three shapes"
+
+
+def test_a_proxy_offload_cannot_use_fails_at_once_saying_why(endpoint, monkeypatch):
+    monkeypatch.setenv("ALL_PROXY", "socks5://127.0.0.1:1080")
+    client, sleeps = make_client(endpoint, retries=3)
+    with pytest.raises(OffloadError, match=r"offload requests go through http:// and https:// proxies only, "
+                                           r"not socks5://"):
+        client.chat(PNG, "describe the image")
+    assert sleeps == [] and endpoint.requests == []  # not retried: no retry mends the proxy
 
 
 def test_an_attempt_is_bounded_as_a_whole_not_per_read(monkeypatch):

@@ -202,8 +202,8 @@ def test_stream_is_server_sent_events_ending_with_done(http, sample):
     assert all(json.loads(line[6:])["object"] == "chat.completion.chunk" for line in events[:-1])
 
 
-def test_a_streamed_answer_waiting_for_its_tokens_sends_keepalives(http, sample, monkeypatch):
-    """No token for sse.KEEPALIVE_S (the answer queued behind others): a keepalive comment, which
+def test_a_streamed_answer_waiting_between_its_tokens_sends_keepalives(http, sample, monkeypatch):
+    """No token for sse.KEEPALIVE_S after the first: a keepalive comment, which
     clients skip, and the answer whole after it. The decoder is held after its first token
     until the comment has come, so no timing decides the test."""
     monkeypatch.setattr("edgemm.server.sse.KEEPALIVE_S", 0.02)

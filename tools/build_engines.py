@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Build TensorRT engines for a model folder, on the Jetson that will run them.
 
-    python tools/build_engines.py models/tiny-vlm --out /var/lib/edgemm/backends/tensorrt/tiny-vlm --device gpu --precision int8
+    python tools/build_engines.py models/tiny-vlm --out /var/lib/edgemm/engines/tiny-vlm --device gpu --precision int8
     python tools/build_engines.py models/tiny-vlm --device dla0 --precision int8 --tiers low,mid,high
     python tools/build_engines.py MODEL_DIR [--device gpu|dla0|dla1] [--precision int8|fp16]
         [--tiers …] [--components …] [--timing-cache FILE] [--max-batch N] [--max-beams N]

@@ -44,7 +44,11 @@ def outbound_client(url: str, timeout_s: float, headers: Mapping[str, str], back
                         follow_redirects=False)  # a redirect must not carry a token or key elsewhere
 
 
-MAX_NAME_LOOKUPS = 4  # host names being resolved at once, every client together (webhooks and offload)
+# host names being resolved at once by all webhooks together (NAME_LOOKUPS); a client that sends
+# several requests at once (offload) has a NameLookups of its own, so a webhook host whose
+# resolver hangs cannot take the lookups offload needs
+MAX_NAME_LOOKUPS = 4
+KEEPALIVE_EXPIRY_S = 5.0  # an idle connection is not reused after this (httpx's default): a NAT may have dropped it
 
 
 class NameLookups:
@@ -106,7 +110,8 @@ class DeadlineBackend(httpcore.NetworkBackend):
     connect: a host that drops the SYNs (firewalled, or its accept queue full) holds no
     thread past abandon()."""
 
-    def __init__(self) -> None:
+    def __init__(self, lookups: NameLookups | None = None) -> None:
+        self.lookups = lookups  # None: the webhooks' shared NAME_LOOKUPS
         self.cutoff = math.inf  # only ever brought forward
         self._attempts = threading.local()  # each thread's attempt's deadline
         self._inner = httpcore.SyncBackend()
@@ -144,7 +149,8 @@ class DeadlineBackend(httpcore.NetworkBackend):
         the resolver's order, as socket.create_connection tries them (IPv6 with its scope).
         TLS still checks the host name: httpcore gives start_tls the URL's host, not the address."""
         failure: Exception = httpcore.ConnectError(f"{host} has no address")
-        for family, kind, proto, _, address in NAME_LOOKUPS.resolve(host, port, self.left(timeout)):
+        lookups = self.lookups or NAME_LOOKUPS
+        for family, kind, proto, _, address in lookups.resolve(host, port, self.left(timeout)):
             try:
                 sock = self._connect(family, kind, proto, address, timeout, local_address, socket_options)
             except httpcore.ConnectError as e:  # a timeout is the deadline's: no next address
@@ -297,13 +303,14 @@ class DeadlineTransport(httpx.BaseTransport):
             return
         if proxy_url is None:
             self._pool = httpcore.ConnectionPool(ssl_context=ssl_context, max_connections=connections,
-                                                 network_backend=backend)
+                                                 keepalive_expiry=KEEPALIVE_EXPIRY_S, network_backend=backend)
         elif proxy is not None:
             self._pool = httpcore.HTTPProxy(
                 proxy_url=httpcore.URL(scheme=proxy.url.raw_scheme, host=proxy.url.raw_host,
                                        port=proxy.url.port, target=proxy.url.raw_path),
                 proxy_auth=proxy.raw_auth, proxy_headers=proxy.headers.raw, ssl_context=ssl_context,
-                proxy_ssl_context=proxy.ssl_context, max_connections=connections, network_backend=backend)
+                proxy_ssl_context=proxy.ssl_context, max_connections=connections,
+                keepalive_expiry=KEEPALIVE_EXPIRY_S, network_backend=backend)
         else:
             self._refusal = f"{senders} go through http:// and https:// proxies only, not {scheme}://"
 

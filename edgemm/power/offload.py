@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from edgemm.config import OffloadConfig
-from edgemm.net.outbound import DeadlineBackend, outbound_client
+from edgemm.net.outbound import MAX_NAME_LOOKUPS, DeadlineBackend, NameLookups, outbound_client
 from edgemm.power.errors import OffloadError, OffloadTimeout, OffloadUnavailable
 from edgemm.util.backoff import Backoff
 from edgemm.util.secrets import read_secret
@@ -116,7 +116,8 @@ class OffloadClient:
         self.figures = OffloadFigures()
         self._sleep = sleep
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._backend = DeadlineBackend()
+        # name lookups of its own, one for each request it may send at once
+        self._backend = DeadlineBackend(NameLookups(max(MAX_NAME_LOOKUPS, cfg.max_concurrent)))
         self._http = outbound_client(cfg.url, cfg.timeout_s, headers, self._backend, transport,
                                      connections=cfg.max_concurrent, senders="offload requests")
 
@@ -164,6 +165,8 @@ class OffloadClient:
                 error = OffloadTimeout(f"offload: no reply from {self.host} within {self.cfg.timeout_s:g} s "
                                        "(offload.timeout_s)")
                 continue
+            except httpx.UnsupportedProtocol as e:  # a proxy it cannot use: no retry mends that
+                raise OffloadError(f"offload: cannot reach {self.host}: {e}") from None
             except httpx.HTTPError as e:
                 error = OffloadError(f"offload: cannot reach {self.host}: {type(e).__name__}")
                 continue

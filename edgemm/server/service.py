@@ -248,7 +248,8 @@ class Service:
 
     async def chunks(self, job: Job, chat: ChatRequest, request_id: str, created: int) -> AsyncIterator[str]:
         """The SSE body: a role chunk, content deltas, a finish chunk, [usage], [DONE]; a
-        keepalive comment whenever no token came for sse.KEEPALIVE_S (the answer queued behind others)."""
+        keepalive comment whenever no token came for sse.KEEPALIVE_S between two tokens (the response starts
+        at the first token, so that an error before it keeps its HTTP status)."""
         feed = job.feed
         assert feed is not None
 
