@@ -36,8 +36,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import torch
-from transformers.cache_utils import DynamicCache
+try:
+    import torch
+    from transformers.cache_utils import DynamicCache
+except ImportError as missing:
+    if __name__ != "__main__":  # imported (the fixture makers, make_sized_model): their own message
+        raise
+    from extras import missing_extra  # (tools/, beside this file)
+    missing_extra(__file__, "fixture", missing)
 
 OPSET = 17
 

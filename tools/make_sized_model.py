@@ -44,14 +44,19 @@ from pathlib import Path
 
 import cv2
 import numpy as np
-import torch
-from PIL import Image
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from tqdm import tqdm
-from transformers import (Idefics3Config, Idefics3ForConditionalGeneration, Idefics3ImageProcessorPil,
-                          Idefics3Processor, PreTrainedTokenizerFast)
 
-from export_hf_vlm import SMOLVLM_CHAT_TEMPLATE, export_graphs, save_folder  # (tools/, beside this file)
+try:
+    import torch
+    from PIL import Image
+    from tqdm import tqdm
+    from transformers import (Idefics3Config, Idefics3ForConditionalGeneration, Idefics3ImageProcessorPil,
+                              Idefics3Processor, PreTrainedTokenizerFast)
+
+    from export_hf_vlm import SMOLVLM_CHAT_TEMPLATE, export_graphs, save_folder  # (tools/, beside this file)
+except ImportError as missing:
+    from extras import missing_extra
+    missing_extra(__file__, "fixture", missing)
 
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "edgemm" / "sized"
 SEED = 0

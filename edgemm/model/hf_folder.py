@@ -16,13 +16,13 @@ family reads its own part (tiers, preprocessing, image and stop tokens) through 
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 from edgemm.errors import ModelError
 from edgemm.util.files import read_model_file, regular_file_present
 from edgemm.model.family import family_entry
 from edgemm.model.manifest_types import ModelManifest, ResolutionTier, precisions_present as present_in_folder
+from edgemm.util.numbers import finite_number
 
 ONNX_FILES = {"vision_encoder": "onnx/vision_encoder.onnx", "embed_tokens": "onnx/embed_tokens.onnx",
               "decoder": "onnx/decoder_model_merged.onnx"}
@@ -87,7 +87,7 @@ class JsonObject(dict):
         """A finite number (above 0 if `positive`, at most `most`)."""
         needs = "a finite number" + (" above 0" if positive else "") + (f" and at most {most:g}" if most else "")
         value = self._value(key, default, needs)
-        if not _finite(value) or (positive and value <= 0) or (most is not None and value > most):
+        if not finite_number(value) or (positive and value <= 0) or (most is not None and value > most):
             raise self.refuse(key, needs, value)
         return float(value)
 
@@ -103,9 +103,9 @@ class JsonObject(dict):
         transformers' image processors read an image_mean of one value."""
         needs = f"{count} finite numbers{' above 0' if positive else ''}"
         value = self._value(key, default, needs)
-        values = [value] * count if _finite(value) else value
+        values = [value] * count if finite_number(value) else value
         if not (isinstance(values, list) and len(values) == count
-                and all(_finite(v) and (v > 0 or not positive) for v in values)):
+                and all(finite_number(v) and (v > 0 or not positive) for v in values)):
             raise self.refuse(key, needs, value)
         return [float(v) for v in values]
 
@@ -115,10 +115,6 @@ class JsonObject(dict):
         if not isinstance(value, bool):
             raise self.refuse(key, "true or false", value)
         return value
-
-
-def _finite(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def present(file: Path) -> bool:

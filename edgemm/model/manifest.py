@@ -7,7 +7,6 @@ model folder by hand knows where to look.
 """
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from edgemm.model.hf_folder import FLOAT16_MAX, MAX_IMAGE_SIDE, check_context, l
 # are named here as well because this is where callers have always imported them from.
 from edgemm.model.manifest_types import (COMPONENTS, PRECISIONS, ModelManifest, Preprocessing, ResolutionTier,
                                          precisions_present)
+from edgemm.util.numbers import finite_number
 
 __all__ = ["COMPONENTS", "PRECISIONS", "ModelManifest", "Preprocessing", "ResolutionTier", "load_manifest"]
 
@@ -57,16 +57,12 @@ def _tiers(raw: dict, where: str) -> dict[str, ResolutionTier]:
     return dict(sorted(tiers.items(), key=lambda kv: kv[1].pixels))
 
 
-def _finite(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def _normalisation(pre: dict, where: str) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """preprocessing.mean and .std: 3 finite numbers each, the std above 0 (YAML's .nan and .inf
     are floats, and `std <= 0` is false for NaN), and together within float16's range for
     every pixel value (x / 255 - mean) / std, as a Hugging Face folder's image_mean and image_std."""
     mean, std = pre.get("mean", [0.5] * 3), pre.get("std", [0.5] * 3)
-    if not all(isinstance(v, list) and len(v) == 3 and all(_finite(x) for x in v) for v in (mean, std)) \
+    if not all(isinstance(v, list) and len(v) == 3 and all(finite_number(x) for x in v) for v in (mean, std)) \
             or min(std) <= 0:
         raise ModelError(f"{where}: preprocessing.mean and .std must be lists of 3 finite numbers, std > 0")
     widest = max(max(abs(m), abs(1 - m)) / s for m, s in zip(mean, std))

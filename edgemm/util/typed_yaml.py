@@ -15,13 +15,13 @@ YAML `true` is not an int and `1` is not a bool. A field typed `Any` takes sever
 from __future__ import annotations
 
 import dataclasses
-import math
 import types
 import typing
 from collections.abc import Mapping
 from typing import Any
 
 from edgemm.errors import ConfigError
+from edgemm.util.numbers import finite_number
 
 # ---- value checks, for the sections' validate() methods ------------------------------
 
@@ -106,7 +106,7 @@ def _convert(value: Any, hint: Any, path: str, expected: str | None = None) -> A
     elif hint is int:
         ok = isinstance(value, int) and not isinstance(value, bool)
     elif hint is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and _finite(value)
+        ok = finite_number(value)
         value = float(value) if ok else value
     elif hint is str:
         ok = isinstance(value, str)
@@ -117,13 +117,6 @@ def _convert(value: Any, hint: Any, path: str, expected: str | None = None) -> A
     if not ok:
         raise wrong()
     return value
-
-
-def _finite(number: int | float) -> bool:
-    try:
-        return math.isfinite(number)
-    except OverflowError:  # an int too big for a float
-        return False
 
 
 def build(cls: type, data: Any, path: str) -> Any:
