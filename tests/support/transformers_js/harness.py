@@ -1,0 +1,101 @@
+"""transformers.js (npm, pinned in package-lock.json beside this file) run on a model folder as it is.
+
+The published ONNX folders (onnx-community, a model's own ONNX release) are made for transformers.js.
+`run_given` feeds it the pixel values and prompt ids edgemm prepared (its own image resizing differs
+from transformers', which is the reference for pixels); `run_as_user` lets the folder's own
+processor and chat template make them, as a user of transformers.js would. Both answer with the
+greedy tokens. The npm packages are installed once into a cache folder outside the repository,
+`~/.cache/edgemm/transformers-js/<version>` (EDGEMM_TRANSFORMERS_JS_CACHE moves it), with
+`ONNXRUNTIME_NODE_INSTALL=skip`: onnxruntime-node's bundled CPU binary is all it needs.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+VERSION = json.loads((HERE / "package.json").read_text())["dependencies"]["@huggingface/transformers"]
+RUN_TIMEOUT_S = 120
+
+
+class HarnessUnavailable(RuntimeError):  # noqa: N818 (tests' support, not edgemm's errors)
+    """Node or npm is missing, or the npm install failed: the one-line reason."""
+
+
+@dataclass(frozen=True)
+class Generated:
+    tokens: list[int]  # the new tokens
+    input_ids: list[int]  # the prompt transformers.js ran
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("EDGEMM_TRANSFORMERS_JS_CACHE") or Path.home() / ".cache" / "edgemm" / "transformers-js"
+    return Path(root) / VERSION
+
+
+def install() -> Path:
+    """The node_modules folder holding transformers.js, installed by `npm ci` when the lock file changed."""
+    node, npm = shutil.which("node"), shutil.which("npm")
+    if not node or not npm:
+        raise HarnessUnavailable(f"transformers.js needs node and npm on PATH (node: {node}, npm: {npm})")
+    target = cache_dir()
+    lock = (HERE / "package-lock.json").read_text()
+    modules = target / "node_modules"
+    if (target / "package-lock.json").is_file() and (target / "package-lock.json").read_text() == lock \
+            and (modules / "@huggingface" / "transformers").is_dir():
+        return modules
+    target.mkdir(parents=True, exist_ok=True)
+    shutil.copy(HERE / "package.json", target / "package.json")
+    shutil.copy(HERE / "package-lock.json", target / "package-lock.json")
+    env = {**os.environ, "ONNXRUNTIME_NODE_INSTALL": "skip"}
+    done = subprocess.run([npm, "ci", "--no-audit", "--no-fund", "--loglevel=error"], cwd=target, env=env,
+                          capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise HarnessUnavailable(f"npm ci of transformers.js {VERSION} in {target} failed: {last}")
+    return modules
+
+
+def encoded(array: np.ndarray) -> dict:
+    """A tensor for run.mjs: its dtype, dims and little-endian bytes in base64."""
+    dtype = {np.dtype(np.float32): "float32", np.dtype(np.int64): "int64", np.dtype(bool): "bool"}[array.dtype]
+    data = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<")).tobytes()
+    return {"dtype": dtype, "dims": list(array.shape), "data": base64.b64encode(data).decode("ascii")}
+
+
+def _run(request: dict) -> Generated:
+    modules = install()
+    with tempfile.TemporaryDirectory(prefix="edgemm-tjs-") as scratch:
+        request_file = Path(scratch) / "request.json"
+        request_file.write_text(json.dumps(request))
+        # run.mjs is an ES module, whose imports NODE_PATH does not reach: it runs from a copy
+        # beside the node_modules it was installed into
+        script = modules.parent / "run.mjs"
+        if not script.is_file() or script.read_bytes() != (HERE / "run.mjs").read_bytes():
+            shutil.copy(HERE / "run.mjs", script)
+        done = subprocess.run(["node", str(script), str(request_file)], capture_output=True, text=True,
+                              timeout=RUN_TIMEOUT_S)
+    if done.returncode != 0:
+        raise RuntimeError(f"transformers.js failed on {request['folder']}:\n{done.stderr.strip()}")
+    answer = json.loads(done.stdout.strip().splitlines()[-1])
+    return Generated(tokens=answer["tokens"], input_ids=answer["input_ids"])
+
+
+def run_given(folder: Path, inputs: dict[str, np.ndarray], max_new_tokens: int, dtype: str = "fp32") -> Generated:
+    """Greedy tokens for the given generate() inputs (input_ids, attention_mask, pixel_values, ...)."""
+    return _run({"folder": str(folder), "dtype": dtype, "max_new_tokens": max_new_tokens, "mode": "given",
+                 "inputs": {name: encoded(value) for name, value in inputs.items()}})
+
+
+def run_as_user(folder: Path, image: Path, prompt: str, max_new_tokens: int, dtype: str = "fp32") -> Generated:
+    """Greedy tokens for an image and a question, through the folder's own processor and chat template."""
+    return _run({"folder": str(folder), "dtype": dtype, "max_new_tokens": max_new_tokens, "mode": "as_user",
+                 "image": str(image), "prompt": prompt})
