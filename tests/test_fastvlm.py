@@ -1,4 +1,4 @@
-"""FastVLM (transformers' `fast_vlm`, served by the llava family): what is its own.
+"""FastVLM (transformers' `fast_vlm`, published as `llava_qwen2`, served by the llava family): what is its own.
 
 tests/fixtures/fastvlm-tiny is a tiny random transformers FastVlmForConditionalGeneration: its
 real vision tower type (timm's FastViT-HD, `fastvit_mci3` reparameterised, tiny widths, stride
@@ -28,8 +28,12 @@ def runtime() -> Runtime:
     return runtime_of(FASTVLM)
 
 
-def test_the_folder_is_transformers_fast_vlm_read_by_the_llava_family():
-    assert json.loads((FIXTURE / "config.json").read_text())["model_type"] == "fast_vlm"
+def test_the_folder_is_fastvlm_as_published_read_by_the_llava_family():
+    """transformers' fast_vlm, saved as onnx-community publishes FastVLM (published_layout.py):
+    llava_qwen2, the text model's keys at the top, no vision_config."""
+    config = json.loads((FIXTURE / "config.json").read_text())
+    assert config["model_type"] == "llava_qwen2" and config["num_hidden_layers"] == 2
+    assert "text_config" not in config and "vision_config" not in config
     manifest = load_manifest(FIXTURE)
     assert manifest.family == "llava"
     assert {n: t.image_tokens for n, t in manifest.tiers.items()} == {"256x256": TOKENS}

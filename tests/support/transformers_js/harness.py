@@ -23,10 +23,10 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 VERSION = json.loads((HERE / "package.json").read_text())["dependencies"]["@huggingface/transformers"]
-RUN_TIMEOUT_S = 120
+RUN_TIMEOUT_S = 300  # one folder's model load and every case it runs
 
 
-class HarnessUnavailable(RuntimeError):  # noqa: N818 (tests' support, not edgemm's errors)
+class Unavailable(Exception):
     """Node or npm is missing, or the npm install failed: the one-line reason."""
 
 
@@ -45,7 +45,7 @@ def install() -> Path:
     """The node_modules folder holding transformers.js, installed by `npm ci` when the lock file changed."""
     node, npm = shutil.which("node"), shutil.which("npm")
     if not node or not npm:
-        raise HarnessUnavailable(f"transformers.js needs node and npm on PATH (node: {node}, npm: {npm})")
+        raise Unavailable(f"transformers.js needs node and npm on PATH (node: {node}, npm: {npm})")
     target = cache_dir()
     lock = (HERE / "package-lock.json").read_text()
     modules = target / "node_modules"
@@ -60,7 +60,7 @@ def install() -> Path:
                           capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise HarnessUnavailable(f"npm ci of transformers.js {VERSION} in {target} failed: {last}")
+        raise Unavailable(f"npm ci of transformers.js {VERSION} in {target} failed: {last}")
     return modules
 
 
@@ -71,8 +71,9 @@ def encoded(array: np.ndarray) -> dict:
     return {"dtype": dtype, "dims": list(array.shape), "data": base64.b64encode(data).decode("ascii")}
 
 
-def _run(request: dict) -> Generated:
+def _run(folder: Path, dtype: str, max_new_tokens: int, runs: list[dict]) -> list[Generated]:
     modules = install()
+    request = {"folder": str(folder), "dtype": dtype, "max_new_tokens": max_new_tokens, "runs": runs}
     with tempfile.TemporaryDirectory(prefix="edgemm-tjs-") as scratch:
         request_file = Path(scratch) / "request.json"
         request_file.write_text(json.dumps(request))
@@ -84,18 +85,21 @@ def _run(request: dict) -> Generated:
         done = subprocess.run(["node", str(script), str(request_file)], capture_output=True, text=True,
                               timeout=RUN_TIMEOUT_S)
     if done.returncode != 0:
-        raise RuntimeError(f"transformers.js failed on {request['folder']}:\n{done.stderr.strip()}")
-    answer = json.loads(done.stdout.strip().splitlines()[-1])
-    return Generated(tokens=answer["tokens"], input_ids=answer["input_ids"])
+        raise RuntimeError(f"transformers.js failed on {folder} ({dtype}):\n{done.stderr.strip()}")
+    answers = json.loads(done.stdout.strip().splitlines()[-1])["answers"]
+    return [Generated(tokens=a["tokens"], input_ids=a["input_ids"]) for a in answers]
 
 
-def run_given(folder: Path, inputs: dict[str, np.ndarray], max_new_tokens: int, dtype: str = "fp32") -> Generated:
-    """Greedy tokens for the given generate() inputs (input_ids, attention_mask, pixel_values, ...)."""
-    return _run({"folder": str(folder), "dtype": dtype, "max_new_tokens": max_new_tokens, "mode": "given",
-                 "inputs": {name: encoded(value) for name, value in inputs.items()}})
+def run_given(folder: Path, inputs: list[dict[str, np.ndarray]], max_new_tokens: int,
+              dtype: str = "fp32") -> list[Generated]:
+    """Greedy tokens for each request's generate() inputs (input_ids, attention_mask, pixel_values,
+    the family's own), one model load for them all; `dtype` names the graphs' precision as
+    transformers.js does (fp32, int8, q4, ...: its file suffixes)."""
+    runs = [{"inputs": {name: encoded(value) for name, value in one.items()}} for one in inputs]
+    return _run(folder, dtype, max_new_tokens, runs)
 
 
-def run_as_user(folder: Path, image: Path, prompt: str, max_new_tokens: int, dtype: str = "fp32") -> Generated:
-    """Greedy tokens for an image and a question, through the folder's own processor and chat template."""
-    return _run({"folder": str(folder), "dtype": dtype, "max_new_tokens": max_new_tokens, "mode": "as_user",
-                 "image": str(image), "prompt": prompt})
+def run_as_user(folder: Path, questions: list[tuple[Path, str]], max_new_tokens: int,
+                dtype: str = "fp32") -> list[Generated]:
+    """Greedy tokens for each (image, question), through the folder's own processor and chat template."""
+    return _run(folder, dtype, max_new_tokens, [{"image": str(image), "prompt": prompt} for image, prompt in questions])
