@@ -228,11 +228,15 @@ def test_contract_names_what_no_family_feeds():
 
 
 def test_a_flat_config_as_published_gives_its_context(broken):
-    """Qwen2-VL-2B-Instruct's config.json has the text model's keys at the top, no text_config."""
+    """Qwen2-VL-2B-Instruct's config.json (and so the fixture's) has the text model's keys at the
+    top, no text_config; transformers 5 saves them nested, and then those count."""
     config = json.loads((broken / "config.json").read_text())
-    text = config.pop("text_config")
-    (broken / "config.json").write_text(json.dumps({**text, **config, "max_position_embeddings": 777}))
+    assert "text_config" not in config and config["num_hidden_layers"] == 2
+    (broken / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 777}))
     assert load_manifest(broken).max_context == 777
+    nested = {**config, "text_config": {"max_position_embeddings": 778}}
+    (broken / "config.json").write_text(json.dumps(nested))
+    assert load_manifest(broken).max_context == 778
 
 
 def test_the_options_a_request_takes_are_the_usual_ones():

@@ -24,6 +24,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 VERSION = json.loads((HERE / "package.json").read_text())["dependencies"]["@huggingface/transformers"]
 RUN_TIMEOUT_S = 300  # one folder's model load and every case it runs
+NODE_MAJOR = 20  # sharp, transformers.js's image reader, needs node 20.9 or newer
 
 
 class Unavailable(Exception):
@@ -46,6 +47,9 @@ def install() -> Path:
     node, npm = shutil.which("node"), shutil.which("npm")
     if not node or not npm:
         raise Unavailable(f"transformers.js needs node and npm on PATH (node: {node}, npm: {npm})")
+    version = subprocess.run([node, "--version"], capture_output=True, text=True).stdout.strip()
+    if int(version.lstrip("v").split(".")[0] or 0) < NODE_MAJOR:
+        raise Unavailable(f"transformers.js needs node {NODE_MAJOR} or newer, not {version or 'an unknown version'}")
     target = cache_dir()
     lock = (HERE / "package-lock.json").read_text()
     modules = target / "node_modules"
@@ -81,7 +85,10 @@ def _run(folder: Path, dtype: str, max_new_tokens: int, runs: list[dict]) -> lis
         # beside the node_modules it was installed into
         script = modules.parent / "run.mjs"
         if not script.is_file() or script.read_bytes() != (HERE / "run.mjs").read_bytes():
-            shutil.copy(HERE / "run.mjs", script)
+            # copied beside it, then renamed: a suite running at the same time never reads half of it
+            copy = script.with_name(f"run.{os.getpid()}.mjs")
+            shutil.copy(HERE / "run.mjs", copy)
+            os.replace(copy, script)
         done = subprocess.run(["node", str(script), str(request_file)], capture_output=True, text=True,
                               timeout=RUN_TIMEOUT_S)
     if done.returncode != 0:
