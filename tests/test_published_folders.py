@@ -15,7 +15,8 @@ from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 
 from tests.support import trt_harness as h
-from tests.support.published_folders import graphs_folder, only_variant, published_int8, variants_in
+from tests.support.published_folders import (batch_mate_difference, graphs_folder, only_variant,
+                                             published_int8, variants_in)
 from edgemm.backends.tensorrt.qdq import translate_file
 from edgemm.cli.main import main
 from edgemm.config import load_config
@@ -164,17 +165,7 @@ def test_auto_runs_a_dynamic_int8_folder_as_what_it_is(tiny_int8):
 
 def test_dynamic_int8_rows_really_depend_on_their_batch(tiny_int8):
     """Why such a decoder is kept out of batches: its logits for one row change with a batch mate."""
-    decoder = runtime(tiny_int8).generator.decoder
-    width = decoder.inputs["inputs_embeds"].shape[-1]
-    x = np.random.default_rng(0).normal(size=(2, 5, width)).astype(np.float32)
-    x[1] *= 50
-    past = {n: np.zeros((2, s.shape[1], 0, s.shape[3]), np.float32)
-            for n, s in decoder.inputs.items() if n.startswith("past_key_values")}
-    feeds = {"inputs_embeds": x, "attention_mask": np.ones((2, 5), np.int64),
-             "position_ids": np.tile(np.arange(5), (2, 1)), **past}
-    together = decoder.run(feeds)["logits"][0]
-    alone = decoder.run({k: v[:1] for k, v in feeds.items()})["logits"][0]
-    assert np.abs(together - alone).max() > 1e-3
+    assert batch_mate_difference(runtime(tiny_int8).generator.decoder) > 1e-3
 
 
 def test_a_dynamic_int8_folder_gives_the_same_tokens_alone_and_batched(tiny_int8, monkeypatch):

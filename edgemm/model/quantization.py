@@ -115,15 +115,11 @@ def describe(kind: str) -> str:
 # .attribute 5; AttributeProto.g 6, .graphs 11; TensorProto.data_type 2, .name 8, .raw_data 9 (and
 # the typed data fields 4-7, 10, 11); TensorProto.dims 1.
 
-class _Malformed(Exception):
-    pass
-
-
 def _varint(buf, pos: int) -> tuple[int, int]:
     result = shift = 0
     while True:
         if pos >= len(buf) or shift > 63:
-            raise _Malformed
+            raise ValueError("malformed protobuf")
         byte = buf[pos]
         pos += 1
         result |= (byte & 0x7F) << shift
@@ -144,16 +140,16 @@ def _fields(buf, start: int, end: int):
         elif wire == 2:
             length, pos = _varint(buf, pos)
             if pos + length > end:
-                raise _Malformed
+                raise ValueError("malformed protobuf")
             yield number, wire, (pos, pos + length)
             pos += length
         elif wire in (1, 5):
             pos += 8 if wire == 1 else 4
             yield number, wire, None
         else:
-            raise _Malformed
+            raise ValueError("malformed protobuf")
     if pos != end:
-        raise _Malformed
+        raise ValueError("malformed protobuf")
 
 
 class _Reader:
@@ -222,11 +218,11 @@ def read_ops(path: Path) -> GraphOps:
     try:
         with open(path, "rb") as f:
             if os.fstat(f.fileno()).st_size == 0:
-                raise _Malformed
+                raise ValueError("malformed protobuf")
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
                 reader = _Reader(buf)
                 reader.model()
-    except _Malformed:
+    except ValueError:  # the wire format broken anywhere
         raise ModelError(f"{path}: not an ONNX graph (its protobuf does not parse)") from None
     except OSError as e:
         raise ModelError(f"{path}: not readable ({e.strerror or e})") from None

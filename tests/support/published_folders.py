@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+
 from edgemm.model.manifest_types import PRECISIONS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,3 +63,18 @@ def variants_in(folder: Path) -> set[str]:
     """The precisions of the graph files in `folder`."""
     names = [p.stem for p in graphs_folder(folder).glob("*.onnx")]
     return {next((p for p in PRECISIONS[1:] if n.endswith(f"_{p}")), "fp32") for n in names}
+
+
+def batch_mate_difference(decoder) -> float:
+    """How far a decoder component's logits for one row move when a batch mate of a larger
+    magnitude is prefilled beside it (0.0: its rows are exact alone or batched)."""
+    width = decoder.inputs["inputs_embeds"].shape[-1]
+    x = np.random.default_rng(0).normal(size=(2, 5, width)).astype(np.float32)
+    x[1] *= 50  # a batch mate of a larger magnitude
+    past = {n: np.zeros((2, s.shape[1], 0, s.shape[3]), np.float32)
+            for n, s in decoder.inputs.items() if n.startswith("past_key_values")}
+    feeds = {"inputs_embeds": x, "attention_mask": np.ones((2, 5), np.int64),
+             "position_ids": np.tile(np.arange(5), (2, 1)), **past}
+    together = decoder.run(feeds)["logits"][0]
+    alone = decoder.run({k: v[:1] for k, v in feeds.items()})["logits"][0]
+    return float(np.abs(together - alone).max())
