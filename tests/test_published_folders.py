@@ -228,3 +228,24 @@ def test_the_dla_translation_refuses_a_graph_without_qdq_scales(tiny_int8, tmp_p
         translate_file(tiny_int8 / "vision_encoder_int8.onnx", tmp_path / "out.onnx", tmp_path / "cache", "10.3.0")
     assert "MatMulInteger" in str(info.value) or "ConvInteger" in str(info.value)
     assert not (tmp_path / "cache").exists()
+
+
+def test_runtime_calls_split_a_dynamic_int8_batch_into_single_requests(tiny_int8, monkeypatch):
+    """Runtime.encode on several images and Runtime.decode_batch on several requests: one call
+    per image and a decoding batch per request, each answer the one it gets alone."""
+    rt = runtime(tiny_int8)
+    samples = sorted((h.MODEL_DIR / "samples").glob("*.png"))
+    prepared = [rt.prepare(s, QUESTION, tier="low", max_new_tokens=5) for s in samples]
+    calls: list[int] = []
+    encode = rt.generator.encode
+    monkeypatch.setattr(rt.generator, "encode", lambda pixels: calls.append(len(pixels)) or encode(pixels))
+    features = rt.encode(np.concatenate([p.pixel_values for p in prepared]))
+    assert calls == [1] * len(samples)
+    results = rt.decode_batch(prepared, [features[i:i + 1] for i in range(len(samples))])
+    assert [r.decode_batch for r in results] == [1] * len(samples)
+    for sample, result in zip(samples, results):
+        assert result.tokens == runtime(tiny_int8).infer(sample, QUESTION, tier="low", max_new_tokens=5).tokens
+    qdq = runtime(h.MODEL_DIR, "int8")  # edgemm's QDQ int8: batched as ever
+    batched = qdq.decode_batch([qdq.prepare(s, QUESTION, tier="low", max_new_tokens=5) for s in samples],
+                               [features[i:i + 1] for i in range(len(samples))])
+    assert [r.decode_batch for r in batched] == [len(samples)] * len(samples)
