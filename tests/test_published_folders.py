@@ -159,6 +159,7 @@ def test_auto_runs_a_dynamic_int8_folder_as_what_it_is(tiny_int8):
     assert rt.precision == "int8"
     assert rt.models.precision_choices["decoder"].startswith("auto: int8 on cpu, the only kind present")
     assert rt.models.kinds[("decoder", "cpu")] == "dynamic-int8"
+    assert rt.placement_report()["decoder"]["quantization"] == "dynamic-int8"  # edgemm status shows it
     assert not rt.decodes_batched(None)
     assert runtime(h.MODEL_DIR, "int8").decodes_batched(None)  # edgemm's QDQ int8 batches exactly
 

@@ -219,9 +219,12 @@ class ModelComponents:
         return {c.name: c.device for c in self.loaded.all()}
 
     def placement_report(self) -> dict[str, dict]:
-        """component → {device, backend, provider, precision, skipped: [{device, reason}]}, for status."""
+        """component → {device, backend, provider, precision, quantization (the kind its graph's
+        operators say, on the CPU), skipped: [{device, reason}]}, for status."""
         return {c.name: {**self.placements[c.name].to_dict(), "device": c.device, "provider": c.provider,
                          "precision": c.precision,
+                         **({"quantization": self.kinds[(c.name, c.device)]} if (c.name, c.device) in self.kinds
+                            else {}),
                          **({"precision_choice": self.precision_choices[c.name]}
                             if c.name in self.precision_choices else {})} for c in self.loaded.all()}
 
