@@ -115,7 +115,7 @@ def test_default_runtime_is_onnxruntime_cpu_with_no_fallbacks(runtime):
     assert runtime.devices == {"vision_encoder": "cpu", "embed_tokens": "cpu", "decoder": "cpu"}
     report = runtime.placement_report()
     assert report["decoder"] == {"device": "cpu", "backend": "onnxruntime", "skipped": [], "standby": [],
-                                 "provider": "CPUExecutionProvider", "precision": "q4",
+                                 "provider": "CPUExecutionProvider", "precision": "q4", "quantization": "4bit",
                                  "precision_choice": "auto: q4 on cpu, the fastest present for onnxruntime "
                                                      "(q4 > fp32; present: q4, fp32)"}
 

@@ -14,6 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from tests.support import trt_harness as h
+from tests.support.published_folders import batch_mate_difference
 from edgemm.cli.main import main
 from edgemm.config import load_config
 from edgemm.errors import ModelError
@@ -203,19 +204,7 @@ def test_dynamic_int8_rows_depend_on_their_batch_mates_and_q4_rows_do_not(quanti
     """Why `auto` never takes `quantized`: quantize_dynamic scales the activations per call over
     the whole batch, so a row's logits change with the rows beside it; q4 (MatMulNBits) scales
     them per row and block, so a row decodes alike alone or in any batch, as fp32 does."""
-    import numpy as np
-    differences = {}
-    for precision in ("fp32", "q4", "quantized"):
-        decoder = cpu_runtime(quantized_tiny, precision).generator.decoder
-        width = decoder.inputs["inputs_embeds"].shape[-1]
-        x = np.random.default_rng(0).normal(size=(2, 5, width)).astype(np.float32)
-        x[1] *= 50  # a batch mate of a larger magnitude
-        past = {n: np.zeros((2, s.shape[1], 0, s.shape[3]), np.float32)
-                for n, s in decoder.inputs.items() if n.startswith("past_key_values")}
-        feeds = {"inputs_embeds": x, "attention_mask": np.ones((2, 5), np.int64),
-                 "position_ids": np.tile(np.arange(5), (2, 1)), **past}
-        together = decoder.run(feeds)["logits"][0]
-        alone = decoder.run({k: v[:1] for k, v in feeds.items()})["logits"][0]
-        differences[precision] = float(np.abs(together - alone).max())
+    differences = {precision: batch_mate_difference(cpu_runtime(quantized_tiny, precision).generator.decoder)
+                   for precision in ("fp32", "q4", "quantized")}
     assert differences["fp32"] == 0.0 and differences["q4"] == 0.0
     assert differences["quantized"] > 1e-3

@@ -92,6 +92,9 @@ class RequestBatch(DecodingBatch):
         DecodingBatch.__init__(self, models.generator if route is None else models.generator_for(route),
                                finished, steps_by_rows)
         self.answering = answering
+        # a dynamic int8 decoder quantizes each call's tokens together: a prompt prefilled from a
+        # stored prefix would get other scales than prefilled whole, so its prefixes are not reused
+        self.reuses_prefix = answering.reuses_prefix and models.batches_exactly(self.gen.decoder)
 
     def join(self, requests: list[Joining]) -> None:
         """(key, request, its features [1,N,D], on_token or None, cancel flag or None) each;
@@ -103,7 +106,7 @@ class RequestBatch(DecodingBatch):
             stream = TextStream(tokenizer, on_token) if on_token is not None else None
             # the image's prompt prefix is kept in, and reused from, the feature cache
             reuse = PrefixReuse(cache, request.cache_key) if cache is not None and request.cache_key is not None \
-                and self.answering.reuses_prefix else None
+                and self.reuses_prefix else None
             prompt = request.prompt
             image = prompt.image_positions if prompt.image_span is None else prompt.image_span
             items.append(((key, request, stream), BatchItem(features, prompt.input_ids, image,

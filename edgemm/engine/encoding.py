@@ -15,6 +15,7 @@ import time
 import numpy as np
 
 from edgemm.engine.cache import FeatureCache
+from edgemm.engine.generate import Generator
 from edgemm.engine.loading import ModelComponents
 from edgemm.model.manifest import ModelManifest
 from edgemm.engine.route import Route
@@ -39,7 +40,7 @@ class Encoding:
         models = self.models  # no route (Runtime.infer): the first devices, without resolving it
         generator = models.generator if route is None else models.generator_for(route)
         if self.cache is None:
-            return generator.encode(pixel_values)
+            return self._run(generator, pixel_values)
         if keys is None or any(k is None for k in keys):
             tier = self._tier_by_shape.get(tuple(pixel_values.shape[2:]), "")  # the shape is in the key too
             keys = [self.preparation.feature_key(image, tier) for image in pixel_values]
@@ -47,12 +48,19 @@ class Encoding:
         missing = [i for i, features in enumerate(found) if features is None]
         if missing:
             # indexing with a list copies the pixels (0.8 MB at 256 px): only when some were found
-            fresh = generator.encode(pixel_values if len(missing) == len(keys) else pixel_values[missing])
+            fresh = self._run(generator, pixel_values if len(missing) == len(keys) else pixel_values[missing])
             fresh.flags.writeable = False  # the cache keeps it and callers share it
             for row, i in enumerate(missing):
                 found[i] = fresh[row]
                 self.cache.put(keys[i], fresh[row], copy=False)  # fresh is ours alone
         return found[0][None] if len(found) == 1 else np.stack(found)
+
+    def _run(self, generator: Generator, pixel_values: np.ndarray) -> np.ndarray:
+        """One encoder call on the images, or one per image where the encoder's rows depend on
+        their batch (a dynamic int8 graph: ModelComponents.batches_exactly)."""
+        if len(pixel_values) == 1 or self.models.batches_exactly(generator.encoder):
+            return generator.encode(pixel_values)
+        return np.concatenate([generator.encode(pixel_values[i:i + 1]) for i in range(len(pixel_values))])
 
     def batch_speedup(self, tier: str, batch: int, repeats: int = 5) -> float:
         """Per-image speed of one encoder call on `batch` images over single-image calls
@@ -67,7 +75,7 @@ class Encoding:
 
         def seconds(pixels: np.ndarray) -> float:
             started = time.perf_counter()
-            generator.encode(pixels)
+            self._run(generator, pixels)  # as encode runs it: image by image for a dynamic int8 encoder
             return time.perf_counter() - started
         seconds(many)  # the batch shape's first run allocates
         ratios = sorted(batch * seconds(one) / seconds(many) for _ in range(repeats))

@@ -24,7 +24,8 @@ from edgemm.engine.generate import Generator
 from edgemm.engine.contract import check_component
 from edgemm.model.family import GraphInputs
 from edgemm.model.manifest import COMPONENTS, ModelManifest
-from edgemm.model.manifest_types import AUTO, AUTO_ORDER
+from edgemm.model.manifest_types import AUTO, AUTO_FALLBACK, AUTO_ORDER
+from edgemm.model.quantization import BATCH_DEPENDENT, graph_kind
 from edgemm.engine.placement import Placement, place
 from edgemm.engine.route import Route, reachable_devices
 
@@ -87,6 +88,9 @@ class ModelComponents:
         self.precision_choices: dict[str, str] = {}  # component → why `auto` took its precision there
         self._ort: OnnxRuntimeBackend | None = None
         self._trt = None  # TensorRTBackend, made on the first gpu/dla placement
+        # (component, device) → its graph's quantization kind, read from its operators (cpu only:
+        # a TensorRT engine is never built from a kind whose rows depend on their batch)
+        self.kinds: dict[tuple[str, str], str] = {}
         self.placements: dict[str, Placement] = {}
         self.standby: dict[str, dict[str, Component]] = {}  # component → device → loaded, first device first
         loaded: dict[str, Component] = {}
@@ -141,11 +145,16 @@ class ModelComponents:
         if device == "cpu":  # onnxruntime: the first variant in the order whose graph is in the folder
             order = AUTO_ORDER["onnxruntime"]
             present = [p for p in order if self.manifest.has_graph(kind, p)]
-            precision = present[0] if present else "fp32"  # no fp32 graph either: graph_path's error
+            if present:
+                precision = present[0]
+                why = f"the fastest present for onnxruntime ({' > '.join(order)}; present: {', '.join(present)})"
+            else:  # a folder published with other variants only: the one this graph has
+                others = [p for p in AUTO_FALLBACK["onnxruntime"] if self.manifest.has_graph(kind, p)]
+                precision = others[0] if others else "fp32"  # no graph at all: graph_path's error
+                why = f"the only kind present ({' > '.join(order)} absent; present: {', '.join(others)})"
             component = self._load_precision(kind, device, precision)
             # the first device's choice is the one answers report (a standby's would overwrite it)
-            self.precision_choices.setdefault(kind, f"auto: {precision} on cpu, the fastest present for "
-                                                    f"onnxruntime ({' > '.join(order)}; present: {', '.join(present)})")
+            self.precision_choices.setdefault(kind, f"auto: {precision} on cpu, {why}")
             return component
         order, failed = AUTO_ORDER["tensorrt"], []  # TensorRT: the first precision with an engine that loads
         for precision in order:
@@ -164,12 +173,19 @@ class ModelComponents:
         if device == "cpu":
             path = self.manifest.graph_path(kind, precision)
             component = self._onnxruntime().load(kind, path, precision)
+            self.kinds[(kind, device)] = graph_kind(path)
         else:
             path = self.engines_dir
             split = self.fed.split_encoder_feeds if self.fed is not None and kind == "vision_encoder" else None
             component = self._tensorrt().load_component(kind, device, precision, split_feeds=split)
         check_component(kind, component, str(path), self.fed)
         return component
+
+    def batches_exactly(self, component: Component) -> bool:
+        """Whether `component` gives each row the same result alone or batched with others: not
+        a dynamic int8 graph, which scales the activations per call over every row and token
+        in it (edgemm.model.quantization). Such a component runs one request per call."""
+        return self.kinds.get((component.name, component.device)) not in BATCH_DEPENDENT
 
     @property
     def engines_dir(self) -> Path:
@@ -203,9 +219,12 @@ class ModelComponents:
         return {c.name: c.device for c in self.loaded.all()}
 
     def placement_report(self) -> dict[str, dict]:
-        """component → {device, backend, provider, precision, skipped: [{device, reason}]}, for status."""
+        """component → {device, backend, provider, precision, quantization (the kind its graph's
+        operators say, on the CPU), skipped: [{device, reason}]}, for status."""
         return {c.name: {**self.placements[c.name].to_dict(), "device": c.device, "provider": c.provider,
                          "precision": c.precision,
+                         **({"quantization": self.kinds[(c.name, c.device)]} if (c.name, c.device) in self.kinds
+                            else {}),
                          **({"precision_choice": self.precision_choices[c.name]}
                             if c.name in self.precision_choices else {})} for c in self.loaded.all()}
 

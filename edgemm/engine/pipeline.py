@@ -476,8 +476,10 @@ class Pipeline:
         newcomers can run for ever); each join and step counts as progress for the stall
         check, and as the stage's busy time."""
         devices = self.runtime.resolve(first.prepared.route)
+        # a decoder whose rows depend on their batch mates (dynamic int8) decodes one request at a time
+        most = self.max_batch if self.runtime.decodes_batched(first.prepared.route) else 1
         batch = self.runtime.open_batch(first.prepared.route, self._answer, self.stats.decode_steps)
-        joining = [first] + self._joiners(devices, self.max_batch - 1, self._rows_free(rows(first)), held)
+        joining = [first] + self._joiners(devices, most - 1, self._rows_free(rows(first)), held)
         while joining or batch:
             if joining:
                 started = time.perf_counter()
@@ -494,7 +496,7 @@ class Pipeline:
                 self._account("decode", started, 0)
                 self._progress("decode")
             held[:] = [r for r in held if not r.future.done()]
-            room = self.max_batch - len(batch)
+            room = most - len(batch)
             joining = self._joiners(devices, room, self._rows_free(batch.rows), held) \
                 if room and self.joins.now(batch.progress()) else []
 

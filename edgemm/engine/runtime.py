@@ -177,6 +177,12 @@ class Runtime:
             raise outcome[0]
         return outcome[0]
 
+    def decodes_batched(self, route: Route | None) -> bool:
+        """Whether requests decode together on the decoder `route` resolves to: not where its
+        rows depend on their batch mates (a dynamic int8 graph, ModelComponents.batches_exactly),
+        which gets one request per batch so that an answer never depends on who asked beside it."""
+        return self.models.batches_exactly(self.models.generator_for(route).decoder)
+
     def decode_batch(self, requests: list[PreparedRequest], features: list[np.ndarray],
                      on_tokens: list[TextCallback | None] | None = None,
                      cancelled: list[threading.Event | None] | None = None) -> list[InferenceResult | Exception]:
@@ -186,8 +192,9 @@ class Runtime:
         cancelled = cancelled or [None] * len(requests)
         out: list[InferenceResult | Exception | None] = [None] * len(requests)
         groups: dict[tuple, list[int]] = {}  # one batch per set of devices (the policy rarely splits them)
-        for i, request in enumerate(requests):
-            groups.setdefault(self.resolve(request.route), []).append(i)
+        for i, request in enumerate(requests):  # a decoder that batches inexactly: a batch each
+            groups.setdefault(self.resolve(request.route) + (() if self.decodes_batched(request.route) else (i,)),
+                              []).append(i)
         for rows in groups.values():
             batch = self.open_batch(requests[rows[0]].route, out.__setitem__)
             batch.join([(i, requests[i], features[i], on_tokens[i], cancelled[i]) for i in rows])

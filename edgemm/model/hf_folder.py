@@ -21,7 +21,8 @@ from pathlib import Path
 from edgemm.errors import ModelError
 from edgemm.util.files import read_model_file, regular_file_present
 from edgemm.model.family import family_entry
-from edgemm.model.manifest_types import ModelManifest, ResolutionTier, precisions_present as present_in_folder
+from edgemm.model.manifest_types import (PRECISIONS, ModelManifest, ResolutionTier, describe_graphs,
+                                         precisions_present as present_in_folder, variant_file)
 from edgemm.util.numbers import finite_number
 
 ONNX_FILES = {"vision_encoder": "onnx/vision_encoder.onnx", "embed_tokens": "onnx/embed_tokens.onnx",
@@ -205,6 +206,19 @@ def chat_template(path: Path) -> tuple[str, Path]:
     raise ModelError(f"{path}: no chat template (looked in {', '.join(CHAT_TEMPLATE_FILES)})")
 
 
+def check_graphs(path: Path) -> None:
+    """Each graph needs its file in at least one precision, any one (transformers.js loads a folder
+    of only `onnx/decoder_model_merged_q4.onnx` and the other two in q4); a graph in none is one
+    line naming what each graph has. A variant's path that is there but no regular file (a link
+    to /dev/zero, a FIFO) is refused as such."""
+    by_graph = {component: [p for p in PRECISIONS if present(variant_file(path / name, p))]
+                for component, name in ONNX_FILES.items()}
+    missing = [ONNX_FILES[c] for c, found in by_graph.items() if not found]
+    if missing:
+        raise ModelError(f"{path} is a Hugging Face model folder without {' or '.join(missing)} in any "
+                         f"precision (per graph: {describe_graphs(by_graph)})")
+
+
 def precisions_present(path: Path) -> list[str]:
     """Precisions whose three graphs are all there, by the layout's suffixes (_int8, _q4, _fp16 …)."""
     return present_in_folder(path, ONNX_FILES)
@@ -214,9 +228,9 @@ def load_hf_manifest(path: Path) -> ModelManifest:
     config = read_json(path / "config.json")
     entry = family_entry(config.get("model_type"), f"{path / 'config.json'}: unknown model_type",
                          hf_folder=True)
-    for name in (*ONNX_FILES.values(), "tokenizer.json"):
-        if not present(path / name):
-            raise ModelError(f"{path} is a Hugging Face model folder without {name}")
+    check_graphs(path)
+    if not present(path / "tokenizer.json"):
+        raise ModelError(f"{path} is a Hugging Face model folder without tokenizer.json")
     assert entry.hf_folder is not None  # family_entry(hf_folder=True) only returns such families
     own = entry.hf_folder(path, config)
     # a flat config.json (Qwen2-VL as published) has the text model's keys at the top
@@ -229,7 +243,7 @@ def load_hf_manifest(path: Path) -> ModelManifest:
         tiers=own.tiers, default_tier=own.default_tier or list(own.tiers)[-1], preprocessing=own.preprocessing,
         special_tokens={}, image_token=own.image_token, prompt_format="", stop_tokens=own.stop_tokens,
         max_context=max_context,
-        precisions=precisions_present(path) or ["fp32"], chat_template=template,
+        precisions=precisions_present(path), chat_template=template,
         chat_template_file=template_file,
         family_config=own.family_config)
 

@@ -134,7 +134,7 @@ def load_manifest(model_dir: str | Path) -> ModelManifest:
         raise ModelError(f"{where}: unknown precision(s) {unknown} (known: {', '.join(PRECISIONS)})")
     # what the folder holds, by the files' suffixes, as in a Hugging Face folder: a variant made
     # later (tools/quantize.py --variant q4) is usable without editing model.yaml
-    precisions = precisions_present(path, files) or ["fp32"]
+    precisions = precisions_present(path, files)
     max_context = _require(data, "max_context", int, where)
     if not 2 <= max_context <= MAX_CONTEXT:
         raise ModelError(f"{where}: max_context {max_context} must be an integer from 2 to {MAX_CONTEXT}")

@@ -16,7 +16,9 @@ COMPONENTS = ("vision_encoder", "embed_tokens", "decoder")
 # Precision variants, named by the file suffix of the Hugging Face ONNX layout (Optimum,
 # transformers.js): decoder_model_merged_q4.onnx is the decoder's q4 variant; fp32 has none.
 #   fp16       float16 graph
-#   int8       QDQ int8 (tools/quantize.py): what TensorRT builds from; slow on onnxruntime's CPU
+#   int8       QDQ int8 where tools/quantize.py made it (what TensorRT builds from; slow on onnxruntime's
+#              CPU), dynamic int8 where transformers.js's quantize script did (published folders):
+#              edgemm.model.quantization reads which from the graph
 #   q4         weight-only 4-bit MatMulNBits (tools/quantize.py --variant q4): the CPU's fastest
 #   q4f16      q4 over a float16 graph (for GPUs)
 #   quantized  dynamic int8 (onnxruntime's quantize_dynamic; tools/quantize.py --variant quantized)
@@ -33,6 +35,10 @@ AUTO = "auto"  # model.precision / --precision: the fastest variant present for 
 # TensorRT: its engines are built int8 (from the QDQ graphs) or fp16.
 AUTO_ORDER = {"onnxruntime": ("q4", "fp32"),
               "tensorrt": ("int8", "fp16")}
+# A graph with none of AUTO_ORDER's variants (a folder published with only `_fp16`, or only a
+# dynamic `_int8`) runs the one it has: the first of these present. Whether its rows batch
+# exactly is read from the graph itself (edgemm.model.quantization), not from this name.
+AUTO_FALLBACK = {"onnxruntime": ("fp16", "q4f16", "bnb4", "int8", "uint8", "quantized")}
 
 
 def variant_file(base: Path, precision: str) -> Path:
@@ -94,23 +100,45 @@ class ModelManifest:
         return max(1, tier.image_tokens // per_tile) if per_tile else 1
 
     def graph_path(self, component: str, precision: str) -> Path:
-        """The ONNX file of `component` in `precision`, by the Optimum suffix convention."""
+        """The ONNX file of `component` in `precision`, by the Optimum suffix convention; one line
+        naming, per graph, the precisions present and the graphs `precision` is missing for,
+        where it is not there."""
         path = variant_file(self.path / self.files[component], precision)
         if not regular_file_present(path, lambda detail: ModelError(f"{path}: {detail}")):
-            present = ", ".join(self.precisions) or "none"
+            by_graph = self.graph_precisions()
+            present = ", ".join(self.precisions) or "none for all three graphs"
+            missing = [c for c, found in by_graph.items() if precision not in found]
             hint = ""
             if precision in QUANTIZE_VARIANTS:
                 hint = f"; make it with: python tools/quantize.py {self.path}"
                 hint += "" if precision == "int8" else f" --variant {precision}"
             raise ModelError(f"model {self.name}: {component} has no {precision} graph "
-                             f"({path} not found; precisions present: {present}){hint}")
+                             f"({path} not found; precisions present: {present}; {precision} missing for "
+                             f"{', '.join(missing)}; per graph: {describe_graphs(by_graph)}){hint}")
         return path
 
     def has_graph(self, component: str, precision: str) -> bool:
         return variant_file(self.path / self.files[component], precision).is_file()
 
+    def graph_precisions(self) -> dict[str, list[str]]:
+        """component → the precisions its graph is present in (read from the folder now: a
+        variant made after loading counts)."""
+        return graph_precisions(self.path, self.files)
+
+
+def graph_precisions(path: Path, files: dict[str, str]) -> dict[str, list[str]]:
+    """component → the precisions whose file of that graph is in the folder `path`
+    (files: component → fp32 file), in PRECISIONS order."""
+    return {c: [p for p in PRECISIONS if variant_file(path / files[c], p).is_file()] for c in COMPONENTS}
+
+
+def describe_graphs(by_graph: dict[str, list[str]]) -> str:
+    """`vision_encoder fp32, q4 · embed_tokens q4 · decoder none`: each graph's precisions, one line."""
+    return " · ".join(f"{c} {', '.join(found) or 'none'}" for c, found in by_graph.items())
+
 
 def precisions_present(path: Path, files: dict[str, str]) -> list[str]:
-    """The precisions whose graphs are all in the folder `path` (files: component → fp32 file)."""
-    return [precision for precision in PRECISIONS
-            if all(variant_file(path / files[c], precision).is_file() for c in COMPONENTS)]
+    """The precisions whose graphs are all in the folder `path` (files: component → fp32 file):
+    what ModelManifest.precisions lists; a folder may have none (each graph in another)."""
+    by_graph = graph_precisions(path, files)
+    return [p for p in PRECISIONS if all(p in found for found in by_graph.values())]

@@ -39,8 +39,9 @@ from edgemm.backends.tensorrt.manifest import (EngineEntry, EngineManifest, Prof
 from edgemm.backends.tensorrt.platform import (DEVICES, Platform, TrtLog, dla_core, import_tensorrt, probe,
                                      require_device, trt_log, version_tuple)
 from edgemm.backends.tensorrt.qdq import translate_file
-from edgemm.errors import EngineError, InputError
+from edgemm.errors import EngineError, InputError, ModelError
 from edgemm.model.family import PatchCounter, encoder_patches
+from edgemm.model.quantization import TENSORRT_UNPARSABLE, describe, graph_kind
 from edgemm.model.manifest import COMPONENTS, ModelManifest
 
 PRECISIONS = ("int8", "fp16")
@@ -219,6 +220,7 @@ def plan_jobs(request: BuildRequest, model: ModelManifest, platform: Platform) -
     jobs = []
     for component in components:
         source = model.graph_path(component, "fp32" if request.precision == "fp16" and not typed else request.precision)
+        refuse_unparsable(source, model)
         dims, graph = _input_dims(source), str(source.relative_to(model.path))
         if component == "vision_encoder" and on_dla and model.preprocessing.resize == "tiles":
             # a tile has the same shape at every tier: one plan, one tile per call, serves them all
@@ -237,6 +239,17 @@ def plan_jobs(request: BuildRequest, model: ModelManifest, platform: Platform) -
             jobs.append(EngineJob(component, request.device, request.precision, None, source,
                                   decoder_profiles(dims, request.max_beams, model.max_context, graph)))
     return jobs
+
+
+def refuse_unparsable(source: Path, model: ModelManifest) -> None:
+    """A graph of a kind TensorRT's ONNX parser has no ops for (dynamic int8, as published `_int8`
+    folders hold; MatMulNBits 4-bit; bnb4) is refused before any plan: one line naming the file,
+    its kind and how to make the QDQ graph TensorRT builds INT8 from."""
+    kind = graph_kind(source)
+    if kind in TENSORRT_UNPARSABLE:
+        raise ModelError(f"{source}: {kind} ({describe(kind)}), which TensorRT's ONNX parser cannot take; make "
+                         f"the QDQ int8 variant from the fp32 graphs: python tools/quantize.py {model.path} "
+                         "(writes the _int8 graphs as QDQ)")
 
 
 def quantization_mode(job: EngineJob, trt_version: str) -> str:

@@ -31,6 +31,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from edgemm.errors import ModelError
+from edgemm.model.quantization import BNB4_OPS, DYNAMIC_INT8_OPS, FOUR_BIT_OPS
 
 CALIBRATOR = "EntropyCalibration2"
 QDQ_OPS = ("QuantizeLinear", "DequantizeLinear")
@@ -138,6 +139,12 @@ def translate(model: onnx.ModelProto, where: str = "model") -> Translation:
     rename: dict[str, str] = {}  # DQ output → the float tensor that replaces it
     folded: list[str] = []
     new_initializers: list[onnx.TensorProto] = []
+    if not any(n.op_type == "QuantizeLinear" and g.constant(n.input[0]) is None for n in model.graph.node):
+        # no activation scale: a cache of none would build an engine calibrated on nothing
+        ops = sorted({n.op_type for n in model.graph.node} & (DYNAMIC_INT8_OPS | FOUR_BIT_OPS | BNB4_OPS))
+        found = f" (it has {', '.join(ops)}: not static QDQ)" if ops else ""
+        raise ModelError(f"{where}: no QuantizeLinear/DequantizeLinear scale on any activation{found}, so no "
+                         "calibration cache for the DLA; tools/quantize.py makes the QDQ int8 graph")
     for node in list(model.graph.node):
         if node.op_type != "DequantizeLinear":
             continue
