@@ -14,9 +14,11 @@ from edgemm.model.family import GraphInputs
 REQUIRED = {
     "vision_encoder": (("pixel_values",), ("image_features",)),
     "embed_tokens": (("input_ids",), ("inputs_embeds",)),
-    "decoder": (("inputs_embeds", "attention_mask", "position_ids"), ("logits",)),
+    "decoder": (("inputs_embeds", "attention_mask"), ("logits",)),
 }
-OPTIONAL_DECODER_INPUTS = ("use_cache_branch", "num_logits_to_keep")
+# position_ids: a graph may compute them from the mask (transformers.js feeds them only when
+# declared); a family with positions of its own (M-RoPE, GraphInputs.position_axes) requires them
+OPTIONAL_DECODER_INPUTS = ("position_ids", "use_cache_branch", "num_logits_to_keep")
 OPTIONAL_ENCODER_INPUTS = ("pixel_attention_mask",)  # tiled families (idefics3); fed all ones
 _PAST = re.compile(r"past_key_values\.(\d+)\.(key|value)$")
 
@@ -51,7 +53,12 @@ def check_component(kind: str, component: Component, path: str, fed: GraphInputs
         _check_pixel_values(component, path, fed.pixel_values, fed.pixel_values_from)
     if kind != "decoder":
         return
-    _check_positions(component, path, fed.position_axes)
+    if "position_ids" in component.inputs:
+        _check_positions(component, path, fed.position_axes)
+    elif fed.position_axes:
+        raise ModelError(f"{path}: decoder graph lacks input 'position_ids' (the model's family feeds "
+                         f"[{fed.position_axes}, batch, sequence] rotary positions; it declares: "
+                         f"{', '.join(component.inputs)})")
     layers = decoder_layers(component)
     if layers == 0:
         raise ModelError(f"{path}: decoder graph declares no past_key_values.N.key/value inputs "
