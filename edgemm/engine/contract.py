@@ -128,8 +128,9 @@ def check_image_tokens(family: Family, manifest: ModelManifest, encoder: Compone
     for tier in manifest.tiers.values():
         pixels = family.pixels(np.zeros((tier.height, tier.width, 3), np.uint8), tier)
         want = len(family.build_prompt(prompt_text, tier, (tier.height, tier.width)).image_positions)
-        tiles = pixels.shape[1] if pixels.ndim == 5 else 1
-        unit = pixels[:, :1] if pixels.ndim == 5 else pixels  # a tiled family's count is per tile
+        tiled = pixels.ndim == 5 and fed.encoder_feeds is None  # (Qwen2-VL's 5 axes are one image's grid)
+        tiles = pixels.shape[1] if tiled else 1
+        unit = pixels[:, :1] if tiled else pixels  # a tiled family's count is per tile
         if fixed is None and unit.shape not in counted:
             counted[unit.shape] = encode(unit).shape[1]
         got = (fixed if fixed is not None else counted[unit.shape]) * tiles
