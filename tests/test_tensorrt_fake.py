@@ -467,7 +467,8 @@ def test_idefics3_encoder_builds_and_runs_through_the_fake(monkeypatch, tmp_path
             tiles.append(pixels.shape[1])
     assert tiles == [1, 3, 7, 1, 5, 10]  # tall: fewer tiles than a tier takes at most; wide: the most
     runs = sum(e.context._runs for e in ours.generator.encoder.engines)
-    assert runs == (6 if device == "gpu" else sum(tiles))  # the DLA plan takes one tile per call
+    # the DLA plan takes one tile per call; and one blank tile first, the load's image-token check
+    assert runs == 1 + (6 if device == "gpu" else sum(tiles))
 
 
 def test_infer_and_status_json_say_why_a_gpu_placement_answered_on_the_cpu(monkeypatch, tmp_path):

@@ -6,7 +6,8 @@
     decode:    decoder(embed(token), mask + [1], next position, past = present) …
 
 The attention mask keeps the whole history and position ids are cumsum(mask) - 1,
-as the model contract says. Generator makes the calls; the loop that produces every
+as the model contract says; a decoder that does not declare position_ids computes them
+from the mask itself and is fed none. Generator makes the calls; the loop that produces every
 token is edgemm/engine/decode.py (greedy, seeded temperature + top-p sampling, and gated
 beams as branches of one step).
 """
@@ -138,7 +139,10 @@ class Generator:
         self.embed_dtype = decoder.inputs["inputs_embeds"].dtype
         # integer inputs in whatever width the graph declares (int64 by convention, int32 seen too)
         self.mask_dtype = decoder.inputs["attention_mask"].dtype
-        self.position_dtype = decoder.inputs["position_ids"].dtype
+        # a graph without position_ids computes them from the mask (the contract allows it): the
+        # loop's position tables are then kept in int64 and never fed
+        self.feeds_positions = "position_ids" in decoder.inputs
+        self.position_dtype = decoder.inputs["position_ids"].dtype if self.feeds_positions else np.dtype(np.int64)
         self.past_names = [f"past_key_values.{i}.{kind}" for i in range(self.layers) for kind in ("key", "value")]
         self.present_names = [name.replace("past_key_values.", "present.") for name in self.past_names]
         self.pixel_dtype = encoder.inputs["pixel_values"].dtype  # e.g. float16 in _fp16 exports
@@ -212,7 +216,8 @@ class Generator:
         feeds = self.step_feeds(past)
         feeds["inputs_embeds"] = embeds
         feeds["attention_mask"] = mask.astype(self.mask_dtype, copy=False)
-        feeds["position_ids"] = np.ascontiguousarray(positions, self.position_dtype)
+        if self.feeds_positions:
+            feeds["position_ids"] = np.ascontiguousarray(positions, self.position_dtype)
         out = self.decoder.run(feeds)
         present = {past: out[name] for past, name in zip(self.past_names, self.present_names)}
         return out["logits"][:, -1], present
@@ -240,7 +245,9 @@ class Generator:
         IOBinding with the cache kept as OrtValues was measured against this and kept out:
         it costs more Python per step and saves no copy (bench/bench_kv_binding.py,
         docs/BENCHMARKS.md). Below 1.19 session.run copied every output (the floor is 1.20)."""
-        feeds["inputs_embeds"], feeds["attention_mask"], feeds["position_ids"] = embeds, mask, positions
+        feeds["inputs_embeds"], feeds["attention_mask"] = embeds, mask
+        if self.feeds_positions:
+            feeds["position_ids"] = positions
         out = self.decoder.run(feeds)
         for past, present in zip(self.past_names, self.present_names):
             feeds[past] = out[present]

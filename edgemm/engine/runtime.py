@@ -26,6 +26,7 @@ import numpy as np
 
 from edgemm.engine.answering import Answered, Answering, InferenceResult, RequestBatch
 from edgemm.engine.cache import FeatureCache
+from edgemm.engine.contract import check_image_tokens
 from edgemm.config import Config, load_config
 from edgemm.errors import ConfigError
 from edgemm.engine.detokenize import TextCallback
@@ -70,6 +71,9 @@ class Runtime:
             static = getattr(self.adapter, "use_static_shapes", None)
             if static is not None:
                 static()
+        # the image tokens each tier's prompt holds against what the encoder gives: a folder that
+        # contradicts itself is refused here (exit 2), not at its first request
+        check_image_tokens(self.adapter, self.manifest, self.models.loaded.vision_encoder, self.models.generator.encode)
         self.preparation = Preparation(self.config, self.manifest, self.adapter, self.models.variants)
         self.encoding = Encoding(self.models, self.preparation, self.manifest)
         self.answering = Answering(self.models, self.encoding, self.adapter, self.manifest)

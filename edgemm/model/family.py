@@ -95,7 +95,9 @@ class Family(Protocol):
     # Optional (not part of the isinstance check): `graph_inputs: GraphInputs`, what the family
     # feeds beyond the contract (Qwen2-VL: the encoder's grid, [3, B, S] positions); and, on the
     # class, `encoder_patches(manifest, tier) -> EncoderPatches` for an encoder that takes its
-    # image as flattened patches (Qwen2-VL): what the engine builder sizes its profiles by.
+    # image as flattened patches (Qwen2-VL): what the engine builder sizes its profiles by; and
+    # `image_tokens_from: str`, the keys the prompt's image-token count comes from (the load
+    # check, edgemm/engine/contract.py's check_image_tokens, names them when the encoder disagrees).
 
 
 class TokenizedFamily:
@@ -108,6 +110,8 @@ class TokenizedFamily:
     def __init__(self, manifest: ModelManifest):
         self.manifest = manifest
         self.cfg = manifest.family_config
+        # where the prompt's image-token count comes from, for the load check's message
+        self.image_tokens_from: str = self.cfg.get("image_tokens_from", "model.yaml: the tier's image_tokens")
         self.tokenizer = load_tokenizer(manifest.path / manifest.files["tokenizer"])
 
     def id_of(self, token: str) -> int:

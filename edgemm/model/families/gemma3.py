@@ -69,6 +69,8 @@ def family_config(path: Path, config: JsonObject, preprocessor: JsonObject, proc
         else config.integer("mm_tokens_per_image", 256)
     return {
         "height": height, "width": width, "resample": resample, "image_seq_len": seq_len,
+        "image_tokens_from": ("processor_config.json: image_seq_length" if "image_seq_length" in processor
+                              else "config.json: mm_tokens_per_image (256 if absent)"),
         **pixel_normalisation(preprocessor, [0.5] * 3, [0.5] * 3),
         **{key: special_token(tokenizer_config, key, value) for key, value in TOKEN_DEFAULTS.items()},
         "eos_token_ids": eos_token_ids(generation, config, config.object("text_config")),

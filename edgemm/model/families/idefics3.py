@@ -55,6 +55,9 @@ def family_config(path: Path, config: JsonObject, preprocessor: JsonObject, proc
     return {
         "tile": preprocessor.object("max_image_size").side("longest_edge"),
         "longest_edge": preprocessor.object("size").side("longest_edge"), "image_seq_len": seq_len,
+        "image_tokens_from": f"image_seq_len {seq_len} per tile: " + (
+            "processor_config.json" if "image_seq_len" in processor
+            else "config.json: (vision_config.image_size / patch_size)² / scale_factor²"),
         **pixel_normalisation(preprocessor, [0.5] * 3, [0.5] * 3),
         "eos_token_ids": eos_token_ids(generation),
     }

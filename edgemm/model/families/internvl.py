@@ -86,6 +86,8 @@ def family_config(path: Path, config: JsonObject, preprocessor: JsonObject, proc
                          f"({side}/{patch} patches, downsample_ratio: {expected} tokens per tile)")
     return {
         "tile": tile, "min_patches": low, "max_patches": high, "image_seq_len": int(seq_len),
+        "image_tokens_from": f"image_seq_length {seq_len} per tile: (vision_config.image_size / patch_size)² "
+                             "x downsample_ratio² (config.json)",
         **pixel_normalisation(preprocessor, [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]),
         "eos_token_ids": eos_token_ids(generation, config.object("text_config")),
     }

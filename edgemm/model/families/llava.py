@@ -84,10 +84,15 @@ def family_config(path: Path, config: JsonObject, preprocessor: JsonObject, proc
         raise ModelError(f"{path / 'processor_config.json'}: needs patch_size, a positive integer "
                          "(the image tokens per side are the crop over it)")
     patch = (processor if "patch_size" in processor else vision).integer("patch_size")
+    strategy_from = "processor_config.json" if "vision_feature_select_strategy" in processor else "config.json"
     strategy = processor.get("vision_feature_select_strategy", config.get("vision_feature_select_strategy"))
     extra = processor.integer("num_additional_image_tokens", 0, least=0)
     tokens = (out_h // patch) * (out_w // patch) + extra
     tokens -= 1 if strategy == "default" else 0
+    tokens_from = (f"({out_h}/{patch})x({out_w}/{patch}) patches (crop_size / patch_size) + "
+                   f"num_additional_image_tokens {extra} (processor_config.json) " +
+                   (f"- 1 for vision_feature_select_strategy 'default' ({strategy_from})" if strategy == "default"
+                    else f"with vision_feature_select_strategy {strategy!r} ({strategy_from})"))
     if tokens <= 0:
         raise ModelError(f"{path}: the image gives {tokens} image tokens (crop {out_h}x{out_w}, patch {patch})")
     do_rescale = preprocessor.flag("do_rescale", True)
@@ -95,6 +100,7 @@ def family_config(path: Path, config: JsonObject, preprocessor: JsonObject, proc
     return {
         "resize": resize, "do_center_crop": do_center_crop,
         "height": out_h, "width": out_w, "resample": resample, "image_tokens": tokens,
+        "image_tokens_from": tokens_from,
         "do_pad": preprocessor.flag("do_pad", False),
         "do_rescale": do_rescale,
         "do_normalize": preprocessor.flag("do_normalize", True),

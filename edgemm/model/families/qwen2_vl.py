@@ -132,6 +132,8 @@ def family_config(path: Path, config: JsonObject, preprocessor: JsonObject, gene
     return {
         "model_type": config["model_type"], "grid_input": GRID_INPUT[config["model_type"]],
         "patch_size": patch, "merge_size": merge, "temporal_patch_size": temporal,
+        "image_tokens_from": f"one per {merge}x{merge} patches of {patch} px (preprocessor_config.json: "
+                             "merge_size, patch_size), the image resized within the tier's budget",
         "min_pixels": min_pixels, "max_pixels": max_pixels,
         **pixel_normalisation(preprocessor, list(OPENAI_CLIP_MEAN), list(OPENAI_CLIP_STD)),
         "eos_token_ids": eos_token_ids(generation, config),
