@@ -82,6 +82,17 @@ def test_a_tiled_family_is_checked_per_tile(tmp_path):
     assert f"gives {seq_len}" in message and "image_seq_len" in message and "processor_config.json" in message
 
 
+def test_a_one_shot_infer_runs_no_blank_image_and_its_request_fails_in_one_line(tmp_path):
+    """`edgemm infer` pays no blank encode for the check where the graph does not fix the
+    count (a whole tile at real size): the contradiction fails its one request instead, exit 2."""
+    folder = shutil.copytree(FIXTURES / "idefics3-tiny", tmp_path / "idefics3")
+    edit_json(folder / "processor_config.json", lambda d: d.update(image_seq_len=d["image_seq_len"] + 1))
+    result = CliRunner().invoke(main, ["infer", str(folder / "wide.png"), "--prompt", "what is it?",
+                                       "--model", str(folder), "--quiet"])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.count("\n") == 1 and "image placeholders" in result.stderr
+
+
 def test_a_model_yaml_tier_that_contradicts_the_encoder_is_refused(tmp_model):
     path = tmp_model / "model.yaml"
     data = yaml.safe_load(path.read_text())

@@ -96,7 +96,7 @@ def infer(image, prompt, tier, scheduler, beams, beam_gate, precision, model_dir
     source = read_image_arg(image, cfg.limits)
     with progress(model_label(cfg), quiet) as notes:
         # a warm-up would answer twice: the answer's own first run is all the warming it needs
-        runtime = Runtime(cfg, warm_up=False)
+        runtime = Runtime(cfg, warm_up=False, one_shot=True)
         if cfg.model.precision == "auto":  # which variant auto took
             notes.append(runtime.models.precision)
         started = time.perf_counter()

@@ -110,14 +110,15 @@ def _check_pixel_values(component: Component, path: str, fed: tuple[int | None, 
 
 
 def check_image_tokens(family: Family, manifest: ModelManifest, encoder: Component,
-                       encode: Callable[[np.ndarray], np.ndarray]) -> int:
+                       encode: Callable[[np.ndarray], np.ndarray] | None) -> int:
     """Refuse a folder whose prompt would hold another number of image tokens, at some tier,
     than its vision encoder gives there: one line naming both numbers, the tier and where each
     comes from. Checked at load, before any image is prepared.
 
     The encoder's count is read from the graph where its image_features fix it, else `encode`
     runs once on a blank image of the tier (one tile for a tiled family, whose count is per
-    tile; a shape already run is not run again). Returns the encoder calls it made."""
+    tile; a shape already run is not run again); with no `encode`, such a tier is not checked
+    here. Returns the encoder calls it made."""
     fed = graph_inputs(family)
     declared = encoder.outputs["image_features"].shape
     fixed = declared[1] if fed.encoder_feeds is None and declared is not None and len(declared) == 3 \
@@ -131,6 +132,8 @@ def check_image_tokens(family: Family, manifest: ModelManifest, encoder: Compone
         tiled = pixels.ndim == 5 and fed.encoder_feeds is None  # (Qwen2-VL's 5 axes are one image's grid)
         tiles = pixels.shape[1] if tiled else 1
         unit = pixels[:, :1] if tiled else pixels  # a tiled family's count is per tile
+        if fixed is None and encode is None:
+            continue  # unchecked at load: a contradiction fails the request (generate.image_positions)
         if fixed is None and unit.shape not in counted:
             counted[unit.shape] = encode(unit).shape[1]
         got = (fixed if fixed is not None else counted[unit.shape]) * tiles

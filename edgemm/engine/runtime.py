@@ -45,12 +45,14 @@ log = logging.getLogger("edgemm")
 
 
 class Runtime:
-    def __init__(self, config: Config | None = None, concurrent: bool = False, warm_up: bool | None = None):
+    def __init__(self, config: Config | None = None, concurrent: bool = False, warm_up: bool | None = None,
+                 one_shot: bool = False):
         """`concurrent`: the encoder and the decoder will run at the same time (the pipeline
         of `serve` and `stream`); backend.intra_op_threads 0 then splits the cores between them.
         `warm_up`: run the tiers of backend.warmup once now (None), every tier (True) or none
         (False: `edgemm infer`, whose answer is its own first run, and callers that warm up
-        themselves with warmup(), reporting its cost)."""
+        themselves with warmup(), reporting its cost). `one_shot`: it answers one request
+        (`edgemm infer`): no graph runs but that request's (the load check reads the graph only)."""
         self.config = config or load_config(None)
         self.concurrent = concurrent
         if concurrent:
@@ -72,8 +74,12 @@ class Runtime:
             if static is not None:
                 static()
         # the image tokens each tier's prompt holds against what the encoder gives: a folder that
-        # contradicts itself is refused here (exit 2), not at its first request
-        check_image_tokens(self.adapter, self.manifest, self.models.loaded.vision_encoder, self.models.generator.encode)
+        # contradicts itself is refused here (exit 2), not at its first request. Where the graph
+        # does not fix the count, finding it runs the encoder on a blank image (a whole tile's
+        # encode at real size): a one-shot `infer` (one_shot) does not pay that, it encodes its
+        # answer alone, and a contradiction there fails that request (generate.image_positions)
+        check_image_tokens(self.adapter, self.manifest, self.models.loaded.vision_encoder,
+                           None if one_shot else self.models.generator.encode)
         self.preparation = Preparation(self.config, self.manifest, self.adapter, self.models.variants)
         self.encoding = Encoding(self.models, self.preparation, self.manifest)
         self.answering = Answering(self.models, self.encoding, self.adapter, self.manifest)
