@@ -94,7 +94,51 @@ def test_the_reader_sees_every_operator_onnx_sees_subgraphs_included():
     graphs = sorted(FIXTURES.glob("*/onnx/*.onnx")) + sorted(h.MODEL_DIR.glob("*.onnx"))
     assert len(graphs) > 20
     for path in graphs:
-        assert set(read_ops(path).ops) == ops(onnx.load(str(path), load_external_data=False).graph), path
+        model = onnx.load(str(path), load_external_data=False)
+        in_functions = {node.op_type for function in model.functions for node in function.node}
+        assert set(read_ops(path).ops) == ops(model.graph) | in_functions, path
+
+
+def test_a_graph_with_any_dynamic_int8_operator_is_dynamic_int8(tmp_path):
+    """A 4-bit graph whose remaining MatMuls quantize_dynamic went over still scales its
+    activations per call: its rows depend on their batch mates."""
+    x, w = helper.make_tensor_value_info("x", TensorProto.FLOAT, [4]), numpy_helper.from_array(np.zeros(4, np.float32), "w")
+    nodes = [helper.make_node("MatMulNBits", ["x", "w"], ["a"], domain="com.microsoft"),
+             helper.make_node("DynamicQuantizeLinear", ["a"], ["q", "s", "z"])]
+    graph = helper.make_graph(nodes, "g", [x], [helper.make_tensor_value_info("q", TensorProto.UINT8, [4])], [w])
+    onnx.save(helper.make_model(graph), str(tmp_path / "mixed.onnx"))
+    assert graph_kind(tmp_path / "mixed.onnx") == "dynamic-int8"
+
+
+def test_operators_inside_a_local_function_count(tmp_path):
+    function = helper.make_function("local", "quantized", ["x"], ["y"],
+                                    [helper.make_node("DynamicQuantizeLinear", ["x"], ["y", "s", "z"])],
+                                    [helper.make_opsetid("", 17)])
+    graph = helper.make_graph([helper.make_node("quantized", ["x"], ["y"], domain="local")], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+                              [helper.make_tensor_value_info("y", TensorProto.UINT8, [4])])
+    model = helper.make_model(graph, functions=[function],
+                              opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("local", 1)])
+    onnx.save(model, str(tmp_path / "function.onnx"))
+    assert graph_kind(tmp_path / "function.onnx") == "dynamic-int8"
+
+
+def test_float16_weights_count_in_external_data_and_constant_nodes(tmp_path):
+    """fp16 against fp32 by the values the tensors hold, not the bytes inside the .onnx file."""
+    weight = numpy_helper.from_array(np.zeros((64, 64), np.float16), "w")
+    small = numpy_helper.from_array(np.zeros(4, np.float32), "b")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"]), helper.make_node("Add", ["y", "b"], ["z"])],
+                              "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [1, 64])],
+                              [helper.make_tensor_value_info("z", TensorProto.FLOAT16, [1, 64])], [weight, small])
+    onnx.save(helper.make_model(graph), str(tmp_path / "external.onnx"), save_as_external_data=True,
+              all_tensors_to_one_file=True, location="external.onnx_data", size_threshold=0)
+    assert graph_kind(tmp_path / "external.onnx") == "fp16"
+    constant = helper.make_node("Constant", [], ["w"], value=weight)
+    graph = helper.make_graph([constant, helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [1, 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [1, 64])], [small])
+    onnx.save(helper.make_model(graph), str(tmp_path / "constant.onnx"))
+    assert graph_kind(tmp_path / "constant.onnx") == "fp16"
 
 
 def test_a_file_that_is_no_graph_is_one_line_naming_it(tmp_path):

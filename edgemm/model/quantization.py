@@ -60,28 +60,31 @@ FLOAT16, FLOAT32 = 10, 1  # onnx.TensorProto.DataType
 
 @dataclass(frozen=True)
 class GraphOps:
-    """What the kind is read from: every operator (subgraphs included), the inputs of the
-    QuantizeLinear nodes, the constants (initializers, Constant outputs) and the bytes of
-    float16 and float32 initializers."""
+    """What the kind is read from: every operator (subgraphs and the model's local functions
+    included), the inputs of the QuantizeLinear nodes, the constants (initializers, Constant
+    outputs) and how many float16 and float32 values the constant tensors hold (from their
+    dims, so weights in external data count too)."""
     ops: frozenset[str]
     quantized_inputs: frozenset[str]
     constants: frozenset[str]
-    float16_bytes: int
-    float32_bytes: int
+    float16_elements: int
+    float32_elements: int
 
 
 def kind_of(ops: GraphOps) -> str:
+    # any dynamic int8 operator first, whatever else the graph holds (a 4-bit graph whose rest
+    # quantize_dynamic went over): its rows then depend on their batch mates
+    if ops.ops & DYNAMIC_INT8_OPS:
+        return "dynamic-int8"
     if ops.ops & BNB4_OPS:
         return "bnb4"
     if ops.ops & FOUR_BIT_OPS:
-        return "q4f16" if ops.float16_bytes > ops.float32_bytes else "4bit"
-    if ops.ops & DYNAMIC_INT8_OPS:
-        return "dynamic-int8"
+        return "q4f16" if ops.float16_elements > ops.float32_elements else "4bit"
     if ops.quantized_inputs - ops.constants:
         return "qdq-int8"
     if "DequantizeLinear" in ops.ops:
         return "int8-weights"
-    return "fp16" if ops.float16_bytes > ops.float32_bytes else "fp32"
+    return "fp16" if ops.float16_elements > ops.float32_elements else "fp32"
 
 
 _cache: dict[tuple[str, int, int], str] = {}
@@ -111,9 +114,9 @@ def describe(kind: str) -> str:
 
 
 # ---- ONNX's protobuf wire format, only as far as the kind needs --------------------------------
-# ModelProto.graph 7; GraphProto.node 1, .initializer 5; NodeProto.input 1, .output 2, .op_type 4,
-# .attribute 5; AttributeProto.g 6, .graphs 11; TensorProto.data_type 2, .name 8, .raw_data 9 (and
-# the typed data fields 4-7, 10, 11); TensorProto.dims 1.
+# ModelProto.graph 7, .functions 25; FunctionProto.node 7; GraphProto.node 1, .initializer 5;
+# NodeProto.input 1, .output 2, .op_type 4, .attribute 5; AttributeProto.t 5, .g 6, .graphs 11;
+# TensorProto.dims 1 (packed or not), .data_type 2, .name 8.
 
 def _varint(buf, pos: int) -> tuple[int, int]:
     result = shift = 0
@@ -158,7 +161,7 @@ class _Reader:
         self.ops: set[str] = set()
         self.quantized_inputs: set[str] = set()
         self.constants: set[str] = set()
-        self.bytes = {FLOAT16: 0, FLOAT32: 0}
+        self.elements = {FLOAT16: 0, FLOAT32: 0}
 
     def text(self, span: tuple[int, int]) -> str:
         return bytes(self.buf[span[0]:span[1]]).decode("utf-8", "replace")
@@ -167,6 +170,10 @@ class _Reader:
         for number, wire, value in _fields(self.buf, 0, len(self.buf)):
             if number == 7 and wire == 2:
                 self.graph(*value)
+            elif number == 25 and wire == 2:  # a local function: its nodes run where it is called
+                for f_number, f_wire, f_value in _fields(self.buf, *value):
+                    if f_number == 7 and f_wire == 2:
+                        self.node(*f_value)
 
     def graph(self, start: int, end: int) -> None:
         for number, wire, value in _fields(self.buf, start, end):
@@ -192,6 +199,8 @@ class _Reader:
                 for a_number, a_wire, a_value in _fields(self.buf, *value):
                     if a_wire == 2 and a_number in (6, 11):  # a subgraph: an If's branch, a Loop's body
                         self.graph(*a_value)
+                    elif a_wire == 2 and a_number == 5:  # a Constant's tensor: weights too
+                        self.initializer(*a_value)
         self.ops.add(op)
         if op == "QuantizeLinear" and inputs:
             self.quantized_inputs.add(inputs[0])
@@ -199,18 +208,23 @@ class _Reader:
             self.constants.update(outputs)
 
     def initializer(self, start: int, end: int) -> None:
-        data_type, name, size = 0, None, 0
+        data_type, name, elements = 0, None, 1
         for number, wire, value in _fields(self.buf, start, end):
             if number == 2 and wire == 0:
                 data_type = value
             elif number == 8 and wire == 2:
                 name = self.text(value)
-            elif wire == 2 and number in (4, 5, 7, 9, 10, 11):  # the data, packed or raw
-                size += value[1] - value[0]
+            elif number == 1 and wire == 0:  # one dim
+                elements *= value
+            elif number == 1 and wire == 2:  # the dims, packed
+                pos, stop = value
+                while pos < stop:
+                    dim, pos = _varint(self.buf, pos)
+                    elements *= dim
         if name is not None:
             self.constants.add(name)
-        if data_type in self.bytes:
-            self.bytes[data_type] += size
+        if data_type in self.elements:
+            self.elements[data_type] += elements
 
 
 def read_ops(path: Path) -> GraphOps:
@@ -229,4 +243,4 @@ def read_ops(path: Path) -> GraphOps:
     if not reader.ops - {""}:
         raise ModelError(f"{path}: not an ONNX graph (no operators)")
     return GraphOps(frozenset(reader.ops), frozenset(reader.quantized_inputs), frozenset(reader.constants),
-                    reader.bytes[FLOAT16], reader.bytes[FLOAT32])
+                    reader.elements[FLOAT16], reader.elements[FLOAT32])
