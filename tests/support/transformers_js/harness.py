@@ -24,7 +24,8 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 VERSION = json.loads((HERE / "package.json").read_text())["dependencies"]["@huggingface/transformers"]
 RUN_TIMEOUT_S = 300  # one folder's model load and every case it runs
-NODE_MAJOR = 20  # sharp, transformers.js's image reader, needs node 20.9 or newer
+NODE_AT_LEAST = (20, 9)  # sharp, transformers.js's image reader, needs node 20.9 or newer
+INSTALLED = ".installed"  # written into the cache folder after `npm ci` succeeded: the lock it installed
 
 
 class Unavailable(Exception):
@@ -48,23 +49,37 @@ def install() -> Path:
     if not node or not npm:
         raise Unavailable(f"transformers.js needs node and npm on PATH (node: {node}, npm: {npm})")
     version = subprocess.run([node, "--version"], capture_output=True, text=True).stdout.strip()
-    if int(version.lstrip("v").split(".")[0] or 0) < NODE_MAJOR:
-        raise Unavailable(f"transformers.js needs node {NODE_MAJOR} or newer, not {version or 'an unknown version'}")
+    try:
+        major_minor = tuple(int(part) for part in version.lstrip("v").split(".")[:2])
+    except ValueError:
+        major_minor = (0, 0)
+    if major_minor < NODE_AT_LEAST:
+        raise Unavailable(f"transformers.js needs node {'.'.join(map(str, NODE_AT_LEAST))} or newer, "
+                          f"not {version or 'an unknown version'}")
     target = cache_dir()
     lock = (HERE / "package-lock.json").read_text()
     modules = target / "node_modules"
-    if (target / "package-lock.json").is_file() and (target / "package-lock.json").read_text() == lock \
-            and (modules / "@huggingface" / "transformers").is_dir():
+    # the marker holds the lock it installed and is written only once `npm ci` has succeeded: an
+    # install killed half way (a partial node_modules) is done again, never taken for complete
+    if (target / INSTALLED).is_file() and (target / INSTALLED).read_text() == lock:
         return modules
     target.mkdir(parents=True, exist_ok=True)
+    (target / INSTALLED).unlink(missing_ok=True)
     shutil.copy(HERE / "package.json", target / "package.json")
     shutil.copy(HERE / "package-lock.json", target / "package-lock.json")
     env = {**os.environ, "ONNXRUNTIME_NODE_INSTALL": "skip"}
-    done = subprocess.run([npm, "ci", "--no-audit", "--no-fund", "--loglevel=error"], cwd=target, env=env,
-                          capture_output=True, text=True, timeout=600)
+    try:
+        done = subprocess.run([npm, "ci", "--no-audit", "--no-fund", "--loglevel=error"], cwd=target, env=env,
+                              capture_output=True, text=True, timeout=600)
+    except (subprocess.TimeoutExpired, OSError) as e:
+        raise Unavailable(f"npm ci of transformers.js {VERSION} in {target} did not finish: "
+                          f"{type(e).__name__}") from None
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
         raise Unavailable(f"npm ci of transformers.js {VERSION} in {target} failed: {last}")
+    marker = target / f"{INSTALLED}.{os.getpid()}"
+    marker.write_text(lock)
+    os.replace(marker, target / INSTALLED)
     return modules
 
 
