@@ -311,6 +311,7 @@ class Service:
         cache = self.runtime.cache.stats().to_dict() if getattr(self.runtime, "cache", None) else None
         stats = self.pipeline.stats
         health = self.health()
+        exact_encoder = self.runtime.models.batches_exactly(self.runtime.models.loaded.vision_encoder)
         return {"daemon": "draining" if self.draining else "serving", "model": self.model_id,
                 "health": {**health.to_dict(), "stall_s": self.server.stall_s},
                 "precision": self.runtime.precision,
@@ -325,9 +326,10 @@ class Service:
                 "queue": {"in_flight": self.admission.count, "limit": self.admission.limit,
                           "depths": self.pipeline.depths(), "completed": stats.completed, "failed": stats.failed,
                           "rejected": stats.rejected,
+                          # 1 where the component answers one request per call (a dynamic int8 graph)
                           "encoder_batch": {tier: self.pipeline.encoder_batch.get(tier, self.pipeline.max_batch)
-                                            for tier in self.runtime.manifest.tiers},
-                          "decoder_batch": self.pipeline.max_batch,
+                                            if exact_encoder else 1 for tier in self.runtime.manifest.tiers},
+                          "decoder_batch": self.pipeline.max_batch if self.runtime.decodes_batched(None) else 1,
                           "continuous_batching": self.pipeline.joins.mode},
                 "streams": len(self.streams.streams),
                 # deleted streams whose camera call has not returned: each still holds a server.max_streams place

@@ -220,7 +220,7 @@ def plan_jobs(request: BuildRequest, model: ModelManifest, platform: Platform) -
     jobs = []
     for component in components:
         source = model.graph_path(component, "fp32" if request.precision == "fp16" and not typed else request.precision)
-        refuse_unparsable(source, model)
+        refuse_unparsable(source, component, model)
         dims, graph = _input_dims(source), str(source.relative_to(model.path))
         if component == "vision_encoder" and on_dla and model.preprocessing.resize == "tiles":
             # a tile has the same shape at every tier: one plan, one tile per call, serves them all
@@ -241,15 +241,17 @@ def plan_jobs(request: BuildRequest, model: ModelManifest, platform: Platform) -
     return jobs
 
 
-def refuse_unparsable(source: Path, model: ModelManifest) -> None:
+def refuse_unparsable(source: Path, component: str, model: ModelManifest) -> None:
     """A graph of a kind TensorRT's ONNX parser has no ops for (dynamic int8, as published `_int8`
     folders hold; MatMulNBits 4-bit; bnb4) is refused before any plan: one line naming the file,
     its kind and how to make the QDQ graph TensorRT builds INT8 from."""
     kind = graph_kind(source)
     if kind in TENSORRT_UNPARSABLE:
-        raise ModelError(f"{source}: {kind} ({describe(kind)}), which TensorRT's ONNX parser cannot take; make "
-                         f"the QDQ int8 variant from the fp32 graphs: python tools/quantize.py {model.path} "
-                         "(writes the _int8 graphs as QDQ)")
+        fp32 = "" if model.has_graph(component, "fp32") else \
+            "download the fp32 graphs (onnx/*.onnx without a suffix), then "
+        raise ModelError(f"{source}: {kind} ({describe(kind)}), which TensorRT's ONNX parser cannot take; "
+                         f"{fp32}make the QDQ int8 variant from the fp32 graphs: python tools/quantize.py "
+                         f"{model.path} (it replaces the _int8 graphs with QDQ ones)")
 
 
 def quantization_mode(job: EngineJob, trt_version: str) -> str:

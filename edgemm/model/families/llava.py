@@ -89,8 +89,10 @@ def family_config(path: Path, config: JsonObject, preprocessor: JsonObject, proc
     extra = processor.integer("num_additional_image_tokens", 0, least=0)
     tokens = (out_h // patch) * (out_w // patch) + extra
     tokens -= 1 if strategy == "default" else 0
+    extra_from = "processor_config.json" if "num_additional_image_tokens" in processor else \
+        "absent from processor_config.json"
     tokens_from = (f"({out_h}/{patch})x({out_w}/{patch}) patches (crop_size / patch_size) + "
-                   f"num_additional_image_tokens {extra} (processor_config.json) " +
+                   f"num_additional_image_tokens {extra} ({extra_from}) " +
                    (f"- 1 for vision_feature_select_strategy 'default' ({strategy_from})" if strategy == "default"
                     else f"with vision_feature_select_strategy {strategy!r} ({strategy_from})"))
     if tokens <= 0:
