@@ -26,6 +26,9 @@ VERSION = json.loads((HERE / "package.json").read_text())["dependencies"]["@hugg
 RUN_TIMEOUT_S = 300  # one folder's model load and every case it runs
 NODE_AT_LEAST = (20, 9)  # sharp, transformers.js's image reader, needs node 20.9 or newer
 INSTALLED = ".installed"  # written into the cache folder after `npm ci` succeeded: the lock it installed
+# transformers.js's dtype for each of edgemm's precisions (a file suffix): its "q8" loads `_quantized`.
+# A dtype it does not know it takes silently for fp32 (utils/dtypes.js selectDtype), so only these are run
+DTYPES = {**{p: p for p in ("fp32", "fp16", "int8", "uint8", "q4", "q4f16", "bnb4")}, "quantized": "q8"}
 
 
 class Unavailable(Exception):
@@ -91,6 +94,8 @@ def encoded(array: np.ndarray) -> dict:
 
 
 def _run(folder: Path, dtype: str, max_new_tokens: int, runs: list[dict]) -> list[Generated]:
+    if dtype not in DTYPES.values():
+        raise ValueError(f"transformers.js would load {dtype!r} as fp32: one of {', '.join(DTYPES.values())}")
     modules = install()
     request = {"folder": str(folder), "dtype": dtype, "max_new_tokens": max_new_tokens, "runs": runs}
     with tempfile.TemporaryDirectory(prefix="edgemm-tjs-") as scratch:
@@ -116,7 +121,7 @@ def run_given(folder: Path, inputs: list[dict[str, np.ndarray]], max_new_tokens:
               dtype: str = "fp32") -> list[Generated]:
     """Greedy tokens for each request's generate() inputs (input_ids, attention_mask, pixel_values,
     the family's own), one model load for them all; `dtype` names the graphs' precision as
-    transformers.js does (fp32, int8, q4, ...: its file suffixes)."""
+    transformers.js does (DTYPES: edgemm's precision → its name)."""
     runs = [{"inputs": {name: encoded(value) for name, value in one.items()}} for one in inputs]
     return _run(folder, dtype, max_new_tokens, runs)
 
