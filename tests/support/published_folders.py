@@ -3,9 +3,9 @@
 - `only_variant(src, dst, "q4")`: a copy holding each graph in that one precision and no fp32
   (what `--include onnx/*_q4.onnx` downloads);
 - `published_int8(src, dst)`: a copy whose only graphs are `_int8` files of dynamic int8, as
-  transformers.js's scripts/quantize.py makes them (onnxruntime's quantize_dynamic: MatMul and
-  Conv become DynamicQuantizeLinear + MatMulInteger / ConvInteger with per-tensor uint8 weights,
-  the embedding table int8 rows dequantized by the Gather), not edgemm's QDQ.
+  transformers.js's scripts/quantize.py makes them (tests/fixtures/make/published_variants.py:
+  MatMul and Conv become DynamicQuantizeLinear + MatMulInteger / ConvInteger with per-tensor
+  int8 weights, the embedding table's int8 rows dequantized after the Gather), not edgemm's QDQ.
 """
 from __future__ import annotations
 
@@ -15,8 +15,10 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import onnx
 
 from edgemm.model.manifest_types import PRECISIONS
+from tests.fixtures.make.published_variants import variant
 
 ROOT = Path(__file__).resolve().parents[2]
 GRAPHS = ("vision_encoder", "embed_tokens", "decoder_model_merged")
@@ -50,12 +52,9 @@ def only_variant(src: Path, dst: Path, precision: str) -> Path:
 
 def published_int8(src: Path, dst: Path) -> Path:
     """`src` copied to `dst` with only `_int8` graphs, each dynamic int8 made from `src`'s fp32 graph."""
-    from onnxruntime.quantization import QuantType, quantize_dynamic
     shutil.copytree(src, dst, ignore=_without_graphs)
     for graph in GRAPHS:
-        quantize_dynamic(str(graphs_folder(src) / f"{graph}.onnx"), str(graphs_folder(dst) / f"{graph}_int8.onnx"),
-                         op_types_to_quantize=["MatMul", "Conv", "Gather"], per_channel=False,
-                         weight_type=QuantType.QUInt8, extra_options={"MatMulConstBOnly": True, "EnableSubgraph": True})
+        onnx.save(variant(graphs_folder(src) / f"{graph}.onnx", "int8"), str(graphs_folder(dst) / f"{graph}_int8.onnx"))
     return dst
 
 
