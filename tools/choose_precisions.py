@@ -21,6 +21,7 @@ from edgemm.engine.precision_choice import format_ms, save_measurement
 from edgemm.engine.precision_timing import measure
 from edgemm.errors import EdgemmError
 from edgemm.model.manifest import load_manifest
+from edgemm.model.manifest_types import AUTO_ORDER
 
 
 def table(measurement, manifest) -> str:
@@ -31,7 +32,7 @@ def table(measurement, manifest) -> str:
     present = manifest.graph_precisions()
     for component, timings in measurement.timings.items():
         cells = [format_ms(timings[p]["ms"]) if p in timings else "—" for p in precisions]
-        chosen = measurement.choose(component, present[component])
+        chosen = measurement.choose(component, present[component], AUTO_ORDER["onnxruntime"])
         lines.append(f"| {component} | " + " | ".join(cells) + f" | {chosen[0] if chosen else '—'} |")
     return "\n".join(lines)
 

@@ -171,7 +171,7 @@ class ModelComponents:
         if self._measured is False:
             self._measured = load_measurement(self.manifest, cpu_identity(), self.cpu_threads)
         if self._measured is not None:
-            chosen = self._measured.choose(kind, self.manifest.graph_precisions()[kind])
+            chosen = self._measured.choose(kind, self.manifest.graph_precisions()[kind], AUTO_ORDER["onnxruntime"])
             if chosen is not None:
                 return chosen
         order = AUTO_ORDER["onnxruntime"]

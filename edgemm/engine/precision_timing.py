@@ -4,9 +4,9 @@ tools/choose_precisions.py runs; edgemm.engine.precision_choice keeps the result
 One request is prepared at the tier the model warms first (its largest): a blank image and
 a question the model knows. Then, for each graph and precision, the median of `runs` calls:
 
-    vision_encoder  one encode of that tier's pixel values
+    vision_encoder  one encoder input of that tier (a tiled family's tile: each costs the same)
     embed_tokens    the prompt's embedding
-    decoder         one decode step after the prompt's prefill (the past a first answer token has)
+    decoder         one decode step after a past as long as the prompt (a first answer token's)
 
 The other two graphs stay the baseline precision while one is timed, on the same onnxruntime
 session options and threads as `edgemm` (the Runtime's own backend).
@@ -43,17 +43,20 @@ def median_ms(call: Callable[[], object], runs: int, clock: Clock) -> float:
 
 
 def graph_calls(generator: Generator, request) -> dict[str, Callable[[], object]]:
-    """component → one call of that graph on `request` (a PreparedRequest), as the decode loop makes it."""
-    prompt = request.prompt
-    image = prompt.image_positions if prompt.image_positions is not None else prompt.image_start
-    features = generator.encode(request.pixel_values)
-    embeds = generator.embed_prompt(prompt.input_ids, features, image)
-    length = embeds.shape[1]
-    _, past = generator.step(embeds, np.ones((1, length), np.int64), generator.empty_past(1))
-    token = generator.embed_next([0])
-    mask = np.ones((1, length + 1), np.int64)
-    return {"vision_encoder": lambda: generator.encode(request.pixel_values),
-            "embed_tokens": lambda: generator.embed.run({"input_ids": prompt.input_ids}),
+    """component → one call of that graph on `request` (a PreparedRequest), as the decode loop
+    makes it: the encoder on one encoder input (a tiled family's first tile: the cost per tile),
+    the embedding on the prompt, the decoder one step after a past as long as the prompt (its
+    values do not change the time, so no encode and prefill are run for it)."""
+    pixels = request.pixel_values
+    if pixels.ndim == 5:  # [1, tiles, 3, H, W]: one tile
+        pixels = pixels[:, :1]
+    ids = request.prompt.input_ids
+    length = ids.shape[1]
+    heads, head_dim = generator.kv_shape
+    past = dict.fromkeys(generator.past_names, np.zeros((1, heads, length, head_dim), generator.kv_dtype))
+    token, mask = generator.embed_next([0]), np.ones((1, length + 1), np.int64)
+    return {"vision_encoder": lambda: generator.encode(pixels),
+            "embed_tokens": lambda: generator.embed.run({"input_ids": ids}),
             "decoder": lambda: generator.step(token, mask, past)}
 
 
@@ -63,10 +66,9 @@ def measure(model_dir: Path, threads: int, runs: int = 5, clock: Clock = time.pe
     runtime = Runtime(load_config({"model": {"path": str(model_dir), "precision": "auto"},
                                    "backend": {"intra_op_threads": threads, "warmup": False},
                                    "placement": {kind: ["cpu"] for kind in COMPONENTS},
-                                   "cache": {"max_bytes": 0}}), warm_up=False)
+                                   "cache": {"max_bytes": 0}}), warm_up=False, one_shot=True)
     manifest, models = runtime.manifest, runtime.models
-    tier = manifest.tier(runtime.warmup_tiers[0] if runtime.warmup_tiers else
-                         max(manifest.tiers.values(), key=lambda t: t.pixels).name)
+    tier = max(manifest.tiers.values(), key=lambda t: t.pixels)
     prompt = next(iter(runtime.adapter.known_prompts), "describe the image")
     request = runtime.prepare(np.zeros((tier.height, tier.width, 3), np.uint8), prompt, tier=tier.name)
     base = {c.name: c for c in models.loaded.all()}
