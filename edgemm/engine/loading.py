@@ -142,7 +142,8 @@ class ModelComponents:
 
     def _load_on(self, kind: str, device: str) -> Component:
         """One component on one device, in model.precision or, for `auto`, the fastest
-        variant present for that device's backend (AUTO_ORDER)."""
+        variant present for that device's backend (on the CPU the one measured fastest, else
+        AUTO_ORDER's first)."""
         if self.precision != AUTO:
             return self._load_precision(kind, device, self.precision)
         if device == "cpu":
