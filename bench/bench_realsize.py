@@ -2,7 +2,7 @@
 """Real size, side by side: edgemm, a raw onnxruntime loop and transformers + torch on one model.
 
     python -m bench.bench_realsize [--shape smolvlm-256m | --model DIR] [--warm 10] [--cold 3] [--threads 2]
-                                   [--precisions fp32,q4,quantized] [--candidates edgemm,raw]
+                                   [--precisions fp32,q4,auto] [--candidates edgemm,raw]
     python -m bench.bench_realsize --cold-only --cold 8      # `edgemm infer` against the raw loop, cold
 
 The model is a random-weight model of a real shape (tools/make_sized_model.py, built first
@@ -10,7 +10,9 @@ if its cache folder is not complete). One question about probe.png at one 512×5
 (the `global` tier), greedy, up to --tokens new tokens, --threads intra-op threads for every
 candidate:
 
-  edgemm         `Runtime.infer` (feature and prefix cache off: every request pays the encoder)
+  edgemm         `Runtime.infer` (feature and prefix cache off: every request pays the encoder);
+                 with precision `auto`, after tools/choose_precisions.py measured the folder
+                 at --threads (it runs first)
   raw ORT        the same three graphs in onnxruntime sessions with edgemm's session options,
                  called by a plain loop: encoder, embed, splice, prefill, one decoder call a
                  token. Its inputs (ids, pixel values) are computed once before timing, so its
@@ -79,7 +81,7 @@ class EdgemmCandidate:
         e2e = (time.perf_counter() - started) * 1e3
         t = result.timings_ms
         return {"e2e_ms": e2e, "ttft_ms": t["preprocess"] + t["encode"] + t["prefill"],
-                "steps": result.decoder_steps, "tokens": result.tokens}
+                "steps": result.decoder_steps, "tokens": result.tokens, "precision": self.runtime.precision}
 
 
 class RawOrtCandidate:
@@ -272,10 +274,15 @@ def bench(args) -> dict:
     from edgemm.model.manifest import load_manifest
     present = load_manifest(args.model).precisions
     precisions = args.precisions.split(",") if args.precisions else present
-    if missing := [p for p in precisions if p not in present]:
+    if missing := [p for p in precisions if p not in present and p != "auto"]:
         raise SystemExit(f"--precisions {','.join(missing)}: not in {args.model} (present: {', '.join(present)})")
     candidates = args.candidates.split(",")
-    specs = [f"{name}:{p}" for p in precisions for name in ("edgemm", "raw") if name in candidates]
+    # auto: edgemm only (the raw loop has no choice to make), after the tool measured the folder
+    specs = [f"{name}:{p}" for p in precisions for name in ("edgemm", "raw")
+             if name in candidates and (p != "auto" or name == "edgemm")]
+    if "auto" in precisions:
+        subprocess.run([sys.executable, str(TOOLS / "choose_precisions.py"), str(args.model), "--threads",
+                        str(args.threads)], check=True, stdout=sys.stderr)
     specs += ["transformers:fp32"] if "transformers" in candidates else []
     scratch = Path(tempfile.mkdtemp(prefix="bench-realsize-"))
     inputs = scratch / "raw_inputs.npz"
@@ -314,6 +321,7 @@ def bench(args) -> dict:
         answers = {tuple(r["tokens"]) for r in w.runs}
         warm[w.spec] = {"e2e_ms": summary(e2e), "ttft_ms": summary(ttft), "decode_tokens_per_s": summary(rates),
                         "peak_rss_mb": round(rss), "tokens": w.runs[-1]["tokens"],
+                        **({"precision": w.runs[-1]["precision"]} if "precision" in w.runs[-1] else {}),
                         "same_tokens_every_run": len(answers) == 1}
     expected = reference["tokens"]
     for spec, r in list(warm.items()) + list(cold.items()):
@@ -349,6 +357,17 @@ def cold_markdown(r: dict) -> str:
     return "\n".join(rows)
 
 
+def auto_markdown(warm: dict) -> list[str]:
+    """auto against fp32's time to first token and q4's decode speed (medians), where all three ran."""
+    auto, fp32, q4 = (warm.get(f"edgemm:{p}") for p in ("auto", "fp32", "q4"))
+    if not (auto and fp32 and q4):
+        return []
+    return ["", f"auto ({auto['precision']}): time to first token {auto['ttft_ms']['median'] / fp32['ttft_ms']['median']:.3f}× "
+            f"fp32's, {auto['ttft_ms']['median'] / q4['ttft_ms']['median']:.3f}× q4's; decode tokens/s "
+            f"{auto['decode_tokens_per_s']['median'] / q4['decode_tokens_per_s']['median']:.3f}× q4's, "
+            f"{auto['decode_tokens_per_s']['median'] / fp32['decode_tokens_per_s']['median']:.3f}× fp32's"]
+
+
 def markdown(r: dict) -> str:
     raw = r["warm"]["raw:fp32"]["e2e_ms"]["median"] if "raw:fp32" in r["warm"] else float("nan")
     cold_of = {"edgemm:fp32": "edgemm-cli", "raw:fp32": "raw:fp32", "transformers:fp32": "transformers:fp32"}
@@ -365,6 +384,7 @@ def markdown(r: dict) -> str:
         rows.append(f"| {names[name]}, {precision} | {spread(w['e2e_ms'], 'ms')} | {w['e2e_ms']['median'] / raw:.3f}× "
                     f"| {spread(w['ttft_ms'], 'ms')} | {spread(w['decode_tokens_per_s'], 'tok/s')} | {w['peak_rss_mb']} MB "
                     f"| {cold_text[0]} | {cold_text[1]} | {exact} |")
+    rows += auto_markdown(r["warm"])
     c = r["cold"].get("edgemm-cli no-warm-up")
     if c is None:
         return "\n".join(rows)
@@ -384,7 +404,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32, help="new tokens at most")
     ap.add_argument("--cold-only", action="store_true",
                     help="cold starts of `edgemm infer` and the raw loop only (more rounds in the same time)")
-    ap.add_argument("--precisions", help="comma-separated variants to run (default: every one in the folder)")
+    ap.add_argument("--precisions", help="comma-separated variants to run (default: every one in the folder); "
+                                         "auto: edgemm's choice after tools/choose_precisions.py measured the folder")
     ap.add_argument("--candidates", default="edgemm,raw,transformers",
                     help="warm candidates, comma-separated (transformers runs fp32 only)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)

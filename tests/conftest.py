@@ -15,6 +15,16 @@ from edgemm.engine.runtime import Runtime
 MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "tiny-vlm"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _no_precision_measurements(tmp_path_factory):
+    """`precision: auto` reads tools/choose_precisions.py's measurements from the user's cache:
+    the suite reads an empty folder of its own instead (session-wide, so that the session's
+    runtimes, made before any function fixture, see it too; subprocesses inherit it)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("EDGEMM_PRECISIONS", str(tmp_path_factory.mktemp("precisions")))
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch):
     """Tests must not pick up the developer's EDGEMM_* settings."""

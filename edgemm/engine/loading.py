@@ -22,6 +22,7 @@ from edgemm.config import Config
 from edgemm.errors import ConfigError, EdgemmError
 from edgemm.engine.generate import Generator
 from edgemm.engine.contract import check_component
+from edgemm.engine.precision_choice import Measurement, cpu_identity, load_measurement
 from edgemm.model.family import GraphInputs
 from edgemm.model.manifest import COMPONENTS, ModelManifest
 from edgemm.model.manifest_types import AUTO, AUTO_FALLBACK, AUTO_ORDER
@@ -88,6 +89,8 @@ class ModelComponents:
         self.precision_choices: dict[str, str] = {}  # component → why `auto` took its precision there
         self._ort: OnnxRuntimeBackend | None = None
         self._trt = None  # TensorRTBackend, made on the first gpu/dla placement
+        self.cpu_threads = 0  # the CPU components' intra-op threads (0 before the first loads)
+        self._measured: Measurement | None | bool = False  # tools/choose_precisions.py's, read once (False: not yet)
         # (component, device) → its graph's quantization kind, read from its operators (cpu only:
         # a TensorRT engine is never built from a kind whose rows depend on their batch)
         self.kinds: dict[tuple[str, str], str] = {}
@@ -139,19 +142,12 @@ class ModelComponents:
 
     def _load_on(self, kind: str, device: str) -> Component:
         """One component on one device, in model.precision or, for `auto`, the fastest
-        variant present for that device's backend (AUTO_ORDER)."""
+        variant present for that device's backend (on the CPU the one measured fastest, else
+        AUTO_ORDER's first)."""
         if self.precision != AUTO:
             return self._load_precision(kind, device, self.precision)
-        if device == "cpu":  # onnxruntime: the first variant in the order whose graph is in the folder
-            order = AUTO_ORDER["onnxruntime"]
-            present = [p for p in order if self.manifest.has_graph(kind, p)]
-            if present:
-                precision = present[0]
-                why = f"the fastest present for onnxruntime ({' > '.join(order)}; present: {', '.join(present)})"
-            else:  # a folder published with other variants only: the one this graph has
-                others = [p for p in AUTO_FALLBACK["onnxruntime"] if self.manifest.has_graph(kind, p)]
-                precision = others[0] if others else "fp32"  # no graph at all: graph_path's error
-                why = f"the only kind present ({' > '.join(order)} absent; present: {', '.join(others)})"
+        if device == "cpu":
+            precision, why = self._cpu_auto(kind)
             component = self._load_precision(kind, device, precision)
             # the first device's choice is the one answers report (a standby's would overwrite it)
             self.precision_choices.setdefault(kind, f"auto: {precision} on cpu, {why}")
@@ -167,6 +163,32 @@ class ModelComponents:
                                                     f"engine present ({' > '.join(order)})")
             return component
         raise failed[0]  # the int8 engine's reason (its rebuild command names the usual choice)
+
+    def _cpu_auto(self, kind: str) -> tuple[str, str]:
+        """(precision, why) `auto` gives `kind` on the CPU: the fastest that tools/choose_precisions.py
+        measured for this folder, CPU and thread count (edgemm.engine.precision_choice); without a
+        measurement, the first variant of AUTO_ORDER whose graph is in the folder."""
+        self._onnxruntime()  # its thread count keys the measurement
+        if self._measured is False:
+            self._measured = load_measurement(self.manifest, cpu_identity(), self.cpu_threads)
+        if self._measured is not None:
+            chosen = self._measured.choose(kind, self.manifest.graph_precisions()[kind], AUTO_ORDER["onnxruntime"])
+            if chosen is not None:
+                return chosen
+        order = AUTO_ORDER["onnxruntime"]
+        present = [p for p in order if self.manifest.has_graph(kind, p)]
+        if present:
+            return present[0], (f"the fastest present for onnxruntime ({' > '.join(order)}; present: "
+                                f"{', '.join(present)})")
+        # a folder published with other variants only: the one this graph has
+        others = [p for p in AUTO_FALLBACK["onnxruntime"] if self.manifest.has_graph(kind, p)]
+        return (others[0] if others else "fp32",  # no graph at all: graph_path's error
+                f"the only kind present ({' > '.join(order)} absent; present: {', '.join(others)})")
+
+    def load_cpu_variant(self, kind: str, precision: str) -> Component:
+        """`kind` in `precision` on this model's onnxruntime backend (its threads and session
+        options), unchecked and unrecorded: what edgemm.engine.precision_timing times."""
+        return self._onnxruntime().load(kind, self.manifest.graph_path(kind, precision), precision)
 
     def _load_precision(self, kind: str, device: str, precision: str) -> Component:
         """One component on one device: onnxruntime for cpu, a TensorRT engine otherwise."""
@@ -202,6 +224,7 @@ class ModelComponents:
             if self.concurrent:  # two stages at once: half the cores each, no spinning on the other's cores
                 threads, spin = threads or max(1, usable_cpus() // 2), False
             self._ort = OnnxRuntimeBackend(cfg.providers, threads, spin)
+            self.cpu_threads = threads or usable_cpus()
             if self._ort.missing:
                 log.warning("onnxruntime here lacks %s; running on %s", ", ".join(self._ort.missing),
                             ", ".join(self._ort.providers))
