@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import onnxruntime
 import pytest
 
 from tests.support.family_conformance import FAMILIES, FamilyFixture, answer, make_runtime, prepare, runtime_of
@@ -153,6 +154,15 @@ def with_variants(tmp_path_factory):
     return folder_of
 
 
+# The variants are compared on onnxruntime >= 1.24 only: 1.23, the newest for Python 3.10 (JetPack
+# 6's), has no ConvInteger for int8 weights and fails to load the recipe's fp16 graphs (its
+# SimplifiedLayerNormFusion meets the converter's casts), and its dynamic int8 kernels round
+# otherwise than onnxruntime-node 1.30's. There edgemm refuses such a graph in one line (exit 2).
+RECENT_ONNXRUNTIME = tuple(int(part) for part in onnxruntime.__version__.split(".")[:2]) >= (1, 24)
+
+
+@pytest.mark.skipif(not RECENT_ONNXRUNTIME, reason=f"onnxruntime {onnxruntime.__version__} < 1.24: "
+                    "the published variants are compared on a newer one (see RECENT_ONNXRUNTIME)")
 @pytest.mark.parametrize("precision", MODES)
 @pytest.mark.parametrize("fixture", SUPPORTED, ids=lambda f: f.name)
 def test_every_published_variant_gives_the_same_tokens_in_both(fixture, precision, with_variants, transformers_js):

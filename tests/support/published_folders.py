@@ -5,7 +5,9 @@
 - `published_int8(src, dst)`: a copy whose only graphs are `_int8` files of dynamic int8, as
   transformers.js's scripts/quantize.py makes them (tests/fixtures/make/published_variants.py:
   MatMul and Conv become DynamicQuantizeLinear + MatMulInteger / ConvInteger with per-tensor
-  int8 weights, the embedding table's int8 rows dequantized after the Gather), not edgemm's QDQ.
+  weights, the embedding table's rows dequantized after the Gather), not edgemm's QDQ. The
+  weights are the recipe's uint8 ones: onnxruntime 1.23, the newest for Python 3.10 (JetPack
+  6's), has no ConvInteger for int8 weights, and the kind (dynamic int8) is what the tests need.
 """
 from __future__ import annotations
 
@@ -54,7 +56,7 @@ def published_int8(src: Path, dst: Path) -> Path:
     """`src` copied to `dst` with only `_int8` graphs, each dynamic int8 made from `src`'s fp32 graph."""
     shutil.copytree(src, dst, ignore=_without_graphs)
     for graph in GRAPHS:
-        onnx.save(variant(graphs_folder(src) / f"{graph}.onnx", "int8"), str(graphs_folder(dst) / f"{graph}_int8.onnx"))
+        onnx.save(variant(graphs_folder(src) / f"{graph}.onnx", "uint8"), str(graphs_folder(dst) / f"{graph}_int8.onnx"))
     return dst
 
 
