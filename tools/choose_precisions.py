@@ -53,10 +53,15 @@ def main() -> None:
     except EdgemmError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
-    path = save_measurement(manifest, measurement)
     print(f"{manifest.name} on {measurement.device}, {measurement.threads} thread"
           f"{'s' if measurement.threads != 1 else ''}, median of {args.runs} ({measurement.measured_at}):\n")
     print(table(measurement, manifest))
+    try:
+        path = save_measurement(manifest, measurement)
+    except OSError as e:  # a read-only or missing home: the table above is still the result
+        print(f"error: could not keep the measurement ({e.strerror or e}); set EDGEMM_PRECISIONS to a folder "
+              "this user may write (and the service reads)", file=sys.stderr)
+        sys.exit(2)
     print(f"\nkept in {path}")
 
 

@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import platform
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import onnxruntime
 
 from edgemm.model.manifest_types import ModelManifest, variant_file
 from edgemm.model.quantization import BATCH_DEPENDENT
@@ -33,10 +36,14 @@ SAVING_SHARE = 0.05
 
 
 def precisions_dir() -> Path:
-    """$EDGEMM_PRECISIONS, else $XDG_CACHE_HOME/edgemm/precisions (~/.cache/edgemm/precisions)."""
+    """$EDGEMM_PRECISIONS, else $XDG_CACHE_HOME/edgemm/precisions (~/.cache/edgemm/precisions).
+    A user with no home (a container's uid without a passwd entry) raises OSError: no measurement."""
     if os.environ.get("EDGEMM_PRECISIONS"):
         return Path(os.environ["EDGEMM_PRECISIONS"])
-    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    try:
+        cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    except RuntimeError as e:  # Path.home(): no HOME and no passwd entry
+        raise OSError(str(e)) from None
     return Path(cache) / "edgemm" / "precisions"
 
 
@@ -83,7 +90,10 @@ class Measurement:
         never a batch-dependent kind where another is measured; None where none is measured.
         The first of `preferred` measured (AUTO_ORDER: the fewest weight bytes first) stays
         unless the fastest saves more than SAVING_MS and SAVING_SHARE of its time per call."""
-        measured = {p: t for p, t in self.timings.get(component, {}).items() if p in present}
+        # among what the CPU's order may take (q4, fp32: what the model card vouches for), or, where
+        # the folder has none of those, what it has: a measurement changes speed, never accuracy
+        allowed = [p for p in present if p in preferred] or present
+        measured = {p: t for p, t in self.timings.get(component, {}).items() if p in allowed}
         exact = {p: t for p, t in measured.items() if t.get("kind") not in BATCH_DEPENDENT}
         candidates = exact or measured
         if not candidates:
@@ -104,7 +114,8 @@ class Measurement:
 
 def cache_file(manifest: ModelManifest, device: str, threads: int) -> Path:
     """The measurement file of this folder's graphs on `device` with `threads` intra-op threads."""
-    key = json.dumps([graphs_identity(manifest), device, threads])
+    # the onnxruntime version too: another release's kernels make another measurement
+    key = json.dumps([graphs_identity(manifest), device, threads, onnxruntime.__version__])
     return precisions_dir() / f"{manifest.name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
@@ -117,7 +128,8 @@ def load_measurement(manifest: ModelManifest, device: str, threads: int) -> Meas
             return None
         for component in measurement.timings.values():  # every entry usable by choose()
             for timing in component.values():
-                float(timing["ms"])
+                if not (math.isfinite(float(timing["ms"])) and float(timing["ms"]) >= 0):
+                    return None
         return measurement
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
